@@ -1,0 +1,29 @@
+# Quickstart targets: `make run` and `make test` create .venv when missing, install, then run.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.kvchain-installed
+JOBS    ?= 2
+
+.PHONY: run test lint install clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@bash scripts/install-torch.sh $(PY)
+	@$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	@$(VENV)/bin/kvchain plan --model gpt-oss-120b --budget 80GiB
+
+test: $(STAMP)
+	@$(VENV)/bin/ruff check src tests bench
+	@$(PY) -m pytest -q -n $(JOBS)
+
+lint: $(STAMP)
+	@$(VENV)/bin/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The chain allocator: bands, ids, pricing, demand, and the checks that hold them."""

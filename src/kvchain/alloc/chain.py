@@ -1,0 +1,362 @@
+"""`ChainAllocator`: one allocator over every band of the arena.
+
+It answers every capacity question (one layout search on a host-only snapshot) and performs every
+chain allocation. A take plans in place first; when that is short and some layout serves the
+demand, it enters urgent recovery (settle every pending batch, park empty floats), plans the least
+rearrangement, realizes it (compact the ends, relocate floats in `move_order`), then takes each
+band's pages in chain order. When no layout serves the demand it refuses before anything moves."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import env
+from ..capacity import capacity_decision, observe_only_read
+from ..device.base import Device
+from ..errors import CapacityError, InvariantError
+from ..memory.arena import KVArena
+from ..memory.copy import PageCopier
+from ..plan import KVStoragePlan, Placement, PoolKind
+from .band import HOLE, LIVE, OUT, PENDING, SINK, Band, CapacityEpoch, FloatBand
+from .demand import DemandPurpose, KVDemand, request_demand
+from .forward_steps import ForwardSteps
+from .id_space import IdStack
+from .pricing import (
+    ChainSnapshot,
+    LayoutPlan,
+    Step,
+    feasible,
+    first_plan,
+    plan,
+    reclaimed_snapshot,
+)
+
+log = logging.getLogger("kvchain.chain")
+
+
+class ChainAllocator:
+    """Every band of one arena, in chain order (up end, floats, down end = full-attention owner)."""
+
+    def __init__(self, plan: KVStoragePlan, arena: KVArena, device: Device, *, scratch_bytes: int) -> None:
+        self.plan = plan
+        self.arena = arena
+        self.device = device
+        self.layout = arena.layout
+        self.epoch = CapacityEpoch()
+        self.forward_steps = ForwardSteps(self)
+        self.move_epoch = 0
+        self.copier = PageCopier(arena, device, scratch_bytes)
+        owner_grid = self.layout.grids[plan.owner.index]
+        self.n_virtual = owner_grid.n_grid + 1  # virtual page 0 is the null page: it reads the sink
+        self.bands: list[Band] = []
+        for pool, grid in zip(plan.sub_pools, self.layout.grids):
+            cls = FloatBand if pool.placement is Placement.FLOAT else Band
+            n_virtual = grid.n_grid if pool.kind is PoolKind.STATE else self.n_virtual
+            self.bands.append(cls(pool, grid, self, n_virtual))
+        self.owner = self.bands[-1]
+        self.window_bands = [b for b in self.bands if b.pool.kind is PoolKind.WINDOW]
+        self.state_band = next((b for b in self.bands if b.pool.kind is PoolKind.STATE), None)
+        self.virtual_free = IdStack(self.n_virtual, np.arange(self.n_virtual - 1, 0, -1, dtype=np.int64))
+        n_slots = self.state_band.grid.n_grid if self.state_band is not None else 0
+        self.slot_free = IdStack(n_slots, np.arange(n_slots - 1, -1, -1, dtype=np.int64))
+        self._memo: ChainSnapshot | None = None
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def neighbour_bounds(self, index: int) -> tuple[int, int]:
+        """Bytes between which band `index` may grow: the nearest placed neighbours' frontiers."""
+        prev_top = self.layout.chain_lo
+        for band in reversed(self.bands[:index]):
+            if not band.parked:
+                prev_top = band.top
+                break
+        next_bottom = self.layout.arena_bytes
+        for band in self.bands[index + 1 :]:
+            if not band.parked:
+                next_bottom = band.bottom
+                break
+        return prev_top, next_bottom
+
+    def snapshot(self) -> ChainSnapshot:
+        return ChainSnapshot(
+            tuple(b.snapshot() for b in self.bands),
+            self.layout.chain_lo,
+            self.layout.arena_bytes,
+            self.epoch.value,
+            self.forward_steps.newest_unprocessed() is not None,
+        )
+
+    def pricing_snapshot(self) -> ChainSnapshot:
+        """The snapshot pricing reads, kept until the capacity epoch moves (CAP-6)."""
+        memo = self._memo
+        if memo is None or memo.epoch != self.epoch.value:
+            memo = self._memo = self.snapshot()
+        return memo
+
+    def empty_snapshot(self) -> ChainSnapshot:
+        """The chain with nothing allocated: what an arriving request is checked against."""
+        bands = []
+        for b in self.bands:
+            s = b.snapshot()
+            if b.placement is Placement.FLOAT:
+                s = s._replace(lo=-1, hi=-1, parked=True)
+            elif b.placement is Placement.DOWN_END:
+                s = s._replace(lo=s.n_grid, hi=s.n_grid)
+            else:
+                s = s._replace(lo=s.first_id, hi=s.first_id)
+            bands.append(s._replace(live=0, holes=0, pending=0, fixed=0, fixed_far=0, pinned=False))
+        return ChainSnapshot(tuple(bands), self.layout.chain_lo, self.layout.arena_bytes)
+
+    # -- capacity decisions -------------------------------------------------------------------
+
+    def _check_demand(self, pages: Sequence[int]) -> tuple[int, ...]:
+        pages = tuple(int(p) for p in pages)
+        if len(pages) != len(self.bands) or any(p < 0 for p in pages):
+            raise ValueError(f"demand must be {len(self.bands)} non-negative page counts, got {pages}")
+        return pages
+
+    @capacity_decision
+    def units_fit(self, pages: Sequence[int]) -> bool:
+        """Would a take of `pages` (per band) succeed now? Exactly the take's own answer (CAP-11)."""
+        return feasible(self.pricing_snapshot(), self._check_demand(pages))
+
+    @capacity_decision
+    def admits(self, demand: KVDemand, reclaimable: Sequence[int] | None = None) -> bool:
+        """Admission: owner virtual ids (ADM-4), free state slots (ADM-5), and a layout for the
+        demand once the prefix cache frees what it could evict per band (ADM-6)."""
+        if demand.virtual_pages > len(self.virtual_free):
+            return False
+        if demand.state_slots > len(self.slot_free):
+            return False
+        snap = self.pricing_snapshot()
+        if reclaimable is not None:
+            snap = reclaimed_snapshot(snap, reclaimable)
+        return feasible(snap, self._check_demand(demand.pages))
+
+    @capacity_decision
+    def fits_after_frees(self, pages: Sequence[int], freed: Sequence[int]) -> bool:
+        """Would `pages` fit once `freed` pages per band are given back? An eviction walk stops at
+        the first yes (ADM-8)."""
+        return feasible(reclaimed_snapshot(self.pricing_snapshot(), freed), self._check_demand(pages))
+
+    @capacity_decision
+    def ensure_capacity(self, pages: Sequence[int]) -> bool:
+        """Lay the chain out so that a take of `pages` succeeds, moving pages if needed. A yes is
+        always followed by a successful take (CAP-11); a no changes nothing."""
+        pages = self._check_demand(pages)
+        if plan(self.pricing_snapshot(), pages, Step.NO_MOVE) is not None:
+            return True
+        if not feasible(self.pricing_snapshot(), pages):
+            return False
+        self._relieve(pages)
+        return True
+
+    def lay_out_for(self, pages: Sequence[int]) -> bool:
+        """The relief a lone short band (`Band.relieve`) runs: same path as a chain take's."""
+        return self.ensure_capacity(pages)
+
+    # -- takes ------------------------------------------------------------------------------------
+
+    def take(self, pages: Sequence[int]) -> list[np.ndarray]:
+        """Physical page ids per band for `pages` (chain order). Raises CapacityError, with nothing
+        changed, when no layout serves the demand."""
+        return self._plan_and_take(self._check_demand(pages))
+
+    def _plan_and_take(self, pages: tuple[int, ...]) -> list[np.ndarray]:
+        snap = self.pricing_snapshot()
+        if plan(snap, pages, Step.NO_MOVE) is None:
+            if not feasible(snap, pages):
+                raise CapacityError(self._shortfall_message(pages))
+            self._relieve(pages)
+        return [band._acquire(n) for band, n in zip(self.bands, pages)]
+
+    def _relieve(self, pages: tuple[int, ...]) -> LayoutPlan:
+        self._urgent_recovery()
+        layout = self._relief_plan(pages)
+        if layout is None:
+            raise InvariantError("chain.relief", f"feasible said yes but no relief plan serves {pages}")
+        self.realize(layout)
+        return layout
+
+    def _urgent_recovery(self) -> None:
+        """Settle every pending batch of every band, then park floats left empty (ALLOC-12/13)."""
+        for band in self.bands:
+            band.settle_pending()
+        for band in self.bands:
+            if isinstance(band, FloatBand) and not band.parked and band.n_live + band.n_fixed == 0:
+                band.park()
+
+    def _relief_plan(self, pages: tuple[int, ...]) -> LayoutPlan | None:
+        return first_plan(self.pricing_snapshot(), pages)
+
+    def realize(self, layout: LayoutPlan) -> None:
+        """Compact the listed ends, relocate floats in move order, extend pinned floats (ALLOC-16/17).
+        The takes that follow run in chain order."""
+        for i in layout.compact_ends:
+            self.bands[i].flush_for_allocation()
+        for r in layout.relocations:
+            band = self.bands[r.band]
+            assert isinstance(band, FloatBand)
+            band.relocate_into(r.lo, r.size)
+        for e in layout.extensions:
+            band = self.bands[e.band]
+            assert isinstance(band, FloatBand)
+            band.extend(e.side, e.pages)
+
+    def _shortfall_message(self, pages: tuple[int, ...]) -> str:
+        parts = [f"{b.name} {n} pages ({b.n_live} live)" for b, n in zip(self.bands, pages) if n]
+        return (f"no layout of the arena serves {', '.join(parts)}; "
+                f"about {self.available_bytes_estimate()} bytes free in all")
+
+    # -- compaction -------------------------------------------------------------------------------
+
+    def flush_opportunistic(self, max_moves: int | None = None) -> int:
+        """Close holes lazily: at most KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL moves per band."""
+        if max_moves is None:
+            max_moves = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
+        moved = 0
+        for band in self.bands:
+            moved += band.flush(max_moves)
+        if env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"):
+            for band in self.bands:
+                log.info("compaction %s: %s", band.name, band.stats)
+        return moved
+
+    def prewarm_compaction(self) -> None:
+        for band in self.bands:
+            band.prewarm_compaction()
+
+    # -- forward retirement -----------------------------------------------------------------------
+
+    def on_forward_retired(self, step: int) -> None:
+        for band in self.bands:
+            band.release_pending_through(step)
+        self.epoch.bump()
+
+    # -- the memory clip --------------------------------------------------------------------------
+
+    @capacity_decision
+    def max_new_tokens_for_memory(self, input_len: int, max_new_tokens: int, **demand_kwargs) -> int | None:
+        """The most output tokens (up to `max_new_tokens`) a request of `input_len` tokens can hold in
+        an empty pool, priced by `request_demand` (ADM-16). None when even its input does not fit."""
+        empty = self.empty_snapshot()
+
+        def fits(output_len: int) -> bool:
+            d = request_demand(self.plan, DemandPurpose.CEILING, input_len=input_len,
+                               output_len=output_len, **demand_kwargs)
+            return (d.virtual_pages < self.n_virtual and d.state_slots <= len(self.slot_free) + self._slots_held()
+                    and feasible(empty, d.pages))
+
+        if not fits(0):
+            return None
+        lo, hi = 0, max_new_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _slots_held(self) -> int:
+        return self.state_band.n_live if self.state_band is not None else 0
+
+    # -- estimates (stats only) --------------------------------------------------------------------
+
+    def available_bytes_estimate(self) -> int:
+        gaps = self.layout.chain_bytes - sum(b.span * b.page_bytes for b in self.bands)
+        return gaps + sum((b.n_holes + b.n_pending) * b.page_bytes for b in self.bands)
+
+    def estimated_units_available(self, band: Band) -> int:
+        """Units `band` could take from free bytes, ignoring alignment, fixed and pending pages."""
+        observe_only_read("estimated_units_available")
+        free_bytes = self.available_bytes_estimate()
+        pages = free_bytes // band.page_bytes
+        if band is self.owner:
+            pages = min(pages, len(self.virtual_free))
+        return pages * band.pool.units_per_page
+
+    def available_size(self) -> int:
+        observe_only_read("available_size")
+        return self.estimated_units_available(self.owner)
+
+    def full_available_size(self) -> int:
+        observe_only_read("full_available_size")
+        return self.estimated_units_available(self.owner)
+
+    def window_available_size(self) -> dict[str, int]:
+        observe_only_read("window_available_size")
+        return {b.name: self.estimated_units_available(b) for b in self.window_bands}
+
+    def usage(self) -> float:
+        """Live bytes over chain bytes."""
+        observe_only_read("usage")
+        live = sum(b.n_live * b.page_bytes for b in self.bands)
+        return live / max(1, self.layout.chain_bytes)
+
+    # -- accounting ----------------------------------------------------------------------------------
+
+    def verify_byte_accounting(self) -> None:
+        """Byte conservation: counts match page states, spans lie in order inside the chain without
+        overlap, ids and maps agree, and a memoised snapshot is never stale (CHK-15)."""
+        problems: list[str] = []
+        memo = self._memo
+        if memo is not None and memo.epoch == self.epoch.value and memo != self.snapshot():
+            problems.append("stale pricing snapshot: the capacity epoch did not move on a change")
+        cursor = self.layout.chain_lo
+        for band in self.bands:
+            problems += _band_problems(band)
+            if band.parked:
+                continue
+            if band.bottom < cursor:
+                problems.append(f"{band.name}: span starts at byte {band.bottom}, below its neighbour's end {cursor}")
+            cursor = band.top
+        if cursor > self.layout.arena_bytes:
+            problems.append(f"chain ends at byte {cursor}, past the arena's {self.layout.arena_bytes}")
+        bound = int(np.count_nonzero(self.owner.ids.v2p >= 0))
+        if bound + len(self.virtual_free) != self.n_virtual - 1:
+            problems.append(f"owner: {bound} bound + {len(self.virtual_free)} free virtual pages "
+                            f"!= {self.n_virtual - 1}")
+        if self.state_band is not None:
+            slots = int(np.count_nonzero(self.state_band.ids.v2p >= 0))
+            if slots + len(self.slot_free) != self.state_band.grid.n_grid:
+                problems.append(f"state: {slots} bound + {len(self.slot_free)} free slot ids != "
+                                f"{self.state_band.grid.n_grid}")
+        if problems:
+            raise InvariantError("chain.byte_accounting", "; ".join(problems))
+
+
+def _band_problems(band: Band) -> list[str]:
+    out = []
+    st = band.state
+    counts = np.bincount(st, minlength=5)
+    if counts[LIVE] != band.n_live:
+        out.append(f"{band.name}: {counts[LIVE]} live pages, counted {band.n_live}")
+    if counts[HOLE] != band.n_holes or len(band.holes) != band.n_holes:
+        out.append(f"{band.name}: {counts[HOLE]} holes ({len(band.holes)} listed), counted {band.n_holes}")
+    if counts[PENDING] != band.n_pending or band.pending.count != band.n_pending:
+        out.append(f"{band.name}: {counts[PENDING]} pending pages ({band.pending.count} batched), "
+                   f"counted {band.n_pending}")
+    listed = band.holes.view()
+    if len(listed) and (len(np.unique(listed)) != len(listed) or (st[listed] != HOLE).any()):
+        out.append(f"{band.name}: hole list repeats ids or lists pages that are not holes")
+    if band.parked:
+        if (st != OUT).sum() - (st == SINK).sum():
+            out.append(f"{band.name}: parked but holds pages")
+    else:
+        outside = np.concatenate([st[: band.lo], st[band.hi :]])
+        if ((outside != OUT) & (outside != SINK)).any():
+            out.append(f"{band.name}: pages outside its span [{band.lo}, {band.hi})")
+        inside = st[band.lo : band.hi]
+        if (inside == OUT).any() or (inside == SINK).any():
+            out.append(f"{band.name}: span [{band.lo}, {band.hi}) has pages outside the band")
+    live = np.flatnonzero(st == LIVE)
+    if len(live) and ((band.ids.p2v[live] < 0).any() or (band.ids.v2p[band.ids.p2v[live]] != live).any()):
+        out.append(f"{band.name}: a live page is unbound or its virtual id maps elsewhere")
+    not_live = np.flatnonzero(st != LIVE)
+    if len(not_live) and (band.ids.p2v[not_live] >= 0).any():
+        out.append(f"{band.name}: a page that is not live is bound")
+    return out

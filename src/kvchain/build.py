@@ -1,0 +1,34 @@
+"""`build_kv_storage`: plan, size, then construct the arena, one view per sub-pool (with the
+routed cache over them), the `ChainAllocator` and the `RequestTable`, returned as one `KVStorage`."""
+
+from __future__ import annotations
+
+import torch
+
+from .alloc.chain import ChainAllocator
+from .device.base import Device
+from .device.immediate import ImmediateDevice
+from .layout.views import SubPoolView
+from .memory.arena import KVArena
+from .plan import KVStoragePlan
+from .requests import RequestTable
+from .sizing import PlanSizing
+from .storage import KVStorage
+
+
+def build_kv_storage(
+    plan: KVStoragePlan,
+    sizing: PlanSizing,
+    device: str | torch.device = "cpu",
+    *,
+    backend: Device | None = None,
+) -> KVStorage:
+    """Allocate everything `sizing` budgeted. `device` holds the arena (`meta` for planning and
+    simulation at real scale with no memory); `backend` runs allocator work (default: immediate)."""
+    arena = KVArena(plan, sizing.arena_bytes, device)
+    allocator = ChainAllocator(plan, arena, backend or ImmediateDevice(), scratch_bytes=sizing.fixed.scratch)
+    table = RequestTable(sizing.max_running_requests + 1, sizing.context_len, plan.page_size)
+    views = {pool.name: SubPoolView(pool, arena.page_bytes_view(pool.index)) for pool in plan.sub_pools}
+    storage = KVStorage(plan, sizing, arena, allocator, table, views)
+    allocator.prewarm_compaction()
+    return storage

@@ -1,0 +1,246 @@
+"""What each layer stores: a `KVLayerDecl` made of parts, each a geometry and a lifetime.
+
+Geometries say how many bytes one unit holds (a token for attention, a slot for recurrent state);
+lifetimes say how long a unit lives (all tokens, the last `window` tokens, or one slot per request
+with checkpoints). Planning groups parts by (lifetime, unit) into sub-pools (`plan.py`)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import DeclarationError
+from .units import dtype_name, dtype_size
+
+
+class Unit(enum.Enum):
+    """What one allocation unit of a sub-pool is."""
+
+    TOKEN = "token"
+    SLOT = "slot"
+
+
+# ---------------------------------------------------------------- geometries
+
+
+@dataclass(frozen=True)
+class MHA:
+    """Multi-head (or grouped-query) attention: K and V per KV head per token."""
+
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        _positive(kv_heads=self.kv_heads, head_dim=self.head_dim)
+        if self.v_head_dim is not None:
+            _positive(v_head_dim=self.v_head_dim)
+
+    unit = Unit.TOKEN
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def unit_bytes(self) -> int:
+        """Bytes one token of one layer holds: K and V for every KV head."""
+        return self.kv_heads * (self.head_dim + self.v_dim) * dtype_size(self.dtype)
+
+    def describe(self) -> str:
+        v = "" if self.v_head_dim is None else f"/v{self.v_head_dim}"
+        return f"MHA {self.kv_heads}x{self.head_dim}{v} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention: one compressed latent plus a shared rope key per token."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        _positive(kv_lora_rank=self.kv_lora_rank)
+        if self.rope_dim < 0:
+            raise DeclarationError(f"MLA rope_dim must be >= 0, got {self.rope_dim}")
+
+    unit = Unit.TOKEN
+
+    def unit_bytes(self) -> int:
+        return (self.kv_lora_rank + self.rope_dim) * dtype_size(self.dtype)
+
+    def describe(self) -> str:
+        return f"MLA {self.kv_lora_rank}+{self.rope_dim} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One named recurrent-state tensor held per request slot (e.g. `conv` or `ssm`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if not self.name.isidentifier():
+            raise DeclarationError(f"state tensor name must be an identifier, got {self.name!r}")
+        if not self.shape or any(s <= 0 for s in self.shape):
+            raise DeclarationError(f"state tensor {self.name!r} needs a non-empty positive shape, got {self.shape}")
+
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class State:
+    """Recurrent state (Mamba, linear attention): named tensors held per request slot."""
+
+    tensors: tuple[StateTensor, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        if not self.tensors:
+            raise DeclarationError("a State geometry needs at least one tensor")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise DeclarationError(f"state tensor names repeat: {names}")
+
+    unit = Unit.SLOT
+
+    def unit_bytes(self) -> int:
+        """Bytes one slot of one layer holds: every tensor."""
+        return sum(t.nbytes() for t in self.tensors)
+
+    def describe(self) -> str:
+        inner = ", ".join(f"{t.name}{list(t.shape)} {t.dtype}" for t in self.tensors)
+        return f"State[{inner}]"
+
+
+Geometry = MHA | MLA | State
+
+# ---------------------------------------------------------------- lifetimes
+
+
+@dataclass(frozen=True)
+class FullLifetime:
+    """Every token stays for the request's life. The sub-pool of this lifetime owns virtual ids."""
+
+    rank = 2
+
+    def describe(self) -> str:
+        return "full"
+
+
+@dataclass(frozen=True)
+class WindowLifetime:
+    """Only the last `window` tokens are read. `chunked`: attention within aligned chunks of
+    `window` tokens (Llama 4), which retains at most `window` tokens as well."""
+
+    window: int
+    chunked: bool = False
+
+    rank = 1
+
+    def __post_init__(self) -> None:
+        _positive(window=self.window)
+
+    def describe(self) -> str:
+        return f"{'chunk' if self.chunked else 'window'} {self.window}"
+
+
+@dataclass(frozen=True)
+class StateLifetime:
+    """One slot per request; `checkpoint_interval` tokens between cached checkpoints of the state
+    (None: the prefix cache keeps the state at the sequence end only)."""
+
+    checkpoint_interval: int | None = None
+
+    rank = 0
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_interval is not None:
+            _positive(checkpoint_interval=self.checkpoint_interval)
+
+    def describe(self) -> str:
+        if self.checkpoint_interval is None:
+            return "state"
+        return f"state (checkpoint every {self.checkpoint_interval})"
+
+
+Lifetime = FullLifetime | WindowLifetime | StateLifetime
+
+
+# ---------------------------------------------------------------- parts and layers
+
+
+@dataclass(frozen=True)
+class KVPart:
+    """One geometry stored under one lifetime."""
+
+    geometry: Geometry
+    lifetime: Lifetime
+
+    def __post_init__(self) -> None:
+        state_geometry = isinstance(self.geometry, State)
+        state_lifetime = isinstance(self.lifetime, StateLifetime)
+        if state_geometry != state_lifetime:
+            raise DeclarationError(
+                f"{self.geometry.describe()} cannot live under a {self.lifetime.describe()} lifetime: "
+                "recurrent state takes StateLifetime, attention takes FullLifetime or WindowLifetime"
+            )
+
+    @property
+    def unit(self) -> Unit:
+        return self.geometry.unit
+
+    @property
+    def is_attention(self) -> bool:
+        return not isinstance(self.geometry, State)
+
+
+@dataclass(frozen=True)
+class KVLayerDecl:
+    """What one local layer stores: one attention part, one state part, or one of each."""
+
+    layer_id: int
+    parts: tuple[KVPart, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
+        if self.layer_id < 0:
+            raise DeclarationError(f"layer id must be >= 0, got {self.layer_id}")
+        attention = [p for p in self.parts if p.is_attention]
+        state = [p for p in self.parts if not p.is_attention]
+        if len(attention) > 1 or len(state) > 1:
+            raise DeclarationError(
+                f"layer {self.layer_id} declares {len(attention)} attention and {len(state)} state parts; "
+                "a layer holds at most one of each"
+            )
+
+
+def kv_layer_decls(layers: Iterable[Sequence[KVPart] | KVPart | None]) -> list[KVLayerDecl]:
+    """Number a model's layers in order. Each entry is the layer's parts (a part, a sequence of
+    parts, or None for a layer with no KV state, such as an MLP-only layer)."""
+    decls: list[KVLayerDecl] = []
+    for layer_id, parts in enumerate(layers):
+        if parts is None:
+            continue
+        if isinstance(parts, KVPart):
+            parts = (parts,)
+        decls.append(KVLayerDecl(layer_id, tuple(parts)))
+    if not decls:
+        raise DeclarationError("a model must declare at least one layer with KV state")
+    return decls
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise DeclarationError(f"{name} must be a positive integer, got {value!r}")

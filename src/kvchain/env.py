@@ -1,0 +1,96 @@
+"""Every `KVCHAIN_*` environment variable, declared once with its default and meaning.
+
+Nothing else in the package reads `os.environ`: call `env.get(NAME)` (read at call time, so tests
+can set variables with monkeypatch)."""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class InvariantCheckLevel(enum.IntEnum):
+    """`KVCHAIN_INVARIANT_CHECK`: 0 off, 1 warn (fatal checks still raise), 2 strict."""
+
+    OFF = 0
+    WARN = 1
+    STRICT = 2
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    parse: Callable[[str], object]
+    doc: str
+
+
+def _bool(text: str) -> bool:
+    return text.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _level(text: str) -> InvariantCheckLevel:
+    value = int(text)
+    if value not in (0, 1, 2):
+        raise ValueError(f"KVCHAIN_INVARIANT_CHECK must be 0, 1 or 2, not {text!r}")
+    return InvariantCheckLevel(value)
+
+
+VARIABLES: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar("KVCHAIN_INVARIANT_CHECK", None, _level, "Invariant check level: 0 off, 1 warn, 2 strict."),
+        EnvVar(
+            "KVCHAIN_ENABLE_ASYNC_ASSERT",
+            None,
+            _bool,
+            "Older switch: when set and KVCHAIN_INVARIANT_CHECK is unset, the level is strict.",
+        ),
+        EnvVar(
+            "KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL",
+            "64",
+            int,
+            "Most pages one opportunistic flush moves per band per call.",
+        ),
+        EnvVar(
+            "KVCHAIN_ENABLE_STRICT_MEM_CHECK_DURING_IDLE",
+            "1",
+            _bool,
+            "An idle leak raises instead of warning.",
+        ),
+        EnvVar(
+            "KVCHAIN_CHECK_KV_PAGE_INVARIANTS",
+            "0",
+            _bool,
+            "Check request-length bounds every busy iteration.",
+        ),
+        EnvVar("KVCHAIN_LOG_LAZY_COMPACTION_STATS", "0", _bool, "Log compaction counters per sub-pool."),
+        EnvVar(
+            "KVCHAIN_PAGE_MOVE_WAIT_TIMEOUT",
+            "600",
+            float,
+            "Seconds a host wait for a transfer may last before it raises naming the transfers in flight.",
+        ),
+    )
+}
+
+
+def get(name: str) -> object:
+    """The parsed value of a declared variable (its default when unset; None when it has none)."""
+    var = VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None if var.default is None else var.parse(var.default)
+    return var.parse(raw)
+
+
+def invariant_level() -> InvariantCheckLevel:
+    """The effective check level: unset means off, or strict when the older assert switch is set."""
+    level = get("KVCHAIN_INVARIANT_CHECK")
+    if level is not None:
+        return level  # type: ignore[return-value]
+    if get("KVCHAIN_ENABLE_ASYNC_ASSERT"):
+        return InvariantCheckLevel.STRICT
+    return InvariantCheckLevel.OFF

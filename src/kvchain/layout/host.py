@@ -1,0 +1,54 @@
+"""Host layouts: host-tier pools laid out page by page like their device views, so a host copy
+moves whole page envelopes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import KVStoragePlan, Placement, PoolKind, SubPool
+from .entry import PageEnvelope
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A host pool for one sub-pool (or, for a shared envelope backing, both end sub-pools)."""
+
+    sub_pools: tuple[str, ...]
+    envelope: PageEnvelope
+    n_pages: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.envelope.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.envelope.page_bytes
+
+    def allocate(self, pin: bool | None = None) -> torch.Tensor:
+        """A [n_pages, page_bytes] uint8 host tensor, pinned when CUDA is present."""
+        if pin is None:
+            pin = torch.cuda.is_available()
+        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
+
+
+def host_layout(pool: SubPool, n_pages: int) -> HostLayout:
+    if n_pages < 0:
+        raise ValueError(f"host pages must be >= 0, got {n_pages}")
+    return HostLayout((pool.name,), pool.envelope, n_pages)
+
+
+def page_envelope_pair(plan: KVStoragePlan) -> tuple[SubPool, SubPool] | None:
+    """The two end sub-pools when both hold MHA pages: they share one page-envelope host backing
+    (the larger envelope). A float always keeps a host pool of its own."""
+    up = plan.up_end
+    down = plan.down_end
+    if up is None or up.placement is not Placement.UP_END:
+        return None
+    from ..decl import MHA
+
+    if up.kind is PoolKind.STATE or not (isinstance(up.geometry, MHA) and isinstance(down.geometry, MHA)):
+        return None
+    return up, down

@@ -1,0 +1,70 @@
+"""`PageCopier`: the one place that writes page bytes for the allocator (moves, state copies,
+hand-out zeroing), as work launched on the schedule stream.
+
+Copies run through an int64 view of each band's grid (several times faster than uint8 on CPU) and
+a preallocated staging buffer, so no move allocates memory outside the pools."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..device.base import Device, PageAccess
+from .arena import KVArena
+
+if TYPE_CHECKING:
+    from ..alloc.band import Band
+
+
+class PageCopier:
+    def __init__(self, arena: KVArena, device: Device, scratch_bytes: int) -> None:
+        self.arena = arena
+        self.device = device
+        self.meta = arena.is_meta
+        self.words = [arena.page_words_view(g.index) for g in arena.layout.grids]
+        n_words = max(scratch_bytes // 8, max(g.page_bytes // 8 for g in arena.layout.grids))
+        self.staging = torch.empty(n_words, dtype=torch.int64, device=arena.device)
+        self.bytes_moved = 0
+
+    def _index(self, ids: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        return t if self.arena.device.type == "cpu" else t.to(self.arena.device, non_blocking=True)
+
+    def move_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "move") -> None:
+        """Copy pages `src` onto pages `dst` of one band's grid (sets must not overlap)."""
+        if not len(src):
+            return
+        words = self.words[band.index]
+        self.bytes_moved += len(src) * band.page_bytes
+        src, dst = src.copy(), dst.copy()
+        fn = None if self.meta else (lambda: self._copy(words, src, dst))
+        self.device.launch(
+            self.device.schedule_stream,
+            fn,
+            reads=(PageAccess(band.index, src),),
+            writes=(PageAccess(band.index, dst),),
+            label=f"{label}:{band.name}",
+        )
+
+    def _copy(self, words: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
+        per_page = words.shape[1]
+        rows = self.staging.numel() // per_page
+        stage = self.staging[: rows * per_page].view(rows, per_page)
+        for start in range(0, len(src), rows):
+            s = self._index(src[start : start + rows])
+            d = self._index(dst[start : start + rows])
+            k = len(s)
+            torch.index_select(words, 0, s, out=stage[:k])
+            words.index_copy_(0, d, stage[:k])
+
+    def zero_pages(self, band: Band, ids: np.ndarray) -> None:
+        if not len(ids):
+            return
+        words = self.words[band.index]
+        ids = ids.copy()
+        fn = None if self.meta else (lambda: words.index_fill_(0, self._index(ids), 0))
+        self.device.launch(
+            self.device.schedule_stream, fn, writes=(PageAccess(band.index, ids),), label=f"zero:{band.name}"
+        )

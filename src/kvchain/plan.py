@@ -1,0 +1,267 @@
+"""`plan_kv_storage`: group declared parts into sub-pools and order them into a chain.
+
+Parts that share a lifetime and an allocation unit share a sub-pool (one geometry each). Sub-pools
+are ordered by lifetime rank (state, windows from the longest, full attention): the first takes the
+grow-up end of the arena, the last the grow-down end, the rest float between them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .decl import FullLifetime, Geometry, KVLayerDecl, Lifetime, StateLifetime, Unit, WindowLifetime
+from .errors import InputError, PlanError
+from .layout.entry import PageEnvelope, page_envelope
+
+
+class PoolKind(enum.Enum):
+    FULL = "full"
+    WINDOW = "window"
+    STATE = "state"
+
+
+class Placement(enum.Enum):
+    """Where a band sits on the chain."""
+
+    UP_END = "up-end"  # grows from the low end of the arena upward
+    FLOAT = "float"  # between the ends; relocated only by a planned layout
+    DOWN_END = "down-end"  # grows from the high end downward; the full-attention owner
+
+
+@dataclass(frozen=True)
+class SubPool:
+    """One sub-pool: a lifetime, one geometry, the layers that store it, and its page envelope."""
+
+    index: int
+    name: str
+    kind: PoolKind
+    lifetime: Lifetime
+    geometry: Geometry
+    layer_ids: tuple[int, ...]
+    draft_layer_ids: tuple[int, ...]
+    placement: Placement
+    envelope: PageEnvelope
+    page_size: int
+
+    @property
+    def unit(self) -> Unit:
+        return self.geometry.unit
+
+    @property
+    def unit_bytes(self) -> int:
+        """Exact bytes one unit (token or slot) holds across all the sub-pool's layers."""
+        return self.geometry.unit_bytes() * len(self.layer_ids)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page envelope (page_size tokens, or one state slot), alignment included."""
+        return self.envelope.page_bytes
+
+    @property
+    def units_per_page(self) -> int:
+        return 1 if self.kind is PoolKind.STATE else self.page_size
+
+    @property
+    def window(self) -> int | None:
+        return self.lifetime.window if isinstance(self.lifetime, WindowLifetime) else None
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind is not PoolKind.STATE
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "kind": self.kind.value,
+            "placement": self.placement.value,
+            "lifetime": self.lifetime.describe(),
+            "geometry": self.geometry.describe(),
+            "layers": len(self.layer_ids),
+            "layer_ids": list(self.layer_ids),
+            "draft_layer_ids": list(self.draft_layer_ids),
+            "unit": self.unit.value,
+            "unit_bytes": self.unit_bytes,
+            "units_per_page": self.units_per_page,
+            "page_bytes": self.page_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class KVStoragePlan:
+    """Sub-pools in chain order, with the roles the chain gives them."""
+
+    page_size: int
+    sub_pools: tuple[SubPool, ...]
+    tree_slots: tuple[int, ...] = field(default=())
+
+    @property
+    def owner(self) -> SubPool:
+        """The full-attention sub-pool, which mints the virtual page ids every request holds."""
+        return self.sub_pools[-1]
+
+    @property
+    def up_end(self) -> SubPool | None:
+        return self.sub_pools[0] if len(self.sub_pools) > 1 else None
+
+    @property
+    def down_end(self) -> SubPool:
+        return self.sub_pools[-1]
+
+    @property
+    def floats(self) -> tuple[SubPool, ...]:
+        return self.sub_pools[1:-1]
+
+    @property
+    def windows(self) -> tuple[SubPool, ...]:
+        return tuple(p for p in self.sub_pools if p.kind is PoolKind.WINDOW)
+
+    @property
+    def state(self) -> SubPool | None:
+        return next((p for p in self.sub_pools if p.kind is PoolKind.STATE), None)
+
+    def by_name(self, name: str) -> SubPool:
+        for p in self.sub_pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        return {
+            "page_size": self.page_size,
+            "chain": [p.to_dict() for p in self.sub_pools],
+            "up_end": None if self.up_end is None else self.up_end.name,
+            "floats": [p.name for p in self.floats],
+            "down_end": self.down_end.name,
+            "tree_slots": [self.sub_pools[i].name for i in self.tree_slots],
+        }
+
+
+def _kind(lifetime: Lifetime) -> PoolKind:
+    if isinstance(lifetime, FullLifetime):
+        return PoolKind.FULL
+    if isinstance(lifetime, WindowLifetime):
+        return PoolKind.WINDOW
+    return PoolKind.STATE
+
+
+def _sort_key(lifetime: Lifetime) -> tuple:
+    if isinstance(lifetime, WindowLifetime):
+        return (lifetime.rank, -lifetime.window, lifetime.chunked)
+    return (lifetime.rank,)
+
+
+def _name(lifetime: Lifetime, draft_only: bool) -> str:
+    if isinstance(lifetime, FullLifetime):
+        return "full"
+    if isinstance(lifetime, StateLifetime):
+        return "state"
+    base = f"{'chunk' if lifetime.chunked else 'window'}{lifetime.window}"
+    return f"draft_{base}" if draft_only else base
+
+
+def plan_kv_storage(
+    decls: Sequence[KVLayerDecl],
+    *,
+    page_size: int = 64,
+    draft: Sequence[KVLayerDecl] | None = None,
+) -> KVStoragePlan:
+    """Group parts into sub-pools and order them into a chain.
+
+    `draft` declares a fused draft model's layers (numbered after the target's). A draft window of a
+    lifetime the target lacks becomes a band of its own; a draft with recurrent state needs the
+    target's state band with a checkpoint policy."""
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise InputError(f"page size must be a positive integer, got {page_size!r}")
+    if not decls:
+        raise PlanError("no layers declared: a plan needs at least a full-attention layer")
+
+    groups: dict[tuple[Lifetime, Unit], dict] = {}
+
+    def add(lifetime: Lifetime, geometry: Geometry, unit: Unit, layer_id: int, is_draft: bool) -> None:
+        group = groups.setdefault(
+            (lifetime, unit), {"geometry": geometry, "layers": [], "draft": [], "target": False}
+        )
+        if group["geometry"] != geometry:
+            raise PlanError(
+                f"two geometries in one sub-pool ({lifetime.describe()}): "
+                f"{group['geometry'].describe()} and {geometry.describe()} (layer {layer_id}); "
+                "a sub-pool stores one geometry"
+            )
+        group["layers"].append(layer_id)
+        if is_draft:
+            group["draft"].append(layer_id)
+        else:
+            group["target"] = True
+
+    seen_ids: set[int] = set()
+    for decl in decls:
+        if decl.layer_id in seen_ids:
+            raise PlanError(f"layer {decl.layer_id} is declared twice")
+        seen_ids.add(decl.layer_id)
+        for part in decl.parts:
+            add(part.lifetime, part.geometry, part.unit, decl.layer_id, False)
+
+    if draft:
+        offset = max(seen_ids) + 1
+        target_state = next((lt for (lt, _u) in groups if isinstance(lt, StateLifetime)), None)
+        for decl in draft:
+            for part in decl.parts:
+                lifetime = part.lifetime
+                if isinstance(lifetime, StateLifetime):
+                    if target_state is None or target_state.checkpoint_interval is None:
+                        raise PlanError(
+                            "a fused draft with recurrent layers needs the target's state band with a "
+                            "checkpoint policy (StateLifetime(checkpoint_interval=...)); "
+                            + ("the target has no state band" if target_state is None
+                               else "the target's state band has no checkpoint interval")
+                        )
+                    lifetime = target_state
+                add(lifetime, part.geometry, part.unit, offset + decl.layer_id, True)
+
+    if not any(isinstance(lt, FullLifetime) for (lt, _u) in groups):
+        raise PlanError(
+            "no full-attention sub-pool: the chain needs a full-attention owner to mint virtual page ids "
+            "(declare at least one layer with a FullLifetime attention part)"
+        )
+
+    ordered = sorted(groups.items(), key=lambda item: _sort_key(item[0][0]))
+    n = len(ordered)
+    sub_pools: list[SubPool] = []
+    for index, ((lifetime, _unit), group) in enumerate(ordered):
+        if n == 1 or index == n - 1:
+            placement = Placement.DOWN_END
+        elif index == 0:
+            placement = Placement.UP_END
+        else:
+            placement = Placement.FLOAT
+        layer_ids = tuple(group["layers"])
+        sub_pools.append(
+            SubPool(
+                index=index,
+                name=_name(lifetime, draft_only=not group["target"]),
+                kind=_kind(lifetime),
+                lifetime=lifetime,
+                geometry=group["geometry"],
+                layer_ids=layer_ids,
+                draft_layer_ids=tuple(group["draft"]),
+                placement=placement,
+                envelope=page_envelope(group["geometry"], layer_ids, page_size),
+                page_size=page_size,
+            )
+        )
+    return KVStoragePlan(page_size, tuple(sub_pools), _tree_slots(sub_pools, groups))
+
+
+def _tree_slots(sub_pools: list[SubPool], groups: dict) -> tuple[int, ...]:
+    """Full attention, the target's primary window, the other windows longest first, then state.
+
+    The primary window is the target's longest: a fused draft's longer window never displaces it."""
+    full = [p.index for p in sub_pools if p.kind is PoolKind.FULL]
+    windows = [p for p in sub_pools if p.kind is PoolKind.WINDOW]  # chain order: longest first
+    target_windows = [p for p in windows if p.layer_ids != p.draft_layer_ids]
+    primary = target_windows[:1] if target_windows else windows[:1]
+    rest = [p.index for p in windows if p not in primary]
+    state = [p.index for p in sub_pools if p.kind is PoolKind.STATE]
+    return tuple(full + [p.index for p in primary] + rest + state)

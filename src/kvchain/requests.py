@@ -1,0 +1,105 @@
+"""`RequestTable`: request rows that hold virtual ids only, and `RowResets`.
+
+Because rows hold virtual page ids, a page can move without rewriting any row (IDS-7). Row 0 is
+the padding row: its pages are the null page, which reads the sink in every band."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .alloc.id_space import IdStack
+from .errors import CapacityError, InvariantError
+from .sizing import pages_for
+
+NO_SLOT = -1
+
+
+class RowResets:
+    """Rows handed out since the last forward. Request-scoped device state is not reset when a row
+    is handed out (that would race the previous owner's last forward); the next forward resets the
+    marked rows on its own stream before its kernels (LIFE-16..18)."""
+
+    def __init__(self, rows: int) -> None:
+        self._marked = np.zeros(rows, dtype=bool)
+
+    def mark(self, rows: np.ndarray | int) -> None:
+        self._marked[rows] = True
+
+    def unmark(self, rows: np.ndarray | int) -> None:
+        """A row restored whole from a retraction backup is not reset (LIFE-20)."""
+        self._marked[rows] = False
+
+    def take(self) -> np.ndarray:
+        rows = np.flatnonzero(self._marked)
+        self._marked[rows] = False
+        return rows
+
+    def pending(self) -> np.ndarray:
+        return np.flatnonzero(self._marked)
+
+
+class RequestTable:
+    """Per-row page tables of owner virtual page ids, lengths, and state slot ids."""
+
+    def __init__(self, rows: int, context_len: int, page_size: int) -> None:
+        if rows < 2:
+            raise ValueError("a request table needs at least one row besides the padding row")
+        self.rows = rows
+        self.context_len = context_len
+        self.page_size = page_size
+        self.max_pages = pages_for(context_len, page_size)
+        self.page_table = np.zeros((rows, self.max_pages), dtype=np.int64)
+        self.seq_lens = np.zeros(rows, dtype=np.int64)
+        self.state_slot = np.full(rows, NO_SLOT, dtype=np.int64)
+        self.active = np.zeros(rows, dtype=bool)
+        self._free = IdStack(rows, np.arange(rows - 1, 0, -1, dtype=np.int64))
+        self.resets = RowResets(rows)
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def alloc_row(self) -> int:
+        if not len(self._free):
+            raise CapacityError(f"no free request row (all {self.rows - 1} rows in use)")
+        row = int(self._free.pop(1)[0])
+        self.active[row] = True
+        self.resets.mark(row)
+        return row
+
+    def free_row(self, row: int) -> None:
+        if not self.active[row]:
+            raise InvariantError("requests.row_state", f"row {row} freed while not in use")
+        self.active[row] = False
+        self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)] = 0
+        self.seq_lens[row] = 0
+        self.state_slot[row] = NO_SLOT
+        self._free.push(np.array([row], dtype=np.int64))
+
+    def pages_of(self, row: int) -> np.ndarray:
+        return self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)].copy()
+
+    def req_to_token(self, rows: np.ndarray, max_len: int | None = None) -> np.ndarray:
+        """Virtual token ids `[len(rows), max_len]`: page * page_size + offset."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if max_len is None:
+            max_len = int(self.seq_lens[rows].max()) if len(rows) else 0
+        pos = np.arange(max_len)
+        return self.page_table[rows][:, pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def check_rows(self) -> list[str]:
+        """Row-state problems (idle check): inactive rows hold nothing, active rows stay in bounds."""
+        problems = []
+        inactive = ~self.active
+        inactive[0] = False
+        if (self.seq_lens[inactive] != 0).any() or (self.state_slot[inactive] != NO_SLOT).any():
+            problems.append("an inactive request row still holds a length or a state slot")
+        if self.page_table[inactive].any():
+            problems.append("an inactive request row still holds pages")
+        if self.page_table[0].any() or self.seq_lens[0]:
+            problems.append("the padding row holds pages")
+        if (self.seq_lens > self.context_len).any():
+            problems.append("a request row is longer than the context length")
+        if len(self._free) + int(self.active[1:].sum()) != self.rows - 1:
+            problems.append("free rows and active rows do not add up")
+        return problems

@@ -1,0 +1,286 @@
+"""`size_plan`: solve one byte budget into boot targets for every sub-pool.
+
+The budget is spent in a fixed order: fixed allocations (request table, scratch, request rows),
+then state slots (a share of the chain, an explicit count, or by default as many as the requests
+the rest of the budget serves at the context length), then the most full-attention tokens whose
+window targets also fit. Targets only describe the boot layout: at run time any sub-pool can take
+any free bytes of the arena."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import env
+from .errors import BudgetError, InputError
+from .memory.arena import ARENA_ALIGN, arena_layout
+from .plan import KVStoragePlan, PoolKind, SubPool
+from .units import format_bytes
+
+#: Per-request device state besides the KV pages (lengths, slot ids, reset flags), bytes per row.
+ROW_STATE_BYTES = 64
+#: Bytes of one `req_to_token` entry (int32 virtual token id).
+REQUEST_TABLE_ENTRY_BYTES = 4
+#: Floor of the move staging buffer: compaction copies go through it, so no move allocates.
+MIN_SCRATCH_BYTES = 32 * 2**20
+
+
+def state_slots_per_request(pool: SubPool) -> int:
+    """A running slot, plus a tracking slot when the prefix tree checkpoints the state."""
+    interval = getattr(pool.lifetime, "checkpoint_interval", None)
+    return 1 if interval is None else 2
+
+
+def window_peak_pages(window: int, page_size: int) -> int:
+    """Most pages a window's rows span at once: `window` retained tokens plus the token being
+    written, misaligned against pages."""
+    return -(-window // page_size) + 1
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+@dataclass(frozen=True)
+class FixedAllocations:
+    """Allocations outside the chain, spent before any sub-pool."""
+
+    request_table: int
+    scratch: int
+    request_rows: int
+
+    @property
+    def total(self) -> int:
+        return self.request_table + self.scratch + self.request_rows
+
+    def terms(self) -> list[tuple[str, int]]:
+        return [("request table", self.request_table), ("scratch", self.scratch),
+                ("request rows", self.request_rows)]
+
+
+def fixed_allocations(plan: KVStoragePlan, context_len: int, max_running_requests: int) -> FixedAllocations:
+    rows = max_running_requests + 1  # row 0 is the padding row
+    max_page = max(p.page_bytes for p in plan.sub_pools)
+    moves = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
+    scratch = max(max_page, min(moves * max_page, MIN_SCRATCH_BYTES))
+    scratch = -(-scratch // ARENA_ALIGN) * ARENA_ALIGN
+    return FixedAllocations(
+        request_table=rows * context_len * REQUEST_TABLE_ENTRY_BYTES,
+        scratch=scratch,
+        request_rows=rows * ROW_STATE_BYTES,
+    )
+
+
+@dataclass(frozen=True)
+class FloorTerm:
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Bs1Floor:
+    """The least budget that serves one request at batch size 1: fixed allocations, its window
+    rows, its state slots and the sink pages. Full-attention tokens are checked at admission."""
+
+    terms: tuple[FloorTerm, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    def explain(self) -> str:
+        return " + ".join(f"{t.name} {format_bytes(t.bytes)}" for t in self.terms)
+
+
+def _bs1_floor_terms(plan: KVStoragePlan, context_len: int, max_running_requests: int) -> list[FloorTerm]:
+    fixed = fixed_allocations(plan, context_len, max_running_requests)
+    terms = [FloorTerm(name, b) for name, b in fixed.terms()]
+    ps = plan.page_size
+    ctx_pages = pages_for(context_len, ps)
+    for pool in plan.windows:
+        pages = min(window_peak_pages(pool.window, ps), ctx_pages)
+        terms.append(FloorTerm(f"{pool.name} rows ({pages} pages)", pages * pool.page_bytes))
+    state = plan.state
+    if state is not None:
+        slots = state_slots_per_request(state)
+        terms.append(FloorTerm(f"state slots ({slots})", slots * state.page_bytes))
+    attention = [p for p in plan.sub_pools if p.is_attention]
+    sink = sum(p.page_bytes for p in attention) + plan.down_end.page_bytes  # + grid alignment
+    terms.append(FloorTerm(f"sink pages ({len(attention)})", sink))
+    return terms
+
+
+def check_bs1_floor(plan: KVStoragePlan, budget_bytes: int, context_len: int, max_running_requests: int) -> Bs1Floor:
+    """Refuse a budget below the batch-size-1 floor, naming every term and its bytes."""
+    floor = Bs1Floor(tuple(_bs1_floor_terms(plan, context_len, max_running_requests)))
+    if budget_bytes < floor.total:
+        raise BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below the batch-size-1 floor of "
+            f"{format_bytes(floor.total)} ({floor.explain()})"
+        )
+    return floor
+
+
+@dataclass(frozen=True)
+class PoolTarget:
+    """A sub-pool's boot target."""
+
+    name: str
+    kind: PoolKind
+    pages: int
+    units: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PlanSizing:
+    """What one budget buys: boot targets per sub-pool and the concurrency they serve."""
+
+    budget_bytes: int
+    context_len: int
+    max_running_requests: int
+    fixed: FixedAllocations
+    arena_bytes: int
+    sink_bytes: int
+    state_slots: int
+    state_slots_per_request: int
+    targets: tuple[PoolTarget, ...]
+    full_tokens: int
+    concurrency: int
+    limited_by: str
+    floor: Bs1Floor
+
+    @property
+    def used_bytes(self) -> int:
+        return self.fixed.total + self.sink_bytes + sum(t.bytes for t in self.targets)
+
+    def target(self, name: str) -> PoolTarget:
+        return next(t for t in self.targets if t.name == name)
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "context_len": self.context_len,
+            "max_running_requests": self.max_running_requests,
+            "fixed": {name: b for name, b in self.fixed.terms()},
+            "arena_bytes": self.arena_bytes,
+            "sink_bytes": self.sink_bytes,
+            "state_slots": self.state_slots,
+            "state_slots_per_request": self.state_slots_per_request,
+            "targets": [
+                {"name": t.name, "kind": t.kind.value, "pages": t.pages, "units": t.units, "bytes": t.bytes}
+                for t in self.targets
+            ],
+            "full_tokens": self.full_tokens,
+            "concurrency": self.concurrency,
+            "limited_by": self.limited_by,
+            "unused_bytes": self.budget_bytes - self.used_bytes,
+            "bs1_floor": {"total": self.floor.total, "terms": {t.name: t.bytes for t in self.floor.terms}},
+        }
+
+
+def _max_true(lo: int, hi: int, ok) -> int:
+    """Largest x in [lo, hi] with ok(x), given ok monotone decreasing and ok(lo) true."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def size_plan(
+    plan: KVStoragePlan,
+    budget_bytes: int,
+    *,
+    context_len: int = 32768,
+    max_running_requests: int = 256,
+    state_slots: int | None = None,
+    state_share: float | None = None,
+) -> PlanSizing:
+    """Solve `budget_bytes` into boot targets (see the module docstring for the order)."""
+    if not isinstance(context_len, int) or context_len <= 0:
+        raise InputError(f"context length must be a positive integer, got {context_len!r}")
+    if not isinstance(max_running_requests, int) or max_running_requests <= 0:
+        raise InputError(f"max running requests must be a positive integer, got {max_running_requests!r}")
+    if state_slots is not None and state_share is not None:
+        raise InputError("give state slots as a count or as a share of the chain, not both")
+    if state_share is not None and not 0.0 < state_share < 1.0:
+        raise InputError(f"state share must be in (0, 1), got {state_share}")
+    if state_slots is not None and state_slots < 0:
+        raise InputError(f"state slots must be >= 0, got {state_slots}")
+
+    floor = check_bs1_floor(plan, budget_bytes, context_len, max_running_requests)
+    fixed = fixed_allocations(plan, context_len, max_running_requests)
+    layout = arena_layout(plan, budget_bytes - fixed.total)
+    ps = plan.page_size
+    ctx_pages = pages_for(context_len, ps)
+    chain = plan.sub_pools
+    slack = sum(max(chain[i - 1].page_bytes, chain[i].page_bytes) for i in range(1, len(chain)))
+    avail = max(0, layout.chain_bytes - slack)
+    owner = plan.owner
+    windows = plan.windows
+    peaks = {w.name: min(window_peak_pages(w.window, ps), ctx_pages) for w in windows}
+
+    def window_pages(full_pages: int) -> dict[str, int]:
+        q, r = divmod(full_pages, ctx_pages)
+        return {w.name: q * peaks[w.name] + min(r, peaks[w.name]) for w in windows}
+
+    def token_bytes(full_pages: int) -> int:
+        wp = window_pages(full_pages)
+        return full_pages * owner.page_bytes + sum(wp[w.name] * w.page_bytes for w in windows)
+
+    state = plan.state
+    spr = state_slots_per_request(state) if state is not None else 0
+    if state is None:
+        slots = 0
+    elif state_slots is not None:
+        slots = state_slots
+    elif state_share is not None:
+        slots = int(state_share * avail) // state.page_bytes
+    else:
+        per_request = spr * state.page_bytes
+
+        def serves(n: int) -> bool:
+            return n * per_request + token_bytes(n * ctx_pages) <= avail
+
+        n = _max_true(0, max_running_requests, serves)
+        slots = max(n, 1) * spr
+    state_bytes = slots * (state.page_bytes if state is not None else 0)
+    if state_bytes > avail:
+        raise BudgetError(
+            f"{slots} state slots take {format_bytes(state_bytes)}, more than the chain's "
+            f"{format_bytes(avail)} after fixed allocations"
+        )
+    full_pages = _max_true(0, (avail - state_bytes) // owner.page_bytes,
+                           lambda p: state_bytes + token_bytes(p) <= avail)
+    wp = window_pages(full_pages)
+    targets = []
+    for pool in chain:
+        if pool.kind is PoolKind.FULL:
+            pages = full_pages
+        elif pool.kind is PoolKind.WINDOW:
+            pages = wp[pool.name]
+        else:
+            pages = slots
+        targets.append(PoolTarget(pool.name, pool.kind, pages, pages * pool.units_per_page, pages * pool.page_bytes))
+
+    bounds = {"tokens": full_pages // ctx_pages, "max running requests": max_running_requests}
+    if state is not None:
+        bounds["state slots"] = slots // spr
+    limited_by = min(bounds, key=lambda k: bounds[k])
+    return PlanSizing(
+        budget_bytes=budget_bytes,
+        context_len=context_len,
+        max_running_requests=max_running_requests,
+        fixed=fixed,
+        arena_bytes=layout.arena_bytes,
+        sink_bytes=layout.sink_bytes,
+        state_slots=slots,
+        state_slots_per_request=spr,
+        targets=tuple(targets),
+        full_tokens=full_pages * ps,
+        concurrency=bounds[limited_by],
+        limited_by=limited_by,
+        floor=floor,
+    )

@@ -1,0 +1,275 @@
+"""`KVStorage`: the one interface a scheduler (and the prefix tree, host tier and PD) uses.
+
+It allocates for extends and decodes, frees requests, hands out and copies state slots, translates
+ids once per iteration, gives kernels their views, and reports stats. Every allocation goes through
+the `ChainAllocator` as one chain take, priced exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .alloc.chain import ChainAllocator
+from .alloc.id_space import UNBOUND
+from .alloc.invariants import check_windows_released
+from .alloc.iteration_ids import IterationIds
+from .alloc.runner_ids import RunnerIds
+from .device.base import Device, PageAccess
+from .errors import CapacityError, InputError, InvariantError
+from .layout.views import SubPoolView
+from .memory.arena import KVArena
+from .plan import KVStoragePlan, PoolKind
+from .requests import NO_SLOT, RequestTable
+from .routed_cache import RoutedKVCache
+from .sizing import PlanSizing, pages_for
+
+
+@dataclass(frozen=True)
+class StorageStats:
+    live_pages: dict[str, int]
+    hole_pages: dict[str, int]
+    pending_pages: dict[str, int]
+    span_pages: dict[str, int]
+    live_bytes: int
+    chain_bytes: int
+    active_rows: int
+    moves: int
+
+    @property
+    def utilisation(self) -> float:
+        return self.live_bytes / max(1, self.chain_bytes)
+
+
+class KVStorage:
+    def __init__(
+        self,
+        plan: KVStoragePlan,
+        sizing: PlanSizing,
+        arena: KVArena,
+        allocator: ChainAllocator,
+        table: RequestTable,
+        views: dict[str, SubPoolView],
+    ) -> None:
+        self.plan = plan
+        self.sizing = sizing
+        self.arena = arena
+        self.allocator = allocator
+        self.table = table
+        self.views = views
+        self.page_size = plan.page_size
+        self.routed = RoutedKVCache(plan, views)
+
+    @property
+    def device(self) -> Device:
+        return self.allocator.device
+
+    @property
+    def move_epoch(self) -> int:
+        """Moves since start: a reader of physical ids re-reads them when this changed (PD-17)."""
+        return self.allocator.move_epoch
+
+    def view(self, name: str) -> SubPoolView:
+        return self.views[name]
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    def alloc_row(self) -> int:
+        return self.table.alloc_row()
+
+    def seq_len(self, row: int) -> int:
+        return int(self.table.seq_lens[row])
+
+    # -- allocation ----------------------------------------------------------------------------------
+
+    def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+        """Grow each row to its new length in one chain take; returns the virtual token ids written
+        (row by row, positions in order). Rows without a state slot get one in the same take.
+        Raises CapacityError with nothing changed when the arena cannot serve it."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        new_lens = np.asarray(new_lens, dtype=np.int64).reshape(-1)
+        table = self.table
+        if len(rows) != len(new_lens):
+            raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
+        if len(np.unique(rows)) != len(rows) or not table.active[rows].all():
+            raise InputError("alloc_extend needs distinct rows that are in use")
+        old_lens = table.seq_lens[rows]
+        if (new_lens < old_lens).any() or (new_lens > table.context_len).any():
+            raise InputError(f"new lengths must lie in [current length, {table.context_len}]")
+        ps = self.page_size
+        old_pages = (old_lens + ps - 1) // ps
+        counts = (new_lens + ps - 1) // ps - old_pages
+        n = int(counts.sum())
+        chain = self.allocator
+        need_slot = rows[table.state_slot[rows] == NO_SLOT] if chain.state_band is not None else rows[:0]
+        if n > len(chain.virtual_free):
+            raise CapacityError(f"owner has {len(chain.virtual_free)} free virtual pages, {n} needed")
+        if len(need_slot) > len(chain.slot_free):
+            raise CapacityError(f"state sub-pool has {len(chain.slot_free)} free slot ids, {len(need_slot)} needed")
+        demand = [0] * len(chain.bands)
+        for band in chain.bands:
+            demand[band.index] = len(need_slot) if band.pool.kind is PoolKind.STATE else n
+        physical = chain.take(demand)
+        if n:
+            vpages = chain.virtual_free.pop(n)
+            for band in chain.bands:
+                if band.pool.kind is not PoolKind.STATE:
+                    band.bind(vpages, physical[band.index])
+            starts = np.cumsum(counts) - counts
+            row_idx = np.repeat(rows, counts)
+            col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
+            table.page_table[row_idx, col] = vpages
+        if len(need_slot):
+            slots = chain.slot_free.pop(len(need_slot))
+            chain.state_band.bind(slots, physical[chain.state_band.index])
+            table.state_slot[need_slot] = slots
+        table.seq_lens[rows] = new_lens
+        return self._written_tokens(rows, old_lens, new_lens)
+
+    def _written_tokens(self, rows: np.ndarray, old_lens: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+        counts = new_lens - old_lens
+        total = int(counts.sum())
+        starts = np.cumsum(counts) - counts
+        pos = np.repeat(old_lens, counts) + (np.arange(total) - np.repeat(starts, counts))
+        row_idx = np.repeat(rows, counts)
+        ps = self.page_size
+        return self.table.page_table[row_idx, pos // ps] * ps + pos % ps
+
+    def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
+        """One more token for each row."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return self.alloc_extend(rows, self.table.seq_lens[rows] + 1)
+
+    def free_rows(self, rows: np.ndarray) -> None:
+        """End requests: windows release their rows first, then the owner, then state slots."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if not len(rows):
+            return
+        table = self.table
+        if not table.active[rows].all():
+            raise InvariantError("requests.row_state", f"free of rows not in use {rows[~table.active[rows]].tolist()}")
+        ps = self.page_size
+        counts = (table.seq_lens[rows] + ps - 1) // ps
+        mask = np.arange(table.max_pages)[None, :] < counts[:, None]
+        vpages = table.page_table[rows][mask]
+        self.free_virtual_pages(vpages)
+        slots = table.state_slot[rows]
+        self.free_state_slots(slots[slots != NO_SLOT])
+        for row in rows.tolist():
+            table.free_row(row)
+
+    def free_virtual_pages(self, vpages: np.ndarray) -> None:
+        """Release virtual pages: each window frees what it still binds, then the owner frees all."""
+        chain = self.allocator
+        if not len(vpages):
+            return
+        for band in chain.window_bands:
+            bound = vpages[band.ids.v2p[vpages] != UNBOUND]
+            band.free_virtual(bound)
+        check_windows_released(chain, vpages)
+        chain.owner.free_virtual(vpages)
+        chain.virtual_free.push(vpages)
+
+    # -- state slots ---------------------------------------------------------------------------------
+
+    def alloc_state_slots(self, n: int) -> np.ndarray:
+        """`n` state slots (virtual slot ids), e.g. checkpoint tracking slots."""
+        chain = self.allocator
+        if chain.state_band is None:
+            raise InputError("this plan has no state sub-pool")
+        if n > len(chain.slot_free):
+            raise CapacityError(f"state sub-pool has {len(chain.slot_free)} free slot ids, {n} needed")
+        demand = [0] * len(chain.bands)
+        demand[chain.state_band.index] = n
+        physical = chain.take(demand)[chain.state_band.index]
+        slots = chain.slot_free.pop(n)
+        chain.state_band.bind(slots, physical)
+        return slots
+
+    def free_state_slots(self, slots: np.ndarray) -> None:
+        chain = self.allocator
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(slots):
+            return
+        chain.state_band.free_virtual(slots)
+        chain.slot_free.push(slots)
+
+    def copy_state(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """Copy state slots on the schedule stream (a checkpoint, a fork)."""
+        band = self.allocator.state_band
+        src = band.ids.v2p[np.asarray(src_slots, dtype=np.int64)]
+        dst = band.ids.v2p[np.asarray(dst_slots, dtype=np.int64)]
+        if (src < 0).any() or (dst < 0).any():
+            raise InvariantError("band.free_of_bound_page", "state copy names an unbound slot")
+        self.allocator.copier.move_pages(band, src, dst, label="state_copy")
+
+    # -- translation -----------------------------------------------------------------------------------
+
+    def iteration_ids(self, virtual_tokens: np.ndarray, rows: np.ndarray | None = None) -> IterationIds:
+        slots = None if rows is None else self.table.state_slot[np.asarray(rows, dtype=np.int64)]
+        return IterationIds.translate(self.allocator, virtual_tokens, slots)
+
+    def runner_ids(self, rows: np.ndarray) -> RunnerIds:
+        return RunnerIds.translate(self.allocator, self.table, rows)
+
+    def page_access(self, sub_pool: str, physical: np.ndarray) -> PageAccess:
+        return PageAccess(self.plan.by_name(sub_pool).index, physical)
+
+    # -- maintenance and stats -------------------------------------------------------------------------
+
+    def flush_opportunistic(self) -> int:
+        return self.allocator.flush_opportunistic()
+
+    def stats(self) -> StorageStats:
+        bands = self.allocator.bands
+        return StorageStats(
+            live_pages={b.name: b.n_live for b in bands},
+            hole_pages={b.name: b.n_holes for b in bands},
+            pending_pages={b.name: b.n_pending for b in bands},
+            span_pages={b.name: b.span for b in bands},
+            live_bytes=sum(b.n_live * b.page_bytes for b in bands),
+            chain_bytes=self.allocator.layout.chain_bytes,
+            active_rows=int(self.table.active.sum()),
+            moves=sum(b.stats["moves"] for b in bands),
+        )
+
+    def expected_live_pages(self) -> dict[str, int]:
+        """Live pages per band that the active rows account for."""
+        table = self.table
+        rows = np.flatnonzero(table.active)
+        ps = self.page_size
+        counts = (table.seq_lens[rows] + ps - 1) // ps
+        mask = np.arange(table.max_pages)[None, :] < counts[:, None]
+        vpages = table.page_table[rows][mask]
+        out = {}
+        for band in self.allocator.bands:
+            if band.pool.kind is PoolKind.STATE:
+                out[band.name] = int((table.state_slot[rows] != NO_SLOT).sum())
+            elif band is self.allocator.owner:
+                out[band.name] = len(vpages)
+            else:
+                out[band.name] = int(np.count_nonzero(band.ids.v2p[vpages] != UNBOUND))
+        return out
+
+    def check_idle(self, held: dict[str, int] | None = None) -> None:
+        """Idle checks (CHK-15): no page pending without a forward, no leaked page per sub-pool beyond
+        what rows and `held` (e.g. the prefix tree) account for, row states, byte conservation."""
+        chain = self.allocator
+        chain.forward_steps.check_idle()
+        expected = self.expected_live_pages()
+        problems = []
+        for band in chain.bands:
+            want = expected[band.name] + (held or {}).get(band.name, 0)
+            if band.n_live != want:
+                problems.append(f"{band.name}: {band.n_live} live pages, rows and holders account for {want}")
+        problems += self.table.check_rows()
+        if problems:
+            raise InvariantError("storage.idle_leak", "; ".join(problems))
+        chain.verify_byte_accounting()
+
+
+def pages_needed(lens: np.ndarray, page_size: int) -> np.ndarray:
+    return (np.asarray(lens) + page_size - 1) // page_size
+
+
+__all__ = ["KVStorage", "StorageStats", "pages_for", "pages_needed"]

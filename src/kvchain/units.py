@@ -1,0 +1,86 @@
+"""Byte sizes and dtypes as users write them: `80GiB`, `512MiB`, `1.5e9`, `bfloat16`."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .errors import InputError
+
+_SUFFIX = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int) -> int:
+    """`80GiB` -> 85899345920. Raises InputError on anything that is not a positive size."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match or match.group(2).lower() not in _SUFFIX:
+            raise InputError(f"not a byte size: {text!r} (try 80GiB, 512MiB or a number of bytes)")
+        value = int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
+    if value <= 0:
+        raise InputError(f"a byte size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: int | float) -> str:
+    """Human bytes with binary units: 85899345920 -> '80.00 GiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+            "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Canonical dtype name ('bfloat16') for a name, an alias or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+        raise InputError(f"unsupported KV dtype {dtype}")
+    name = str(dtype).lower().removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise InputError(f"unsupported KV dtype {dtype!r} (use one of {', '.join(_DTYPES)})")
+    return name
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return _DTYPES[dtype_name(dtype)]
+
+
+def dtype_size(dtype: str | torch.dtype) -> int:
+    return torch_dtype(dtype).itemsize

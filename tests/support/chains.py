@@ -1,0 +1,137 @@
+"""Small real chains for tests: a hybrid plan on a tiny CPU arena, plus payload bookkeeping that
+writes a known value into every live page through the views and checks it reads back."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvchain.build import build_kv_storage
+from kvchain.decl import (
+    MHA,
+    MLA,
+    FullLifetime,
+    KVPart,
+    State,
+    StateLifetime,
+    StateTensor,
+    WindowLifetime,
+    kv_layer_decls,
+)
+from kvchain.plan import PoolKind, plan_kv_storage
+from kvchain.sizing import size_plan
+from kvchain.storage import KVStorage
+
+
+def hybrid_decls(windows=(32, 8), state=True, heads=(1, 2, 1), mla=False, head_dim=8):
+    """Layers: full attention (+ state on layer 0), then one layer per window length."""
+    full_geom = MLA(16, 8) if mla else MHA(heads[0], head_dim)
+    layers = []
+    first = [KVPart(full_geom, FullLifetime())]
+    if state:
+        first.append(KVPart(State((StateTensor("conv", (4, 3)), StateTensor("ssm", (2, 4), "float32"))),
+                            StateLifetime()))
+    layers.append(first)
+    for k, w in enumerate(windows):
+        layers.append(KVPart(MHA(heads[(k + 1) % len(heads)], head_dim), WindowLifetime(w)))
+    return kv_layer_decls(layers)
+
+
+def small_storage(page_size=2, chain_kib=24, windows=(32, 8), state=True, context=128, rows=8,
+                  heads=(1, 2, 1), mla=False, backend=None, device="cpu") -> KVStorage:
+    plan = plan_kv_storage(hybrid_decls(windows, state, heads, mla), page_size=page_size)
+    probe = size_plan(plan, 64 * 2**20, context_len=context, max_running_requests=rows, state_slots=rows)
+    budget = probe.fixed.total + chain_kib * 1024
+    sizing = size_plan(plan, budget, context_len=context, max_running_requests=rows, state_slots=rows)
+    return build_kv_storage(plan, sizing, device, backend=backend)
+
+
+def allocator_state(storage: KVStorage):
+    """Everything the allocator decides with, for exact before/after comparison."""
+    chain = storage.allocator
+    out = [chain.virtual_free.view().copy(), chain.slot_free.view().copy()]
+    for b in chain.bands:
+        out += [b.state.copy(), b.holes.view().copy(), b.ids.v2p.copy(), b.ids.p2v.copy(), b.fixed_mask.copy(),
+                (b.lo, b.hi, b.parked, b.n_live, b.n_holes, b.n_pending, b.n_fixed),
+                [(x.key, x.size) for x in b.pending]]
+    t = storage.table
+    out += [t.page_table.copy(), t.seq_lens.copy(), t.state_slot.copy(), t.active.copy()]
+    return out
+
+
+def same_state(a, b) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, np.ndarray):
+            if not np.array_equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+class Payloads:
+    """Writes a value unique to (sub-pool, virtual page, offset) into every token a request holds,
+    through the typed views at the translated physical ids, and checks it reads back."""
+
+    def __init__(self, storage: KVStorage) -> None:
+        self.storage = storage
+        self.plan = storage.plan
+
+    def _value(self, band_index: int, vtok: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(((vtok * 7 + band_index * 13) % 1000 + 1).astype(np.float32))
+
+    def write_tokens(self, rows: np.ndarray, vtok: np.ndarray) -> None:
+        ids = self.storage.iteration_ids(vtok)
+        ps = self.plan.page_size
+        for pool in self.plan.sub_pools:
+            if pool.kind is PoolKind.STATE:
+                continue
+            loc = ids.locs[pool.name]
+            view = self.storage.view(pool.name)
+            comp = pool.envelope.components[0]
+            t = view.tensor(comp.layer_id, comp.name)
+            vals = self._value(pool.index, vtok).to(t.dtype)
+            shape = (len(loc),) + (1,) * (t.dim() - 2)
+            t[torch.from_numpy(loc // ps), torch.from_numpy(loc % ps)] = vals.view(shape)
+
+    def write_slots(self, rows: np.ndarray) -> None:
+        state = self.plan.state
+        if state is None:
+            return
+        slots = self.storage.table.state_slot[rows]
+        phys = self.storage.allocator.state_band.ids.v2p[slots]
+        comp = state.envelope.components[-1]
+        t = self.storage.view("state").tensor(comp.layer_id, comp.name)
+        vals = torch.from_numpy((slots * 3 + 1).astype(np.float32)).to(t.dtype)
+        t[torch.from_numpy(phys)] = vals.view((len(phys),) + (1,) * (t.dim() - 1))
+
+    def check(self) -> None:
+        storage = self.storage
+        table = storage.table
+        rows = np.flatnonzero(table.active)
+        if not len(rows):
+            return
+        ps = self.plan.page_size
+        runner = storage.runner_ids(rows)
+        vt = table.req_to_token(rows)
+        lens = table.seq_lens[rows]
+        valid = np.arange(vt.shape[1])[None, :] < lens[:, None]
+        for pool in self.plan.sub_pools:
+            if pool.kind is PoolKind.STATE:
+                comp = pool.envelope.components[-1]
+                t = storage.view("state").tensor(comp.layer_id, comp.name)
+                slots = table.state_slot[rows]
+                got = t[torch.from_numpy(runner.state_slots)].reshape(len(rows), -1)[:, 0].float().numpy()
+                np.testing.assert_array_equal(got, (slots * 3 + 1).astype(np.float32), err_msg="state slot lost")
+                continue
+            comp = pool.envelope.components[0]
+            t = storage.view(pool.name).tensor(comp.layer_id, comp.name)
+            pt = runner.page_tables[pool.name]
+            pos = np.arange(vt.shape[1])
+            pages = pt[:, pos // ps]
+            got = t[torch.from_numpy(pages[valid]), torch.from_numpy(np.broadcast_to(pos % ps, vt.shape)[valid])]
+            got = got.reshape(len(got), -1)[:, 0].float().numpy()
+            want = self._value(pool.index, vt[valid]).to(t.dtype).float().numpy()
+            np.testing.assert_array_equal(got, want, err_msg=f"{pool.name}: bytes lost")
