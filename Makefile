@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	@$(VENV)/bin/kvchain plan --model gpt-oss-120b --budget 80GiB
+	@$(VENV)/bin/kvchain plan --model hymba-1.5b --budget 80GiB --context 8192
 
 test: $(STAMP)
-	@$(VENV)/bin/ruff check src tests bench
+	@$(VENV)/bin/ruff check src tests
 	@$(PY) -m pytest -q -n $(JOBS)
 
 lint: $(STAMP)
-	@$(VENV)/bin/ruff check src tests bench
+	@$(VENV)/bin/ruff check src tests
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis

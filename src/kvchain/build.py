@@ -27,7 +27,7 @@ def build_kv_storage(
     simulation at real scale with no memory); `backend` runs allocator work (default: immediate)."""
     arena = KVArena(plan, sizing.arena_bytes, device)
     allocator = ChainAllocator(plan, arena, backend or ImmediateDevice(), scratch_bytes=sizing.fixed.scratch)
-    table = RequestTable(sizing.max_running_requests + 1, sizing.context_len, plan.page_size)
+    table = RequestTable(sizing.max_running_requests + 1, sizing.context_len, plan.page_size, len(plan.windows))
     views = {pool.name: SubPoolView(pool, arena.page_bytes_view(pool.index)) for pool in plan.sub_pools}
     storage = KVStorage(plan, sizing, arena, allocator, table, views)
     allocator.prewarm_compaction()

@@ -86,11 +86,15 @@ def get(name: str) -> object:
     return var.parse(raw)
 
 
+_LEVELS = {str(int(v)): v for v in InvariantCheckLevel}
+
+
 def invariant_level() -> InvariantCheckLevel:
     """The effective check level: unset means off, or strict when the older assert switch is set."""
-    level = get("KVCHAIN_INVARIANT_CHECK")
-    if level is not None:
-        return level  # type: ignore[return-value]
+    raw = os.environ.get("KVCHAIN_INVARIANT_CHECK")
+    if raw:
+        level = _LEVELS.get(raw.strip())
+        return level if level is not None else _level(raw)
     if get("KVCHAIN_ENABLE_ASYNC_ASSERT"):
         return InvariantCheckLevel.STRICT
     return InvariantCheckLevel.OFF

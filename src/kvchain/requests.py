@@ -41,7 +41,7 @@ class RowResets:
 class RequestTable:
     """Per-row page tables of owner virtual page ids, lengths, and state slot ids."""
 
-    def __init__(self, rows: int, context_len: int, page_size: int) -> None:
+    def __init__(self, rows: int, context_len: int, page_size: int, n_windows: int = 0) -> None:
         if rows < 2:
             raise ValueError("a request table needs at least one row besides the padding row")
         self.rows = rows
@@ -52,6 +52,8 @@ class RequestTable:
         self.seq_lens = np.zeros(rows, dtype=np.int64)
         self.state_slot = np.full(rows, NO_SLOT, dtype=np.int64)
         self.active = np.zeros(rows, dtype=bool)
+        #: per window band, the first page each row still binds there (earlier pages are retired)
+        self.window_lo = np.zeros((rows, n_windows), dtype=np.int64)
         self._free = IdStack(rows, np.arange(rows - 1, 0, -1, dtype=np.int64))
         self.resets = RowResets(rows)
 
@@ -74,7 +76,20 @@ class RequestTable:
         self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)] = 0
         self.seq_lens[row] = 0
         self.state_slot[row] = NO_SLOT
+        self.window_lo[row] = 0
         self._free.push(np.array([row], dtype=np.int64))
+
+    def release_rows(self, rows: np.ndarray) -> None:
+        """Give rows back (vectorised `free_row`)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not self.active[rows].all():
+            raise InvariantError("requests.row_state", f"rows freed while not in use: {rows[~self.active[rows]].tolist()}")
+        self.active[rows] = False
+        self.page_table[rows] = 0
+        self.seq_lens[rows] = 0
+        self.state_slot[rows] = NO_SLOT
+        self.window_lo[rows] = 0
+        self._free.push(rows)
 
     def pages_of(self, row: int) -> np.ndarray:
         return self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)].copy()
@@ -92,7 +107,8 @@ class RequestTable:
         problems = []
         inactive = ~self.active
         inactive[0] = False
-        if (self.seq_lens[inactive] != 0).any() or (self.state_slot[inactive] != NO_SLOT).any():
+        if ((self.seq_lens[inactive] != 0).any() or (self.state_slot[inactive] != NO_SLOT).any()
+                or self.window_lo[inactive].any()):
             problems.append("an inactive request row still holds a length or a state slot")
         if self.page_table[inactive].any():
             problems.append("an inactive request row still holds pages")

@@ -223,7 +223,11 @@ def size_plan(
     peaks = {w.name: min(window_peak_pages(w.window, ps), ctx_pages) for w in windows}
 
     def window_pages(full_pages: int) -> dict[str, int]:
+        """Each request of `context_len` tokens that `full_pages` hold retains at most its window's
+        peak; no more requests run than there are request rows."""
         q, r = divmod(full_pages, ctx_pages)
+        if q >= max_running_requests:
+            return {w.name: max_running_requests * peaks[w.name] for w in windows}
         return {w.name: q * peaks[w.name] + min(r, peaks[w.name]) for w in windows}
 
     def token_bytes(full_pages: int) -> int:

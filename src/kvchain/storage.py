@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .alloc import invariants
+from .alloc.band import allocator_operation
 from .alloc.chain import ChainAllocator
 from .alloc.id_space import UNBOUND
 from .alloc.invariants import check_windows_released
@@ -39,6 +41,19 @@ class StorageStats:
     @property
     def utilisation(self) -> float:
         return self.live_bytes / max(1, self.chain_bytes)
+
+
+def _operation(fn):
+    """Run a KVStorage method as one allocator operation."""
+
+    def wrapper(self, *args, **kwargs):
+        with allocator_operation():
+            return fn(self, *args, **kwargs)
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
 
 
 class KVStorage:
@@ -82,6 +97,7 @@ class KVStorage:
 
     # -- allocation ----------------------------------------------------------------------------------
 
+    @_operation
     def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
         """Grow each row to its new length in one chain take; returns the virtual token ids written
         (row by row, positions in order). Rows without a state slot get one in the same take.
@@ -91,7 +107,9 @@ class KVStorage:
         table = self.table
         if len(rows) != len(new_lens):
             raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
-        if len(np.unique(rows)) != len(rows) or not table.active[rows].all():
+        if not table.active[rows].all() or (
+            invariants.level() and len(rows) > 1 and np.bincount(rows).max() > 1
+        ):
             raise InputError("alloc_extend needs distinct rows that are in use")
         old_lens = table.seq_lens[rows]
         if (new_lens < old_lens).any() or (new_lens > table.context_len).any():
@@ -101,23 +119,27 @@ class KVStorage:
         counts = (new_lens + ps - 1) // ps - old_pages
         n = int(counts.sum())
         chain = self.allocator
-        need_slot = rows[table.state_slot[rows] == NO_SLOT] if chain.state_band is not None else rows[:0]
+        state = chain.state_band
+        need_slot = rows[table.state_slot[rows] == NO_SLOT] if state is not None else rows[:0]
         if n > len(chain.virtual_free):
             raise CapacityError(f"owner has {len(chain.virtual_free)} free virtual pages, {n} needed")
         if len(need_slot) > len(chain.slot_free):
             raise CapacityError(f"state sub-pool has {len(chain.slot_free)} free slot ids, {len(need_slot)} needed")
-        demand = [0] * len(chain.bands)
-        for band in chain.bands:
-            demand[band.index] = len(need_slot) if band.pool.kind is PoolKind.STATE else n
+        demand = [n] * len(chain.bands)
+        if state is not None:
+            demand[state.index] = len(need_slot)
         physical = chain.take(demand)
         if n:
             vpages = chain.virtual_free.pop(n)
-            for band in chain.bands:
-                if band.pool.kind is not PoolKind.STATE:
-                    band.bind(vpages, physical[band.index])
-            starts = np.cumsum(counts) - counts
-            row_idx = np.repeat(rows, counts)
-            col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
+            for band in chain.token_bands:
+                band.bind(vpages, physical[band.index])
+            if n == len(rows) or counts.max() == 1:  # decode: one new page for some rows
+                grown = counts > 0
+                row_idx, col = rows[grown], old_pages[grown]
+            else:
+                starts = np.cumsum(counts) - counts
+                row_idx = np.repeat(rows, counts)
+                col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
             table.page_table[row_idx, col] = vpages
         if len(need_slot):
             slots = chain.slot_free.pop(len(need_slot))
@@ -128,6 +150,9 @@ class KVStorage:
 
     def _written_tokens(self, rows: np.ndarray, old_lens: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
         counts = new_lens - old_lens
+        ps = self.page_size
+        if (counts == 1).all():  # decode
+            return self.table.page_table[rows, old_lens // ps] * ps + old_lens % ps
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         pos = np.repeat(old_lens, counts) + (np.arange(total) - np.repeat(starts, counts))
@@ -135,11 +160,20 @@ class KVStorage:
         ps = self.page_size
         return self.table.page_table[row_idx, pos // ps] * ps + pos % ps
 
+    @_operation
     def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
         """One more token for each row."""
         rows = np.asarray(rows, dtype=np.int64)
         return self.alloc_extend(rows, self.table.seq_lens[rows] + 1)
 
+    @_operation
+    def advance(self, rows: np.ndarray, floors: np.ndarray | None = None) -> int:
+        """After a forward: retire the window rows that fell out of each window (WIN-1)."""
+        from .advance import retire_window_rows
+
+        return retire_window_rows(self, rows, floors)
+
+    @_operation
     def free_rows(self, rows: np.ndarray) -> None:
         """End requests: windows release their rows first, then the owner, then state slots."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -155,9 +189,9 @@ class KVStorage:
         self.free_virtual_pages(vpages)
         slots = table.state_slot[rows]
         self.free_state_slots(slots[slots != NO_SLOT])
-        for row in rows.tolist():
-            table.free_row(row)
+        table.release_rows(rows)
 
+    @_operation
     def free_virtual_pages(self, vpages: np.ndarray) -> None:
         """Release virtual pages: each window frees what it still binds, then the owner frees all."""
         chain = self.allocator
@@ -172,6 +206,7 @@ class KVStorage:
 
     # -- state slots ---------------------------------------------------------------------------------
 
+    @_operation
     def alloc_state_slots(self, n: int) -> np.ndarray:
         """`n` state slots (virtual slot ids), e.g. checkpoint tracking slots."""
         chain = self.allocator
@@ -186,6 +221,7 @@ class KVStorage:
         chain.state_band.bind(slots, physical)
         return slots
 
+    @_operation
     def free_state_slots(self, slots: np.ndarray) -> None:
         chain = self.allocator
         slots = np.asarray(slots, dtype=np.int64)
@@ -194,6 +230,7 @@ class KVStorage:
         chain.state_band.free_virtual(slots)
         chain.slot_free.push(slots)
 
+    @_operation
     def copy_state(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         """Copy state slots on the schedule stream (a checkpoint, a fork)."""
         band = self.allocator.state_band
@@ -217,6 +254,7 @@ class KVStorage:
 
     # -- maintenance and stats -------------------------------------------------------------------------
 
+    @_operation
     def flush_opportunistic(self) -> int:
         return self.allocator.flush_opportunistic()
 

@@ -131,7 +131,15 @@ class Payloads:
             pt = runner.page_tables[pool.name]
             pos = np.arange(vt.shape[1])
             pages = pt[:, pos // ps]
+            held = valid
+            if pool.kind is PoolKind.WINDOW:
+                k = [w.name for w in self.plan.windows].index(pool.name)
+                held = valid & (pos[None, :] >= table.window_lo[rows, k][:, None] * ps)
+                sink = storage.allocator.bands[pool.index].grid.sink_id
+                assert (pages[valid & ~held] == sink).all(), f"{pool.name}: a retired row does not read the sink"
+            valid_all, valid = valid, held
             got = t[torch.from_numpy(pages[valid]), torch.from_numpy(np.broadcast_to(pos % ps, vt.shape)[valid])]
             got = got.reshape(len(got), -1)[:, 0].float().numpy()
             want = self._value(pool.index, vt[valid]).to(t.dtype).float().numpy()
             np.testing.assert_array_equal(got, want, err_msg=f"{pool.name}: bytes lost")
+            valid = valid_all

@@ -18,11 +18,24 @@ from ..memory.arena import BandGrid
 from ..plan import Placement, PoolKind, SubPool
 from . import invariants
 from .forward_steps import PendingPages
-from .id_space import UNBOUND, IdStack, UnitIds
+from .id_space import IdStack, UnitIds
 from .pricing import BandSnap, Side, take_layout
 
 if TYPE_CHECKING:
     from .chain import ChainAllocator
+
+
+class allocator_operation:
+    """One allocator operation (a take, a free, a flush, an advance): the invariant level is read
+    once at its start, and the rules that hold within one operation are checked against it."""
+
+    __slots__ = ("pinned",)
+
+    def __enter__(self) -> None:
+        self.pinned = invariants.begin_operation()
+
+    def __exit__(self, *exc) -> None:
+        invariants.end_operation(self.pinned)
 
 
 class PageState(enum.IntEnum):
@@ -49,18 +62,16 @@ class CapacityEpoch:
 
 
 class _CapacityField:
-    """A band attribute that pricing reads: every rebind moves the capacity epoch (CAP-7)."""
+    """A band attribute that pricing reads: every rebind moves the capacity epoch (CAP-7).
+
+    Only `__set__` is defined, so a read finds the value in the instance dict at plain attribute
+    speed, while every write still goes through here."""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.attr = "_cf_" + name
-
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self
-        return getattr(obj, self.attr)
+        self.name = name
 
     def __set__(self, obj, value) -> None:
-        setattr(obj, self.attr, value)
+        obj.__dict__[self.name] = value
         obj.epoch.bump()
 
 
@@ -91,7 +102,7 @@ class Band:
             self.state[grid.sink_id] = SINK
         self.fixed_mask = np.zeros(n, dtype=bool)
         self.holes = IdStack(n)
-        self.ids = UnitIds(n_virtual, n)
+        self.ids = UnitIds(n_virtual, n, grid.sink_id)
         self.pending = PendingPages()
         self.stats = {"moves": 0, "flushes": 0, "settled_batches": 0, "zeroed_pages": 0}
         self.n_live = 0
@@ -133,43 +144,35 @@ class Band:
 
     def snapshot(self) -> BandSnap:
         """Counts and frontiers only, never hole positions (CAP-4)."""
+        parked = self.parked
         return BandSnap(
-            index=self.index,
-            placement=self.placement,
-            page_bytes=self.page_bytes,
-            origin=self.grid.origin,
-            first_id=self.grid.first_id,
-            n_grid=self.grid.n_grid,
-            lo=-1 if self.parked else self.lo,
-            hi=-1 if self.parked else self.hi,
-            parked=self.parked,
-            live=self.n_live,
-            holes=self.n_holes,
-            pending=self.n_pending,
-            fixed=self.n_fixed,
-            fixed_far=self._fixed_far(),
-            pinned=self.n_fixed > 0,
+            self.index, self.placement, self.page_bytes, self.grid.origin, self.grid.first_id, self.grid.n_grid,
+            -1 if parked else self.lo, -1 if parked else self.hi, parked, self.n_live, self.n_holes,
+            self.n_pending, self.n_fixed, self._fixed_far() if self.n_fixed else 0, self.n_fixed > 0,
         )
 
     # -- taking -----------------------------------------------------------------------------
 
-    def _acquire(self, n: int) -> np.ndarray:
+    def _acquire(self, n: int, after: BandSnap | None = None) -> np.ndarray:
         """Hand out `n` writable pages: holes, then settled pending batches, then frontier growth.
 
-        Every failure check runs before anything settles, so a refused take changes nothing."""
-        self.chain.forward_steps.assert_no_open_launch(f"take of {n} {self.name} pages")
+        `after` is this band's layout after the take when the caller already computed it with
+        `take_layout` on the current state (a chain take's in-place plan). Every failure check
+        runs before anything settles, so a refused take changes nothing."""
+        self.chain.forward_steps.assert_no_open_launch("take", self.name, n)
         if n <= 0:
             return np.empty(0, dtype=np.int64)
-        prev_top, next_bottom = self.chain.neighbour_bounds(self.index)
-        before = self.snapshot()
-        after = take_layout(before, n, prev_top, next_bottom)
-        if after is None:
-            raise CapacityError(
-                f"{self.name}: cannot take {n} pages (holes {self.n_holes}, pending {self.n_pending}, "
-                f"span {self.span}, growth room exhausted)"
-            )
-        from_pending = min(max(0, n - self.n_holes), self.n_pending)
-        grow = n - self.n_holes - self.n_pending if n > self.n_holes + self.n_pending else 0
+        holes, pending = self.n_holes, self.n_pending
+        grow = n - holes - pending if n > holes + pending else 0
+        if grow and after is None:
+            prev_top, next_bottom = self.chain.neighbour_bounds(self.index)
+            after = take_layout(self.snapshot(), n, prev_top, next_bottom)
+            if after is None:
+                raise CapacityError(
+                    f"{self.name}: cannot take {n} pages (holes {holes}, pending {pending}, "
+                    f"span {self.span}, growth room exhausted)"
+                )
+        from_pending = min(max(0, n - holes), pending)
         if from_pending:
             self.settle_pending(self.pending.oldest_covering(from_pending))
         parts = []
@@ -219,7 +222,7 @@ class Band:
         """Logical free (LIFE-2, LIFE-3): the pages are unbound and leave at once, with no stream
         wait. Under a
         recorded, unprocessed forward they pend on it; otherwise they become holes."""
-        self.chain.forward_steps.assert_no_open_launch(f"free of {len(ids)} {self.name} pages")
+        self.chain.forward_steps.assert_no_open_launch("free", self.name, len(ids))
         if not len(ids):
             return
         invariants.check_freed_pages(self, ids)
@@ -270,30 +273,48 @@ class Band:
 
     # -- compaction -------------------------------------------------------------------------
 
-    def _movable_live(self) -> np.ndarray:
-        span = self.state[self.lo : self.hi]
-        return np.flatnonzero((span == LIVE) & ~self.fixed_mask[self.lo : self.hi]) + self.lo
-
-    def _span_holes(self) -> np.ndarray:
-        return np.flatnonzero(self.state[self.lo : self.hi] == HOLE) + self.lo
+    def _frontier_scan(self, wanted: int, match) -> np.ndarray:
+        """Grid ids where `match(states, ids)` holds, nearest the frontier first, scanning inward in
+        chunks until `wanted` are found: work in proportion to what the caller needs, not the span."""
+        found: list[np.ndarray] = []
+        got = 0
+        chunk = max(256, 2 * wanted)
+        down = self.placement is Placement.DOWN_END
+        a, b = self.lo, self.hi
+        while got < wanted and a < b:
+            if down:
+                ids = np.arange(a, min(a + chunk, b))
+                a = ids[-1] + 1
+            else:
+                ids = np.arange(max(b - chunk, a), b)[::-1]
+                b = ids[-1]
+            hit = ids[match(self.state[ids], ids)]
+            found.append(hit)
+            got += len(hit)
+        out = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+        return out[:wanted]
 
     def flush(self, max_moves: int | None) -> int:
-        """Move live pages from the far side of the span into holes near the band's base, then
+        """Move the live pages nearest the frontier into the holes nearest the band's base, then
         absorb the holes left at the frontier. Returns pages moved. Fixed pages never move."""
-        if self.parked or self.span == 0:
+        if self.parked or self.span == 0 or not self.n_holes:
             return 0
         moved = 0
-        if not self.n_pending and self.n_holes:
-            live = self._movable_live()
-            holes = self._span_holes()
-            if self.placement is Placement.DOWN_END:
-                src, dst = live, holes[::-1]
-                k = int(np.count_nonzero(dst[: len(src)] > src[: len(dst)]))
+        if not self.n_pending:
+            holes = self.holes.view()
+            down = self.placement is Placement.DOWN_END
+            k = len(holes) if max_moves is None else min(max_moves, len(holes))
+            if k < len(holes):
+                part = np.partition(holes, len(holes) - k if down else k - 1)
+                dst = part[len(holes) - k :] if down else part[:k]
             else:
-                src, dst = live[::-1], holes
-                k = int(np.count_nonzero(dst[: len(src)] < src[: len(dst)]))
-            if max_moves is not None:
-                k = min(k, max_moves)
+                dst = holes.copy()
+            dst = np.sort(dst)[::-1] if down else np.sort(dst)
+            fixed = self.fixed_mask
+            src = self._frontier_scan(k, lambda st, ids: (st == LIVE) & ~fixed[ids])
+            n = min(len(src), len(dst))
+            beyond = dst[:n] > src[:n] if down else dst[:n] < src[:n]
+            k = int(np.count_nonzero(beyond))
             if k:
                 self._commit_move_batch(src[:k].copy(), dst[:k].copy())
                 moved = k
@@ -312,19 +333,16 @@ class Band:
         """Retreat the frontier over trailing holes; never over a pending, live or fixed page."""
         if self.parked or self.span == 0:
             return
-        span = self.state[self.lo : self.hi]
-        keep = np.flatnonzero(span != HOLE)
+        first_kept = self._frontier_scan(1, lambda st, ids: st != HOLE)
         if self.placement is Placement.DOWN_END:
-            new_lo = self.lo + (int(keep[0]) if len(keep) else self.span)
-            absorbed = np.arange(self.lo, new_lo)
-            if len(absorbed):
-                self._drop_holes(absorbed)
+            new_lo = int(first_kept[0]) if len(first_kept) else self.hi
+            if new_lo > self.lo:
+                self._drop_holes(np.arange(self.lo, new_lo))
                 self.lo = new_lo
         else:
-            new_hi = self.lo + (int(keep[-1]) + 1 if len(keep) else 0)
-            absorbed = np.arange(new_hi, self.hi)
-            if len(absorbed):
-                self._drop_holes(absorbed)
+            new_hi = int(first_kept[0]) + 1 if len(first_kept) else self.lo
+            if new_hi < self.hi:
+                self._drop_holes(np.arange(new_hi, self.hi))
                 self.hi = new_hi
 
     def _drop_holes(self, ids: np.ndarray) -> None:
@@ -338,8 +356,8 @@ class Band:
         self.chain.copier.move_pages(self, src, dst)
         self.ids.rebind_physical(src, dst)
         self.state[dst] = LIVE
+        self.holes.keep(self.state[self.holes.view()] == HOLE)
         self.state[src] = HOLE
-        self.holes.remove(dst)
         self.holes.push(src)
         self.stats["moves"] += len(src)
         self.chain.move_epoch += 1
@@ -377,10 +395,7 @@ class Band:
 
     def translate(self, virtual: np.ndarray) -> np.ndarray:
         """Physical page ids for virtual ones; an unbound id reads as the sink (IDS-4)."""
-        physical = self.ids.v2p[virtual]
-        if self.grid.sink_id is not None:
-            physical = np.where(physical == UNBOUND, self.grid.sink_id, physical)
-        return physical
+        return self.ids.read_map[virtual]
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -425,7 +440,9 @@ class FloatBand(Band):
         return self.flush(None)
 
     def _absorb_span_boundary_holes(self) -> None:
-        if self.parked:
+        if self.parked or not self.n_holes:
+            return
+        if self.state[self.lo] != HOLE and self.state[self.hi - 1] != HOLE:
             return
         span = self.state[self.lo : self.hi]
         keep = np.flatnonzero(span != HOLE)
@@ -469,9 +486,11 @@ class FloatBand(Band):
         keep = src != dst
         src, dst = src[keep], dst[keep]
         remaining = np.ones(len(src), dtype=bool)
+        reading = np.zeros(self.grid.n_grid, dtype=bool)
         while remaining.any():
-            still_read = src[remaining]
-            wave = remaining & ~np.isin(dst, still_read)
+            reading[:] = False
+            reading[src[remaining]] = True
+            wave = remaining & ~reading[dst]
             if not wave.any():
                 raise AssertionError("relocation copies form a cycle")
             self.chain.copier.move_pages(self, src[wave], dst[wave])

@@ -32,6 +32,7 @@ from .pricing import (
     first_plan,
     plan,
     reclaimed_snapshot,
+    take_layout,
 )
 
 log = logging.getLogger("kvchain.chain")
@@ -58,11 +59,15 @@ class ChainAllocator:
             self.bands.append(cls(pool, grid, self, n_virtual))
         self.owner = self.bands[-1]
         self.window_bands = [b for b in self.bands if b.pool.kind is PoolKind.WINDOW]
+        self.token_bands = [b for b in self.bands if b.pool.kind is not PoolKind.STATE]
         self.state_band = next((b for b in self.bands if b.pool.kind is PoolKind.STATE), None)
         self.virtual_free = IdStack(self.n_virtual, np.arange(self.n_virtual - 1, 0, -1, dtype=np.int64))
         n_slots = self.state_band.grid.n_grid if self.state_band is not None else 0
         self.slot_free = IdStack(n_slots, np.arange(n_slots - 1, -1, -1, dtype=np.int64))
         self._memo: ChainSnapshot | None = None
+        #: read once at construction, like the rest of the pool's configuration
+        self.max_moves_per_call = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
+        self.log_compaction_stats = bool(env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -166,12 +171,30 @@ class ChainAllocator:
         return self._plan_and_take(self._check_demand(pages))
 
     def _plan_and_take(self, pages: tuple[int, ...]) -> list[np.ndarray]:
+        bands = self.bands
+        growers = [i for i, (b, n) in enumerate(zip(bands, pages)) if n > b.n_holes + b.n_pending]
+        if not growers:
+            # every band serves its share from holes and pending pages: the in-place plan holds
+            # with no growth, so there is nothing to price
+            return [band._acquire(n) for band, n in zip(bands, pages)]
+        if len(growers) == 1:
+            # one band grows and no other band's span changes, so its in-place layout against its
+            # neighbours as they stand is the in-place plan's answer for it
+            i = growers[0]
+            prev_top, next_bottom = self.neighbour_bounds(i)
+            after = take_layout(bands[i].snapshot(), pages[i], prev_top, next_bottom)
+            if after is not None:
+                return [band._acquire(n, after if j == i else None) for j, (band, n) in enumerate(zip(bands, pages))]
         snap = self.pricing_snapshot()
-        if plan(snap, pages, Step.NO_MOVE) is None:
+        in_place = plan(snap, pages, Step.NO_MOVE)
+        if in_place is None:
             if not feasible(snap, pages):
                 raise CapacityError(self._shortfall_message(pages))
             self._relieve(pages)
-        return [band._acquire(n) for band, n in zip(self.bands, pages)]
+            return [band._acquire(n) for band, n in zip(self.bands, pages)]
+        # the in-place plan ran take_layout on each band in chain order on the current state:
+        # hand its per-band result to the take instead of computing it again
+        return [band._acquire(n, after) for band, n, after in zip(self.bands, pages, in_place.after)]
 
     def _relieve(self, pages: tuple[int, ...]) -> LayoutPlan:
         self._urgent_recovery()
@@ -216,11 +239,11 @@ class ChainAllocator:
     def flush_opportunistic(self, max_moves: int | None = None) -> int:
         """Close holes lazily: at most KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL moves per band."""
         if max_moves is None:
-            max_moves = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
+            max_moves = self.max_moves_per_call
         moved = 0
         for band in self.bands:
             moved += band.flush(max_moves)
-        if env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"):
+        if self.log_compaction_stats:
             for band in self.bands:
                 log.info("compaction %s: %s", band.name, band.stats)
         return moved

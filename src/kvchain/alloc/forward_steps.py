@@ -149,12 +149,13 @@ class ForwardSteps:
             self.processed_through = record.step
             self.chain.on_forward_retired(record.step)
 
-    def assert_no_open_launch(self, what: str) -> None:
-        """Called by every take and free of a managed page."""
+    def assert_no_open_launch(self, what: str, band: str, n: int) -> None:
+        """Called by every take and free of a managed page (LIFE-31)."""
         if self._open is not None:
             raise InvariantError(
                 "forward_steps.page_between_launch_and_record",
-                f"{what} between the launch of step {self._open.step} and the recording of its event",
+                f"{what} of {n} {band} pages between the launch of step {self._open.step} "
+                "and the recording of its event",
             )
 
     def newest_unprocessed(self) -> LaunchRecord | None:

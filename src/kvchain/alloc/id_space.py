@@ -49,36 +49,32 @@ class IdStack:
         self.count = len(kept)
         self._ids[: self.count] = kept
 
-    def remove(self, ids: np.ndarray) -> None:
-        """Drop the given ids (each must be present)."""
-        if len(ids):
-            self.keep(~np.isin(self._ids[: self.count], ids))
-
 
 class UnitIds:
     """One band's map between virtual ids (what requests hold) and physical grid ids (what its
     kernels index). `v2p[v]` is UNBOUND for a virtual id the band does not back; `p2v[p]` is
     UNBOUND for a grid id that holds no live unit."""
 
-    def __init__(self, n_virtual: int, n_grid: int) -> None:
+    def __init__(self, n_virtual: int, n_grid: int, sink: int | None = None) -> None:
         self.v2p = np.full(n_virtual, UNBOUND, dtype=np.int64)
         self.p2v = np.full(n_grid, UNBOUND, dtype=np.int64)
+        #: what a reader's translation gives: `v2p` with every unbound id reading as the sink page,
+        #: kept in step on every bind so translation is a single gather
+        self.sink = UNBOUND if sink is None else sink
+        # one entry more than there are virtual ids, never bound: reading id -1 (no id) gives the sink
+        self.read_map = np.full(n_virtual + 1, self.sink, dtype=np.int64)
 
     def bind(self, virtual: np.ndarray, physical: np.ndarray) -> None:
         self.v2p[virtual] = physical
+        self.read_map[virtual] = physical
         self.p2v[physical] = virtual
-
-    def unbind_virtual(self, virtual: np.ndarray) -> np.ndarray:
-        """Unbind virtual ids; returns the physical ids that backed them."""
-        physical = self.v2p[virtual].copy()
-        self.v2p[virtual] = UNBOUND
-        self.p2v[physical] = UNBOUND
-        return physical
 
     def unbind_physical(self, physical: np.ndarray) -> None:
         """Unbind the virtual ids that physical ids back (a free)."""
         virtual = self.p2v[physical]
-        self.v2p[virtual[virtual != UNBOUND]] = UNBOUND
+        virtual = virtual[virtual != UNBOUND]
+        self.v2p[virtual] = UNBOUND
+        self.read_map[virtual] = self.sink
         self.p2v[physical] = UNBOUND
 
     def rebind_physical(self, src: np.ndarray, dst: np.ndarray) -> None:
@@ -87,3 +83,4 @@ class UnitIds:
         self.p2v[src] = UNBOUND
         self.p2v[dst] = virtual
         self.v2p[virtual] = dst
+        self.read_map[virtual] = dst

@@ -30,8 +30,29 @@ FATAL = {
 NON_FATAL = {"band.host_read_before_wait", "band.geometry_ready", "capacity.observe_only_read"}
 
 
+_operation_level: InvariantCheckLevel | None = None
+
+
 def level() -> InvariantCheckLevel:
+    """The check level: read once per allocator operation (`allocator_operation`), else now."""
+    if _operation_level is not None:
+        return _operation_level
     return env.invariant_level()
+
+
+def begin_operation() -> bool:
+    """Pin the level for an outermost allocator operation; returns whether this call pinned it."""
+    global _operation_level
+    if _operation_level is not None:
+        return False
+    _operation_level = env.invariant_level()
+    return True
+
+
+def end_operation(pinned: bool) -> None:
+    global _operation_level
+    if pinned:
+        _operation_level = None
 
 
 def fail(check: str, message: str) -> None:

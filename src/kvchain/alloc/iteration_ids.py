@@ -32,7 +32,7 @@ class IterationIds:
             locs[band.name] = band.translate(vpages) * ps + offsets
         slots = None
         if virtual_slots is not None and chain.state_band is not None:
-            slots = chain.state_band.ids.v2p[np.asarray(virtual_slots, dtype=np.int64)]
+            slots = chain.state_band.ids.read_map[np.asarray(virtual_slots, dtype=np.int64)]
         return cls(locs, slots)
 
     def to(self, device: torch.device | str) -> dict[str, torch.Tensor]:

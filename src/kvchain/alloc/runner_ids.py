@@ -1,6 +1,8 @@
-"""`RunnerIds`: the ids a forward reads, translated once (IDS-9): per attention sub-pool, a
-physical page table for the batch's rows; for the state sub-pool, physical slots. A window page
-its band never bound (or already retired) reads as the sink, so kernels never see a tombstone."""
+"""`RunnerIds`: the ids a forward reads, translated once (IDS-9).
+
+Per attention sub-pool, a physical page table `[batch, pages]` over each row's virtual pages: a
+page the sub-pool does not bind (a retired window row, the null page) reads as that sub-pool's
+sink, never a tombstone. For the state sub-pool, each row's physical slot (-1 for none)."""
 
 from __future__ import annotations
 
@@ -9,28 +11,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..plan import PoolKind
-
 
 @dataclass(frozen=True)
 class RunnerIds:
-    page_tables: dict[str, np.ndarray]  # [batch, max_pages] physical page ids per sub-pool
+    page_tables: dict[str, np.ndarray]
     state_slots: np.ndarray | None
 
     @classmethod
     def translate(cls, chain, table, rows: np.ndarray) -> RunnerIds:
         rows = np.asarray(rows, dtype=np.int64)
-        n_pages = int(((table.seq_lens[rows] + table.page_size - 1) // table.page_size).max()) if len(rows) else 0
+        ps = table.page_size
+        n_pages = int(((table.seq_lens[rows] + ps - 1) // ps).max()) if len(rows) else 0
         vpages = table.page_table[rows, :n_pages]
-        tables = {}
-        for band in chain.bands:
-            if band.pool.kind is PoolKind.STATE:
-                continue
-            tables[band.name] = band.translate(vpages)
+        tables = {band.name: band.translate(vpages) for band in chain.token_bands}
         slots = None
         if chain.state_band is not None:
-            virtual = table.state_slot[rows]
-            slots = np.where(virtual >= 0, chain.state_band.ids.v2p[np.maximum(virtual, 0)], -1)
+            slots = chain.state_band.ids.read_map[table.state_slot[rows]]  # no slot (-1) reads -1
         return cls(tables, slots)
 
     def to(self, device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -11,19 +11,16 @@ import abc
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class PageAccess:
-    """Pages of one band's grid (physical ids) that launched work touches."""
+class PageAccess(NamedTuple):
+    """Pages of one band's grid (physical ids, an int64 array) that launched work touches."""
 
     band: int
     ids: np.ndarray
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ids", np.asarray(self.ids, dtype=np.int64).reshape(-1))
 
 
 @dataclass(eq=False)

@@ -17,6 +17,10 @@ from .arena import KVArena
 if TYPE_CHECKING:
     from ..alloc.band import Band
 
+#: Pages at least this large are copied one contiguous copy each, which beats a gather and a
+#: scatter through the staging buffer (two passes over the bytes).
+RUN_COPY_MIN_PAGE_BYTES = 64 * 1024
+
 
 class PageCopier:
     def __init__(self, arena: KVArena, device: Device, scratch_bytes: int) -> None:
@@ -33,7 +37,7 @@ class PageCopier:
         return t if self.arena.device.type == "cpu" else t.to(self.arena.device, non_blocking=True)
 
     def move_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "move") -> None:
-        """Copy pages `src` onto pages `dst` of one band's grid (sets must not overlap)."""
+        """Copy pages `src` onto pages `dst` of one band's grid (the two sets must be disjoint)."""
         if not len(src):
             return
         words = self.words[band.index]
@@ -45,11 +49,21 @@ class PageCopier:
             fn,
             reads=(PageAccess(band.index, src),),
             writes=(PageAccess(band.index, dst),),
-            label=f"{label}:{band.name}",
+            label=label,
         )
 
     def _copy(self, words: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
+        """One pass per run of consecutive pages when runs are long or pages are large (contiguous
+        copies at full bandwidth); otherwise gather into the staging buffer and scatter."""
         per_page = words.shape[1]
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        if len(starts) * 4 <= len(src) or per_page * 8 >= RUN_COPY_MIN_PAGE_BYTES:
+            ends = np.concatenate((breaks, [len(src)]))
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                s0, d0, k = int(src[a]), int(dst[a]), b - a
+                words[d0 : d0 + k].copy_(words[s0 : s0 + k])
+            return
         rows = self.staging.numel() // per_page
         stage = self.staging[: rows * per_page].view(rows, per_page)
         for start in range(0, len(src), rows):
@@ -66,5 +80,5 @@ class PageCopier:
         ids = ids.copy()
         fn = None if self.meta else (lambda: words.index_fill_(0, self._index(ids), 0))
         self.device.launch(
-            self.device.schedule_stream, fn, writes=(PageAccess(band.index, ids),), label=f"zero:{band.name}"
+            self.device.schedule_stream, fn, writes=(PageAccess(band.index, ids),), label="zero"
         )

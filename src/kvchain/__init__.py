@@ -1,0 +1,95 @@
+"""kvchain: one unified KV-cache memory pool for hybrid models.
+
+Every sub-pool (full attention, sliding windows, MLA, recurrent state) lives in one byte arena as a
+chain of bands that grow from both ends; pages move to close holes, every admission is priced
+exactly, and the pool stays safe when forwards run ahead of the scheduler.
+
+    from kvchain import model_from_preset, plan_kv_storage, size_plan, build_kv_storage
+    model = model_from_preset("gpt-oss-120b")
+    plan = plan_kv_storage(model.decls, page_size=64)
+    sizing = size_plan(plan, 80 * 2**30, context_len=8192)
+    storage = build_kv_storage(plan, sizing, "meta")   # or "cpu", "cuda"
+"""
+
+from .alloc.chain import ChainAllocator
+from .alloc.demand import DEMAND_RULES, DemandPurpose, KVDemand, WindowRetirement, request_demand
+from .alloc.iteration_ids import IterationIds
+from .alloc.runner_ids import RunnerIds
+from .build import build_kv_storage
+from .decl import (
+    MHA,
+    MLA,
+    FullLifetime,
+    KVLayerDecl,
+    KVPart,
+    State,
+    StateLifetime,
+    StateTensor,
+    WindowLifetime,
+    kv_layer_decls,
+)
+from .device import Device, ImmediateDevice
+from .errors import (
+    BudgetError,
+    CapacityError,
+    DeclarationError,
+    InputError,
+    InvariantError,
+    KVChainError,
+    PlanError,
+    TransferTimeoutError,
+)
+from .memory.arena import KVArena
+from .models import list_presets, load_config_file, model_from_config, model_from_preset
+from .plan import KVStoragePlan, SubPool, plan_kv_storage
+from .sizing import PlanSizing, check_bs1_floor, size_plan
+from .storage import KVStorage
+from .units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEMAND_RULES",
+    "MHA",
+    "MLA",
+    "BudgetError",
+    "CapacityError",
+    "ChainAllocator",
+    "DeclarationError",
+    "DemandPurpose",
+    "Device",
+    "FullLifetime",
+    "ImmediateDevice",
+    "InputError",
+    "InvariantError",
+    "IterationIds",
+    "KVArena",
+    "KVChainError",
+    "KVDemand",
+    "KVLayerDecl",
+    "KVPart",
+    "KVStorage",
+    "KVStoragePlan",
+    "PlanError",
+    "PlanSizing",
+    "RunnerIds",
+    "State",
+    "StateLifetime",
+    "StateTensor",
+    "SubPool",
+    "TransferTimeoutError",
+    "WindowLifetime",
+    "WindowRetirement",
+    "build_kv_storage",
+    "check_bs1_floor",
+    "format_bytes",
+    "kv_layer_decls",
+    "list_presets",
+    "load_config_file",
+    "model_from_config",
+    "model_from_preset",
+    "parse_bytes",
+    "plan_kv_storage",
+    "request_demand",
+    "size_plan",
+]

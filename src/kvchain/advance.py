@@ -1,0 +1,52 @@
+"""`retire_window_rows`: as requests advance, free the window rows that fell out of each window.
+
+The free is logical like any other (WIN-1): pages pend under a forward in flight. A row never
+retires past its retention floor (the window behind its latest state checkpoint, WIN-11), nor the
+page that holds its last token."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .storage import KVStorage
+
+
+def window_keep_from(seq_lens: np.ndarray, window: int, chunked: bool) -> np.ndarray:
+    """First token position the next forward may read in the window: the last `window` tokens
+    (the next token makes `window + 1`), or for chunked attention the start of the current chunk."""
+    if chunked:
+        return (seq_lens // window) * window
+    return np.maximum(seq_lens - window, 0)
+
+
+def retire_window_rows(storage: KVStorage, rows: np.ndarray, floors: np.ndarray | None = None) -> int:
+    """Free, in every window band, the pages of `rows` wholly before the window. `floors` (token
+    positions per row) cap the retirement. Returns pages freed."""
+    table = storage.table
+    chain = storage.allocator
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows) or not chain.window_bands:
+        return 0
+    ps = storage.page_size
+    seq = table.seq_lens[rows]
+    last_page = np.maximum((seq + ps - 1) // ps - 1, 0)
+    freed = 0
+    for k, band in enumerate(chain.window_bands):
+        keep = window_keep_from(seq, band.pool.window, band.pool.lifetime.chunked)
+        if floors is not None:
+            keep = np.minimum(keep, floors)
+        new_lo = np.minimum(keep // ps, last_page)
+        old_lo = table.window_lo[rows, k]
+        counts = np.maximum(new_lo - old_lo, 0)
+        n = int(counts.sum())
+        if n:
+            starts = np.cumsum(counts) - counts
+            col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
+            vpages = table.page_table[np.repeat(rows, counts), col]
+            band.free_virtual(vpages)
+            freed += n
+        table.window_lo[rows, k] = np.maximum(old_lo, new_lo)
+    return freed

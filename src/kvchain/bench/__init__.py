@@ -1,0 +1,70 @@
+"""Benchmarks behind `kvchain bench`: each prints a ratio against a baseline measured in the same
+run (machines are noisy; absolute numbers are not comparable across runs, ratios are)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..cli import _positive_int, command
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    alloc = sub.add_parser("alloc", help="host us per decode iteration: chain allocator vs a static pool")
+    alloc.add_argument("--iters", type=_positive_int, default=2000)
+    alloc.add_argument("--batch", type=_positive_int, default=256)
+    alloc.add_argument("--page-size", type=_positive_int, default=64)
+    alloc.add_argument("--seed", type=int, default=0)
+    alloc.add_argument("--json", action="store_true")
+    moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_")
+    moves.add_argument("--page-size", type=_positive_int, default=64)
+    moves.add_argument("--device", default="cpu", help="cpu or cuda")
+    moves.add_argument("--json", action="store_true")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ..errors import InputError
+
+    console = Console(stderr=True)
+    if args.bench == "alloc":
+        from .alloc import run_alloc_bench
+
+        with Progress(console=console, transient=True, disable=args.json) as progress:
+            task = progress.add_task("bench alloc", total=args.iters)
+            result = run_alloc_bench(iters=args.iters, batch=args.batch, page_size=args.page_size,
+                                     seed=args.seed, progress=lambda n: progress.advance(task, n))
+        rows = [("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", "static_us_per_iter"),
+                ("ratio (kvchain / static)", "ratio")]
+    else:
+        import torch
+
+        from .moves import run_moves_bench
+
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InputError("--device cuda: CUDA is not available on this machine")
+        if args.device not in ("cpu",) and not args.device.startswith("cuda"):
+            raise InputError(f"--device must be cpu or cuda, not {args.device!r}")
+        result = run_moves_bench(page_size=args.page_size, device=args.device)
+        rows = [("moves GB/s", "moves_gb_per_s"), ("copy_ GB/s", "copy_gb_per_s"), ("ratio (moves / copy_)", "ratio")]
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    table = Table(title=f"kvchain bench {args.bench}", show_header=False, title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    shown = {key for _label, key in rows}
+    for key, value in result.items():
+        if key not in shown:
+            table.add_row(key, str(value))
+    for label, key in rows:
+        table.add_row(f"[bold]{label}[/]", f"[bold]{result[key]}[/]")
+    Console().print(table)
+    return 0
+
+
+command("bench", "benchmarks that print a ratio against a baseline from the same run")(_configure)(_run)
