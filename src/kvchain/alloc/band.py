@@ -373,10 +373,13 @@ class Band:
             self.chain.copier.move_pages(self, ids, ids)
 
     def relieve(self, n: int) -> np.ndarray:
-        """A lone band that falls short (a host-tier load's take) runs the chain's relief."""
+        """A lone band that falls short (a host-tier load's take) runs the chain's relief through
+        `ChainAllocator.lay_out_for`, then takes (ALLOC-19)."""
         demand = [0] * len(self.chain.bands)
         demand[self.index] = n
-        return self.chain.take(demand)[self.index]
+        if not self.chain.lay_out_for(demand):
+            raise CapacityError(f"{self.name}: no layout of the arena serves {n} more pages")
+        return self._acquire(n)
 
     # -- ids ---------------------------------------------------------------------------------
 
