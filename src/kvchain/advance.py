@@ -42,11 +42,12 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, floors: np.ndarray 
         old_lo = table.window_lo[rows, k]
         counts = np.maximum(new_lo - old_lo, 0)
         n = int(counts.sum())
-        if n:
-            starts = np.cumsum(counts) - counts
-            col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
-            vpages = table.page_table[np.repeat(rows, counts), col]
-            band.free_virtual(vpages)
-            freed += n
+        if not n:
+            continue
+        starts = np.cumsum(counts) - counts
+        col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
+        vpages = table.page_table[np.repeat(rows, counts), col]
+        band.free_virtual(vpages)
+        freed += n
         table.window_lo[rows, k] = np.maximum(old_lo, new_lo)
     return freed

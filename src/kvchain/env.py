@@ -55,6 +55,13 @@ VARIABLES: dict[str, EnvVar] = {
             "Most pages one opportunistic flush moves per band per call.",
         ),
         EnvVar(
+            "KVCHAIN_LAZY_COMPACTION_GAP_FRACTION",
+            "0.25",
+            float,
+            "An opportunistic flush moves pages in an end band only while the free gap beside it is "
+            "below this fraction of the chain (0: only when its neighbour touches it; 1: always).",
+        ),
+        EnvVar(
             "KVCHAIN_ENABLE_STRICT_MEM_CHECK_DURING_IDLE",
             "1",
             _bool,

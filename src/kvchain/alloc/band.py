@@ -300,7 +300,7 @@ class Band:
         if self.parked or self.span == 0 or not self.n_holes:
             return 0
         moved = 0
-        if not self.n_pending:
+        if not self.n_pending and max_moves != 0:
             holes = self.holes.view()
             down = self.placement is Placement.DOWN_END
             k = len(holes) if max_moves is None else min(max_moves, len(holes))
@@ -332,6 +332,9 @@ class Band:
     def _absorb_boundary_holes(self) -> None:
         """Retreat the frontier over trailing holes; never over a pending, live or fixed page."""
         if self.parked or self.span == 0:
+            return
+        frontier = self.lo if self.placement is Placement.DOWN_END else self.hi - 1
+        if self.state[frontier] != HOLE:
             return
         first_kept = self._frontier_scan(1, lambda st, ids: st != HOLE)
         if self.placement is Placement.DOWN_END:
@@ -398,7 +401,7 @@ class Band:
 
     def translate(self, virtual: np.ndarray) -> np.ndarray:
         """Physical page ids for virtual ones; an unbound id reads as the sink (IDS-4)."""
-        return self.ids.read_map[virtual]
+        return np.take(self.ids.read_map, virtual)
 
     # -- accounting --------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ class ChainAllocator:
         #: read once at construction, like the rest of the pool's configuration
         self.max_moves_per_call = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
         self.log_compaction_stats = bool(env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"))
+        self.compaction_gap_fraction = float(env.get("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION"))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -237,16 +238,27 @@ class ChainAllocator:
     # -- compaction -------------------------------------------------------------------------------
 
     def flush_opportunistic(self, max_moves: int | None = None) -> int:
-        """Close holes lazily: at most KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL moves per band."""
+        """Close holes lazily: at most KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL moves per end band,
+        and only in an end whose free gap is below KVCHAIN_LAZY_COMPACTION_GAP_FRACTION of the chain
+        (pages are not copied while there is room to spare); boundary holes are always absorbed."""
         if max_moves is None:
             max_moves = self.max_moves_per_call
         moved = 0
         for band in self.bands:
-            moved += band.flush(max_moves)
+            moved += band.flush(max_moves if self._under_pressure(band) else 0)
         if self.log_compaction_stats:
             for band in self.bands:
                 log.info("compaction %s: %s", band.name, band.stats)
         return moved
+
+    def _under_pressure(self, band: Band) -> bool:
+        """Whether closing a band's holes now is worth page copies: the free gap between it and its
+        neighbour is small. A float's gaps never matter here (floats never compact)."""
+        if band.placement is Placement.FLOAT or not band.n_holes:
+            return False
+        prev_top, next_bottom = self.neighbour_bounds(band.index)
+        gap = band.bottom - prev_top if band.placement is Placement.DOWN_END else next_bottom - band.top
+        return gap < self.compaction_gap_fraction * self.layout.chain_bytes
 
     def prewarm_compaction(self) -> None:
         for band in self.bands:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support.chains import Payloads, small_storage
 
-from kvchain.alloc.pricing import BandSnap, Relocation, Step, first_plan, move_order
+from kvchain.alloc.pricing import BandSnap, Relocation, Step, move_order
 from kvchain.errors import CapacityError
 from kvchain.plan import Placement
+from support.chains import Payloads, small_storage
 
 
 def _fill(storage, lens):

@@ -6,13 +6,13 @@ import logging
 
 import numpy as np
 import pytest
-from support.chains import small_storage
 
 from kvchain.alloc import invariants
 from kvchain.alloc.band import HOLE
 from kvchain.capacity import capacity_decision
 from kvchain.env import InvariantCheckLevel, invariant_level
 from kvchain.errors import InvariantError
+from support.chains import small_storage
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_double_free_is_fatal_at_both_levels(monkeypatch, level):
     """CHK-4, CHK-5: `band.free_of_bound_page` fails a double free at level 1 and 2."""
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", level)
     storage = small_storage()
-    row = _one_request(storage)
+    _one_request(storage)
     owner = storage.allocator.owner
     page = owner.live_pages()[:1]
     owner.free(page)
@@ -62,9 +62,9 @@ def test_double_free_is_fatal_at_both_levels(monkeypatch, level):
 def test_free_of_a_page_never_allocated(strict):
     storage = small_storage()
     owner = storage.allocator.owner
-    with pytest.raises(InvariantError, match="band.free_of_bound_page"):
+    with pytest.raises(InvariantError, match=r"band\.free_of_bound_page"):
         owner.free(np.array([owner.grid.n_grid - 1]))
-    with pytest.raises(InvariantError, match="band.free_of_bound_page"):
+    with pytest.raises(InvariantError, match=r"band\.free_of_bound_page"):
         owner.free(np.array([10**9]))
 
 
@@ -123,7 +123,7 @@ def test_geometry_ready_warns_at_1_and_raises_at_2(monkeypatch, caplog):
         invariants.geometry_ready(owner)
     assert "band.geometry_ready" in caplog.text
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "2")
-    with pytest.raises(InvariantError, match="band.geometry_ready"):
+    with pytest.raises(InvariantError, match=r"band\.geometry_ready"):
         invariants.geometry_ready(owner)
 
 
@@ -135,7 +135,7 @@ def test_observe_only_read(monkeypatch, caplog):
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "2")
     chain.available_size()  # outside a decision: fine
     decide = capacity_decision(lambda: chain.usage())
-    with pytest.raises(InvariantError, match="capacity.observe_only_read"):
+    with pytest.raises(InvariantError, match=r"capacity\.observe_only_read"):
         decide()
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "1")
     with caplog.at_level(logging.WARNING, logger="kvchain.invariants"):

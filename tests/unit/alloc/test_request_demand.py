@@ -14,7 +14,16 @@ from kvchain.alloc.demand import (
     request_demand,
     span_pages,
 )
-from kvchain.decl import MHA, FullLifetime, KVPart, State, StateLifetime, StateTensor, WindowLifetime, kv_layer_decls
+from kvchain.decl import (
+    MHA,
+    FullLifetime,
+    KVPart,
+    State,
+    StateLifetime,
+    StateTensor,
+    WindowLifetime,
+    kv_layer_decls,
+)
 from kvchain.errors import InputError
 from kvchain.plan import plan_kv_storage
 
