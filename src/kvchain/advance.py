@@ -44,9 +44,13 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, floors: np.ndarray 
         n = int(counts.sum())
         if not n:
             continue
-        starts = np.cumsum(counts) - counts
-        col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
-        vpages = table.page_table[np.repeat(rows, counts), col]
+        if counts.max() == 1:  # the common step: some rows retire one page each
+            moved = counts > 0
+            vpages = table.page_table[rows[moved], old_lo[moved]]
+        else:
+            starts = np.cumsum(counts) - counts
+            col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
+            vpages = table.page_table[np.repeat(rows, counts), col]
         band.free_virtual(vpages)
         freed += n
         table.window_lo[rows, k] = np.maximum(old_lo, new_lo)

@@ -112,7 +112,9 @@ class KVStorage:
         ):
             raise InputError("alloc_extend needs distinct rows that are in use")
         old_lens = table.seq_lens[rows]
-        if (new_lens < old_lens).any() or (new_lens > table.context_len).any():
+        if new_lens.min(initial=0) < 0 or (new_lens - old_lens).min(initial=0) < 0 or (
+            new_lens.max(initial=0) > table.context_len
+        ):
             raise InputError(f"new lengths must lie in [current length, {table.context_len}]")
         ps = self.page_size
         old_pages = (old_lens + ps - 1) // ps
@@ -133,7 +135,7 @@ class KVStorage:
             vpages = chain.virtual_free.pop(n)
             for band in chain.token_bands:
                 band.bind(vpages, physical[band.index])
-            if n == len(rows) or counts.max() == 1:  # decode: one new page for some rows
+            if counts.max() == 1:  # decode: one new page for some rows
                 grown = counts > 0
                 row_idx, col = rows[grown], old_pages[grown]
             else:
@@ -164,7 +166,7 @@ class KVStorage:
     def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
         """One more token for each row."""
         rows = np.asarray(rows, dtype=np.int64)
-        return self.alloc_extend(rows, self.table.seq_lens[rows] + 1)
+        return self.alloc_extend.__wrapped__(self, rows, self.table.seq_lens[rows] + 1)
 
     @_operation
     def advance(self, rows: np.ndarray, floors: np.ndarray | None = None) -> int:
@@ -186,14 +188,17 @@ class KVStorage:
         counts = (table.seq_lens[rows] + ps - 1) // ps
         mask = np.arange(table.max_pages)[None, :] < counts[:, None]
         vpages = table.page_table[rows][mask]
-        self.free_virtual_pages(vpages)
+        self._free_virtual_pages(vpages)
         slots = table.state_slot[rows]
-        self.free_state_slots(slots[slots != NO_SLOT])
+        self._free_state_slots(slots[slots != NO_SLOT])
         table.release_rows(rows)
 
     @_operation
     def free_virtual_pages(self, vpages: np.ndarray) -> None:
         """Release virtual pages: each window frees what it still binds, then the owner frees all."""
+        self._free_virtual_pages(np.asarray(vpages, dtype=np.int64))
+
+    def _free_virtual_pages(self, vpages: np.ndarray) -> None:
         chain = self.allocator
         if not len(vpages):
             return
@@ -223,8 +228,10 @@ class KVStorage:
 
     @_operation
     def free_state_slots(self, slots: np.ndarray) -> None:
+        self._free_state_slots(np.asarray(slots, dtype=np.int64))
+
+    def _free_state_slots(self, slots: np.ndarray) -> None:
         chain = self.allocator
-        slots = np.asarray(slots, dtype=np.int64)
         if not len(slots):
             return
         chain.state_band.free_virtual(slots)

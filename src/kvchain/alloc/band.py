@@ -391,11 +391,11 @@ class Band:
 
     def free_virtual(self, virtual: np.ndarray) -> np.ndarray:
         """Unbind virtual ids and free the pages behind them; returns the physical ids."""
-        virtual = np.asarray(virtual, dtype=np.int64)
         if not len(virtual):
             return virtual
-        invariants.check_virtual_bound(self, virtual)
-        physical = self.ids.v2p[virtual].copy()
+        if invariants.level():
+            invariants.check_virtual_bound(self, virtual)
+        physical = self.ids.v2p[virtual]
         self.free(physical)
         return physical
 

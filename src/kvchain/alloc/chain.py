@@ -23,7 +23,7 @@ from ..plan import KVStoragePlan, Placement, PoolKind
 from .band import HOLE, LIVE, OUT, PENDING, SINK, Band, CapacityEpoch, FloatBand
 from .demand import DemandPurpose, KVDemand, request_demand
 from .forward_steps import ForwardSteps
-from .id_space import IdStack
+from .id_space import UNBOUND, IdStack
 from .pricing import (
     ChainSnapshot,
     LayoutPlan,
@@ -36,6 +36,9 @@ from .pricing import (
 )
 
 log = logging.getLogger("kvchain.chain")
+
+_NO_PAGES = np.empty(0, dtype=np.int64)
+_NO_PAGES.flags.writeable = False
 
 
 class ChainAllocator:
@@ -177,7 +180,7 @@ class ChainAllocator:
         if not growers:
             # every band serves its share from holes and pending pages: the in-place plan holds
             # with no growth, so there is nothing to price
-            return [band._acquire(n) for band, n in zip(bands, pages)]
+            return [band._acquire(n) if n else _NO_PAGES for band, n in zip(bands, pages)]
         if len(growers) == 1:
             # one band grows and no other band's span changes, so its in-place layout against its
             # neighbours as they stand is the in-place plan's answer for it
@@ -391,6 +394,8 @@ def _band_problems(band: Band) -> list[str]:
     live = np.flatnonzero(st == LIVE)
     if len(live) and ((band.ids.p2v[live] < 0).any() or (band.ids.v2p[band.ids.p2v[live]] != live).any()):
         out.append(f"{band.name}: a live page is unbound or its virtual id maps elsewhere")
+    if band.ids.v2p[-1] != UNBOUND or band.ids.read_map[-1] != band.ids.sink:
+        out.append(f"{band.name}: the map entry past the last virtual id was bound")
     not_live = np.flatnonzero(st != LIVE)
     if len(not_live) and (band.ids.p2v[not_live] >= 0).any():
         out.append(f"{band.name}: a page that is not live is bound")

@@ -56,12 +56,15 @@ class UnitIds:
     UNBOUND for a grid id that holds no live unit."""
 
     def __init__(self, n_virtual: int, n_grid: int, sink: int | None = None) -> None:
-        self.v2p = np.full(n_virtual, UNBOUND, dtype=np.int64)
+        # Both virtual-indexed maps carry one entry past the last virtual id, never bound: the id
+        # UNBOUND (-1) indexes it, so reading "no id" gives the sink (or UNBOUND) and unbinding
+        # the virtual id of a page that has none writes harmlessly there, with no filtering.
+        self.n_virtual = n_virtual
+        self.v2p = np.full(n_virtual + 1, UNBOUND, dtype=np.int64)
         self.p2v = np.full(n_grid, UNBOUND, dtype=np.int64)
         #: what a reader's translation gives: `v2p` with every unbound id reading as the sink page,
         #: kept in step on every bind so translation is a single gather
         self.sink = UNBOUND if sink is None else sink
-        # one entry more than there are virtual ids, never bound: reading id -1 (no id) gives the sink
         self.read_map = np.full(n_virtual + 1, self.sink, dtype=np.int64)
 
     def bind(self, virtual: np.ndarray, physical: np.ndarray) -> None:
@@ -72,7 +75,6 @@ class UnitIds:
     def unbind_physical(self, physical: np.ndarray) -> None:
         """Unbind the virtual ids that physical ids back (a free)."""
         virtual = self.p2v[physical]
-        virtual = virtual[virtual != UNBOUND]
         self.v2p[virtual] = UNBOUND
         self.read_map[virtual] = self.sink
         self.p2v[physical] = UNBOUND

@@ -91,7 +91,7 @@ def check_virtual_bound(band: Band, virtual: np.ndarray) -> None:
     if level() is InvariantCheckLevel.OFF:
         return
     v = np.asarray(virtual)
-    bad = (v < 0) | (v >= len(band.ids.v2p))
+    bad = (v < 0) | (v >= band.ids.n_virtual)
     if not bad.any():
         bad = band.ids.v2p[v] < 0
     if bad.any():

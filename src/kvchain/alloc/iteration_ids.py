@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..plan import PoolKind
 
 
 @dataclass(frozen=True)
@@ -24,12 +23,9 @@ class IterationIds:
     def translate(cls, chain, virtual_tokens: np.ndarray, virtual_slots: np.ndarray | None = None) -> IterationIds:
         ps = chain.plan.page_size
         virtual_tokens = np.asarray(virtual_tokens, dtype=np.int64)
-        vpages, offsets = np.divmod(virtual_tokens, ps)
-        locs = {}
-        for band in chain.bands:
-            if band.pool.kind is PoolKind.STATE:
-                continue
-            locs[band.name] = band.translate(vpages) * ps + offsets
+        vpages = virtual_tokens // ps
+        offsets = virtual_tokens - vpages * ps
+        locs = {band.name: band.translate(vpages) * ps + offsets for band in chain.token_bands}
         slots = None
         if virtual_slots is not None and chain.state_band is not None:
             slots = chain.state_band.ids.read_map[np.asarray(virtual_slots, dtype=np.int64)]

@@ -49,9 +49,13 @@ class StaticPagedPool:
             need = len(fresh) if p["pool"].kind is PoolKind.STATE else n
             if need > len(p["free"]):
                 raise CapacityError(f"static pool {p['pool'].name} is out of pages")
-        starts = np.cumsum(counts) - counts
-        row_idx = np.repeat(rows, counts)
-        col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
+        if counts.max() == 1:
+            grown = counts > 0
+            row_idx, col = rows[grown], old_pages[grown]
+        else:
+            starts = np.cumsum(counts) - counts
+            row_idx = np.repeat(rows, counts)
+            col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
         for p in self.pools:
             if p["pool"].kind is PoolKind.STATE:
                 p["table"][fresh, 0] = p["free"].pop(len(fresh))
@@ -59,6 +63,9 @@ class StaticPagedPool:
                 p["table"][row_idx, col] = p["free"].pop(n)
         self.seq_lens[rows] = new_lens
         tok = new_lens - old
+        if (tok == 1).all():
+            return {p["pool"].name: p["table"][rows, old // ps] * ps + old % ps
+                    for p in self.pools if p["pool"].kind is not PoolKind.STATE}
         total = int(tok.sum())
         tstarts = np.cumsum(tok) - tok
         pos = np.repeat(old, tok) + (np.arange(total) - np.repeat(tstarts, tok))
@@ -87,9 +94,13 @@ class StaticPagedPool:
             counts = np.maximum(new_lo - old_lo, 0)
             n = int(counts.sum())
             if n:
-                starts = np.cumsum(counts) - counts
-                col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
-                ridx = np.repeat(rows, counts)
+                if counts.max() == 1:
+                    moved = counts > 0
+                    ridx, col = rows[moved], old_lo[moved]
+                else:
+                    starts = np.cumsum(counts) - counts
+                    col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
+                    ridx = np.repeat(rows, counts)
                 p["free"].push(p["table"][ridx, col])
                 p["table"][ridx, col] = 0
             p["lo"][rows] = np.maximum(old_lo, new_lo)

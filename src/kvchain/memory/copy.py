@@ -74,7 +74,7 @@ class PageCopier:
             words.index_copy_(0, d, stage[:k])
 
     def zero_pages(self, band: Band, ids: np.ndarray) -> None:
-        if not len(ids):
+        if self.meta or not len(ids):  # a meta arena holds no bytes to zero
             return
         words = self.words[band.index]
         ids = ids.copy()

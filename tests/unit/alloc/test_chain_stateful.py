@@ -71,6 +71,15 @@ class ChainMachine(RuleBasedStateMachine):
         self._grow([row], [new])
 
     @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def extend_many(self, data):
+        """One take for several rows growing by different amounts, some not at all."""
+        table = self.storage.table
+        rows = data.draw(st.lists(st.sampled_from(self.rows), min_size=1, unique=True))
+        extra = data.draw(st.lists(st.integers(0, 9), min_size=len(rows), max_size=len(rows)))
+        self._grow(rows, [min(table.context_len, int(table.seq_lens[r]) + e) for r, e in zip(rows, extra)])
+
+    @precondition(lambda self: self.rows)
     @rule()
     def advance_all(self):
         """Window retirement frees rows that left each window (WIN-1); they then read the sink."""
