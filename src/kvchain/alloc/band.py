@@ -1,10 +1,15 @@
 """`Band` (an end of the chain) and `FloatBand` (a band between the ends).
 
 A band holds pages of its own page-byte size on its grid in the arena: a span `[lo, hi)` of grid
-ids, with live pages, holes (free pages inside the span), and pending pages (freed under a forward
-still in flight). A take (`_acquire`) uses holes, then settles pending batches, then grows the
-frontier; `pricing.take_layout` decides the growth so that pricing and takes agree exactly. A free
-is logical: it leaves a hole (or a pending page) and holes are closed later by compaction."""
+ids holding live pages, holes (free pages inside the span), pending pages (freed under a forward
+still in flight) and vacated pages (move sources a network transfer still reads). A take
+(`_acquire`) uses holes, then settles pending batches, then grows the frontier; `pricing.take_layout`
+decides the growth so that pricing and takes agree exactly. A free is logical: it leaves a hole (or a
+pending page) at once, with no stream wait, and holes are closed later by compaction.
+
+Every page the band writes (hand-out zeroing, a move's destination) first clears what the band's
+ledger (`PageUsage`) and the arena's fences record on it, as `CLEARANCE` says; nothing here ever
+waits on the host for a forward."""
 
 from __future__ import annotations
 
@@ -13,12 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..device.base import Event
 from ..errors import CapacityError, InvariantError
 from ..memory.arena import BandGrid
 from ..plan import Placement, PoolKind, SubPool
 from . import invariants
 from .forward_steps import PendingPages
 from .id_space import IdStack, UnitIds
+from .page_usage import Clear, Consumer, Hazard, PageUsage, PageUse
 from .pricing import BandSnap, Side, take_layout
 
 if TYPE_CHECKING:
@@ -27,7 +34,7 @@ if TYPE_CHECKING:
 
 class allocator_operation:
     """One allocator operation (a take, a free, a flush, an advance): the invariant level is read
-    once at its start, and the rules that hold within one operation are checked against it."""
+    once at its start, and the rules that hold within one operation (LIFE-41) are checked in it."""
 
     __slots__ = ("pinned",)
 
@@ -44,9 +51,18 @@ class PageState(enum.IntEnum):
     HOLE = 2
     PENDING = 3
     SINK = 4
+    VACATED = 5  # a move source (or freed page) a network transfer still reads: out of use until released
 
 
-OUT, LIVE, HOLE, PENDING, SINK = (int(s) for s in PageState)
+OUT, LIVE, HOLE, PENDING, SINK, VACATED = (int(s) for s in PageState)
+
+
+class SnapshotMode(enum.Enum):
+    """How pricing sees pages that network transfers hold."""
+
+    TAKE = "take"  # as a take finds the band: vacated pages are out of use
+    HOLD_NETWORK = "hold network"  # relief's first pass: network-held rows stay in place too
+    EVERY_BYTE = "every byte"  # after host waits for every transfer: vacated pages are free
 
 
 class CapacityEpoch:
@@ -85,6 +101,8 @@ class Band:
     n_holes = _CapacityField()
     n_pending = _CapacityField()
     n_fixed = _CapacityField()
+    n_vacated = _CapacityField()
+    n_held = _CapacityField()
 
     def __init__(self, pool: SubPool, grid: BandGrid, chain: ChainAllocator, n_virtual: int) -> None:
         self.pool = pool
@@ -101,14 +119,18 @@ class Band:
         if grid.sink_id is not None:
             self.state[grid.sink_id] = SINK
         self.fixed_mask = np.zeros(n, dtype=bool)
+        self.held = np.zeros(n, dtype=np.int32)  # receive holds awaiting publication, per page
         self.holes = IdStack(n)
         self.ids = UnitIds(n_virtual, n, grid.sink_id)
         self.pending = PendingPages()
-        self.stats = {"moves": 0, "flushes": 0, "settled_batches": 0, "zeroed_pages": 0}
+        self.usage = PageUsage(n)
+        self.stats = {"moves": 0, "flushes": 0, "settled_batches": 0, "zeroed_pages": 0, "stream_waits": 0}
         self.n_live = 0
         self.n_holes = 0
         self.n_pending = 0
         self.n_fixed = 0
+        self.n_vacated = 0
+        self.n_held = 0
         self.parked = False
         if self.placement is Placement.DOWN_END:
             self.lo = self.hi = n
@@ -120,7 +142,7 @@ class Band:
     def __repr__(self) -> str:
         span = "parked" if self.parked else f"[{self.lo}, {self.hi})"
         return (f"{type(self).__name__}({self.name} {span} live={self.n_live} holes={self.n_holes} "
-                f"pending={self.n_pending} fixed={self.n_fixed})")
+                f"pending={self.n_pending} fixed={self.n_fixed} vacated={self.n_vacated})")
 
     @property
     def bottom(self) -> int:
@@ -134,31 +156,114 @@ class Band:
     def span(self) -> int:
         return 0 if self.parked else self.hi - self.lo
 
-    def _fixed_far(self) -> int:
-        if not self.n_fixed or self.parked:
-            return 0
-        fixed = np.flatnonzero(self.fixed_mask)
-        if self.placement is Placement.DOWN_END:
-            return self.hi - int(fixed.min())
-        return int(fixed.max()) - self.lo + 1
+    def byte_ranges(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start = self.grid.origin + np.asarray(ids, dtype=np.int64) * self.page_bytes
+        return start, start + self.page_bytes
 
-    def snapshot(self) -> BandSnap:
-        """Counts and frontiers only, never hole positions (CAP-4)."""
+    def _network_held(self) -> np.ndarray:
+        """Live pages a network transfer uses or a receive hold keeps (grid ids)."""
+        if self.parked:
+            return np.empty(0, dtype=np.int64)
+        pages = [u.pages for u in self.usage.uses if u.hazard is Hazard.NETWORK]
+        if self.n_held:
+            pages.append(np.flatnonzero(self.held))
+        if not pages:
+            return np.empty(0, dtype=np.int64)
+        ids = np.unique(np.concatenate(pages))
+        return ids[self.state[ids] == LIVE]
+
+    def _immovable(self, mode: SnapshotMode) -> np.ndarray:
+        """Grid ids that stay where they are under `mode`: fixed pages, vacated pages, and in relief's
+        first pass the rows network transfers hold."""
+        parts = []
+        if self.n_fixed:
+            parts.append(np.flatnonzero(self.fixed_mask))
+        if self.n_vacated and mode is not SnapshotMode.EVERY_BYTE:
+            parts.append(np.flatnonzero(self.state == VACATED))
+        if mode is SnapshotMode.HOLD_NETWORK:
+            parts.append(self._network_held())
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate(parts))
+
+    def snapshot(self, mode: SnapshotMode = SnapshotMode.TAKE) -> BandSnap:
+        """Counts and frontiers only, never hole positions (CAP-4). Fixed pages, vacated pages and
+        (under HOLD_NETWORK) network-held rows count as immovable; only their farthest position
+        from the band's base matters, for how far a compaction can pack it."""
         parked = self.parked
+        live, fixed, pending = self.n_live, self.n_fixed, self.n_pending
+        fixed_far = 0
+        if self.n_vacated:
+            if mode is SnapshotMode.EVERY_BYTE:
+                pending += self.n_vacated
+            else:
+                fixed += self.n_vacated
+        if mode is SnapshotMode.HOLD_NETWORK and (self.n_held or self.usage.uses):
+            held = self._network_held()
+            held = held[~self.fixed_mask[held]]
+            live -= len(held)
+            fixed += len(held)
+        if fixed and not parked:
+            immovable = self._immovable(mode)
+            if len(immovable):
+                if self.placement is Placement.DOWN_END:
+                    fixed_far = self.hi - int(immovable.min())
+                else:
+                    fixed_far = int(immovable.max()) - self.lo + 1
         return BandSnap(
             self.index, self.placement, self.page_bytes, self.grid.origin, self.grid.first_id, self.grid.n_grid,
-            -1 if parked else self.lo, -1 if parked else self.hi, parked, self.n_live, self.n_holes,
-            self.n_pending, self.n_fixed, self._fixed_far() if self.n_fixed else 0, self.n_fixed > 0,
+            -1 if parked else self.lo, -1 if parked else self.hi, parked, live, self.n_holes,
+            pending, fixed, fixed_far, fixed > 0,
         )
+
+    # -- waits --------------------------------------------------------------------------------
+
+    def _stream_wait(self, event: Event, why: str) -> None:
+        """Queue a wait on the schedule stream: the host never blocks (LIFE-29)."""
+        invariants.before_wait()
+        device = self.chain.device
+        device.stream_wait(device.schedule_stream, event)
+        self.stats["stream_waits"] += 1
+        self.chain.log("stream_wait", self.name, why, event.label)
+
+    def _clear(self, consumer: Consumer, ids: np.ndarray) -> None:
+        """Make the schedule stream clear every hazard the ledger records on pages about to be
+        written, by the CLEARANCE rule (LEDG-9); what the pages need is read only now, after they
+        were chosen (LEDG-32)."""
+        waited: set[int] = set()
+        for wait in self.usage.clearance(consumer, ids):
+            self._apply(wait.clear, wait.use, waited, consumer)
+
+    def _apply(self, clear: Clear, use: PageUse, waited: set[int], consumer: Consumer) -> None:
+        if clear is Clear.STREAM_WAIT:
+            if use.event is not None and use.event.seq not in waited:
+                waited.add(use.event.seq)
+                self._stream_wait(use.event, f"{consumer.value} clears {use.hazard.value}")
+        elif clear is Clear.HOST_WAIT:
+            self.chain.wait_transfers([use.transfer])
+        elif clear is Clear.AFTER_RETIRE:
+            if use.step is not None and use.step > self.chain.forward_steps.processed_through:
+                raise InvariantError("page_usage.after_retire",
+                                     f"{self.name}: {consumer.value} chose pages an unretired forward uses")
+        elif clear is Clear.EXCLUDED:
+            raise InvariantError("page_usage.excluded", f"{self.name}: {consumer.value} chose {use}")
+
+    def _wait_writers(self, src: np.ndarray) -> None:
+        """Before copying sources, wait every unfinished writer of them: a forward in flight, a
+        host load, a network receive (COMP-17)."""
+        waited: set[int] = set()
+        for use in self.usage.writers_of(src):
+            self._apply(Clear.HOST_WAIT if use.hazard is Hazard.NETWORK else Clear.STREAM_WAIT, use, waited,
+                        Consumer.SCHEDULE_COPY)
 
     # -- taking -----------------------------------------------------------------------------
 
-    def _acquire(self, n: int, after: BandSnap | None = None) -> np.ndarray:
+    def _acquire(self, n: int, after: BandSnap | None = None, consumer: Consumer = Consumer.ZERO) -> np.ndarray:
         """Hand out `n` writable pages: holes, then settled pending batches, then frontier growth.
 
         `after` is this band's layout after the take when the caller already computed it with
         `take_layout` on the current state (a chain take's in-place plan). Every failure check
-        runs before anything settles, so a refused take changes nothing."""
+        runs before anything settles, so a refused take changes nothing (ALLOC-7)."""
         self.chain.forward_steps.assert_no_open_launch("take", self.name, n)
         if n <= 0:
             return np.empty(0, dtype=np.int64)
@@ -175,21 +280,36 @@ class Band:
         from_pending = min(max(0, n - holes), pending)
         if from_pending:
             self.settle_pending(self.pending.oldest_covering(from_pending))
-        parts = []
         from_holes = n - grow
-        if from_holes:
-            parts.append(self._take_holes(from_holes))
+        ids = self._take_holes(from_holes) if from_holes else None
         if grow:
-            parts.append(self._grow_to(after))
-        ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            grown = self._grow_to(after)
+            self.chain.wait_fences(self, grown)
+            ids = grown if ids is None else np.concatenate([ids, grown])
         self.state[ids] = LIVE
         self.n_live += n
+        if self.usage.uses or self.usage.unknown_writer is not None:
+            self._clear(consumer, ids)
         self._maybe_zero_pages(ids)
+        self.chain.log("take", self.name, ids)
         return ids
 
     def _take_holes(self, k: int) -> np.ndarray:
-        ids = self.holes.pop(k)
+        """`k` holes, those no consumer must wait for first (LEDG-31): the order reads the ledger's
+        logical state only, never whether an event fired."""
         self.n_holes -= k
+        if not self.usage.uses:
+            return self.holes.pop(k)
+        listed = self.holes.view()
+        busy = self.usage.busy(listed)
+        if not busy[len(listed) - k :].any():
+            return self.holes.pop(k)
+        order = np.concatenate([np.flatnonzero(busy), np.flatnonzero(~busy)])  # clean last: popped first
+        chosen = order[len(order) - k :]
+        ids = listed[chosen].copy()
+        keep = np.ones(len(listed), dtype=bool)
+        keep[chosen] = False
+        self.holes.keep(keep)
         return ids
 
     def _grow_to(self, after: BandSnap) -> np.ndarray:
@@ -210,23 +330,58 @@ class Band:
 
     def _maybe_zero_pages(self, ids: np.ndarray) -> None:
         """MHA and MLA pages are zeroed on hand-out (ALLOC-20): kernels load whole pages, and a stale
-        NaN or a neighbour's FP32 state bytes read as BF16 would reach the output."""
+        NaN or a neighbour's FP32 state bytes read as BF16 would still reach the output."""
         if not self.zero_on_handout or not len(ids):
             return
         self.stats["zeroed_pages"] += len(ids)
         self.chain.copier.zero_pages(self, ids)
 
+    def alloc_physical(self, n: int) -> tuple[np.ndarray, PageUse]:
+        """Pages for a host-tier load, fixed under a load reservation until the tree names them
+        (HIC-4). Settles first when the band has pending pages and its holes do not cover the load
+        (HIC-5, through `_acquire`); a short band relieves through the chain (ALLOC-19)."""
+        demand = [0] * len(self.chain.bands)
+        demand[self.index] = n
+        if not self.chain.units_fit(demand):
+            raise CapacityError(f"{self.name}: no layout of the arena serves a load of {n} pages")
+        if not self.chain.in_place(demand):
+            self.chain.lay_out_for(demand)
+        ids = self._acquire(n, consumer=Consumer.HOST_LOAD)
+        return ids, self.fix(ids, "load reservation")
+
+    def fix(self, ids: np.ndarray, label: str) -> PageUse:
+        """Fix live pages in place (LEDG-6): they never move and are excluded from every consumer."""
+        use = self.usage.record(PageUse(Hazard.FIXED, ids, writes=False, label=label))
+        self.fixed_mask[ids] = True
+        self.n_fixed += len(ids)
+        return use
+
+    def unfix(self, use: PageUse) -> None:
+        """End a fixing use (LEDG-6); a page another fixing use still covers stays fixed."""
+        self.usage.end(use)
+        self.fixed_mask[use.pages] = False
+        for other in self.usage.uses:
+            if other.hazard is Hazard.FIXED:
+                self.fixed_mask[other.pages] = True
+        self.n_fixed = int(np.count_nonzero(self.fixed_mask))
+
     # -- freeing ----------------------------------------------------------------------------
 
     def free(self, ids: np.ndarray) -> None:
         """Logical free (LIFE-2, LIFE-3): the pages are unbound and leave at once, with no stream
-        wait. Under a
-        recorded, unprocessed forward they pend on it; otherwise they become holes."""
+        wait. Under a recorded, unprocessed forward they pend on it (LIFE-24); otherwise they become
+        holes (LIFE-25). A page a network transfer still reads is vacated until it is released."""
         self.chain.forward_steps.assert_no_open_launch("free", self.name, len(ids))
         if not len(ids):
             return
         invariants.check_freed_pages(self, ids)
         self.ids.unbind_physical(ids)
+        self.n_live -= len(ids)
+        if self.usage.uses:
+            net = self._network_used(ids)
+            if net.any():
+                self._vacate(ids[net])
+                ids = ids[~net]
         key = self.chain.forward_steps.newest_unprocessed()
         if key is not None:
             self.state[ids] = PENDING
@@ -236,25 +391,65 @@ class Band:
             self.state[ids] = HOLE
             self.holes.push(ids)
             self.n_holes += len(ids)
-        self.n_live -= len(ids)
         self._after_free()
+
+    def _network_used(self, ids: np.ndarray) -> np.ndarray:
+        mask = np.zeros(len(ids), dtype=bool)
+        if not self.usage.count[ids].any():
+            return mask
+        for use in self.usage.uses:
+            if use.hazard is Hazard.NETWORK:
+                mask |= np.isin(ids, use.pages)
+        return mask
+
+    def _vacate(self, ids: np.ndarray) -> None:
+        self.state[ids] = VACATED
+        self.n_vacated += len(ids)
+
+    def take_ready_vacated(self) -> int:
+        """Vacated pages no network transfer reads any more return to use (COMP-18): pending under
+        the newest forward in flight, else holes."""
+        if not self.n_vacated:
+            return 0
+        vacated = np.flatnonzero(self.state == VACATED)
+        ready = vacated[~self._network_used(vacated)]
+        if not len(ready):
+            return 0
+        self.n_vacated -= len(ready)
+        key = self.chain.forward_steps.newest_unprocessed()
+        if key is not None:
+            self.state[ready] = PENDING
+            self.pending.add(key.step, key.event, ready)
+            self.n_pending += len(ready)
+        else:
+            self.state[ready] = HOLE
+            self.holes.push(ready)
+            self.n_holes += len(ready)
+        self._after_free()
+        return len(ready)
 
     def _after_free(self) -> None:
         pass
 
     def settle_pending(self, n_batches: int | None = None) -> int:
         """Settle the oldest `n_batches` pending batches (all when None): the schedule stream waits
-        their forwards' events; the host never blocks. Their pages become holes."""
+        their forwards' events; the host never blocks (LIFE-29). The forwards stay unprocessed
+        (LIFE-30). Their pages become holes."""
         n = len(self.pending.batches) if n_batches is None else n_batches
         if n <= 0:
             return 0
-        device = self.chain.device
         batches = self.pending.pop_oldest(n)
         for batch in batches:
-            device.stream_wait(device.schedule_stream, batch.event)
+            self._stream_wait(batch.event, f"settle pending under step {batch.key}")
         self._pending_to_holes(batches)
         self.stats["settled_batches"] += len(batches)
         return sum(b.size for b in batches)
+
+    def settle_pending_for_recovery(self) -> int:
+        """Urgent recovery: read ahead on the host everything the layout will read (free lists,
+        pending pages, write sets, transfer pages), then settle every pending batch (ALLOC-11/12)."""
+        invariants.check_host_read(self, "the recovery read-ahead")
+        return self.settle_pending()
 
     def release_pending_through(self, step: int) -> int:
         """Return every batch keyed at or before a processed forward to the holes (LIFE-27)."""
@@ -271,11 +466,27 @@ class Band:
         self.n_holes += len(ids)
         self._after_free()
 
+    # -- forwards -------------------------------------------------------------------------------
+
+    def set_inflight_forward(self, step: int, event: Event, pages: np.ndarray | None) -> None:
+        """Record what a forward writes here until it retires (LEDG-2). `pages` None: unknown
+        (a speculative step): compaction then moves nothing in this band until it retires."""
+        if pages is None:
+            self.usage.unknown_writer = PageUse(Hazard.FORWARD, np.empty(0, dtype=np.int64), writes=True,
+                                                event=event, step=step, label=f"unknown writes of step {step}")
+        elif len(pages):
+            self.usage.record(PageUse(Hazard.FORWARD, np.unique(pages), writes=True, event=event, step=step,
+                                      label=f"writes of step {step}"))
+
+    def retire_forwards_through(self, step: int) -> None:
+        self.usage.end_forwards_through(step)
+
     # -- compaction -------------------------------------------------------------------------
 
-    def _frontier_scan(self, wanted: int, match) -> np.ndarray:
+    def _frontier_scan(self, wanted: int, match, stop=None) -> np.ndarray:
         """Grid ids where `match(states, ids)` holds, nearest the frontier first, scanning inward in
-        chunks until `wanted` are found: work in proportion to what the caller needs, not the span."""
+        chunks until `wanted` are found (or, with `stop`, until the first id where it holds): work
+        in proportion to what the caller needs, not to the span."""
         found: list[np.ndarray] = []
         got = 0
         chunk = max(256, 2 * wanted)
@@ -288,19 +499,48 @@ class Band:
             else:
                 ids = np.arange(max(b - chunk, a), b)[::-1]
                 b = ids[-1]
-            hit = ids[match(self.state[ids], ids)]
+            st = self.state[ids]
+            if stop is not None:
+                blocked = np.flatnonzero(stop(st, ids))
+                if len(blocked):
+                    ids, st = ids[: blocked[0]], st[: blocked[0]]
+                    b = a  # stop scanning
+            hit = ids[match(st, ids)]
             found.append(hit)
             got += len(hit)
         out = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
         return out[:wanted]
 
-    def flush(self, max_moves: int | None) -> int:
+    def _forward_hazard(self, ids: np.ndarray) -> np.ndarray:
+        mask = np.zeros(self.grid.n_grid, dtype=bool)
+        for use in self.usage.uses:
+            if use.hazard is Hazard.FORWARD:
+                mask[use.pages] = True
+        return mask[ids]
+
+    def _written_in_flight(self) -> np.ndarray:
+        mask = np.zeros(self.grid.n_grid, dtype=bool)
+        for use in self.usage.uses:
+            if use.writes:
+                mask[use.pages] = True
+        return mask
+
+    def flush(self, max_moves: int | None, urgent: bool = False) -> int:
         """Move the live pages nearest the frontier into the holes nearest the band's base, then
-        absorb the holes left at the frontier. Returns pages moved. Fixed pages never move."""
+        absorb the holes left at the frontier. Returns pages moved.
+
+        Opportunistic (COMP-5..14): with pending pages it only absorbs boundary holes; it never waits
+        an unretired forward and stops at a source one writes, at a fixed or vacated page; it leaves
+        alone a band holding receive rows or written by a speculative forward. Urgent (relief,
+        COMP-6/8/11): settled first, uncapped, waits the writers of what it moves, and steps over
+        fixed pages, which never move."""
         if self.parked or self.span == 0 or not self.n_holes:
             return 0
         moved = 0
-        if not self.n_pending and max_moves != 0:
+        can_move = max_moves != 0 and not self.n_pending
+        if not urgent and (self.n_held or self.usage.unknown_writer is not None):
+            can_move = False
+        if can_move:
             holes = self.holes.view()
             down = self.placement is Placement.DOWN_END
             k = len(holes) if max_moves is None else min(max_moves, len(holes))
@@ -310,8 +550,17 @@ class Band:
             else:
                 dst = holes.copy()
             dst = np.sort(dst)[::-1] if down else np.sort(dst)
+            if not urgent and self.usage.uses:
+                # never wait an unretired forward: skip holes one may still read (COMP-5)
+                dst = dst[~self._forward_hazard(dst)]
             fixed = self.fixed_mask
-            src = self._frontier_scan(k, lambda st, ids: (st == LIVE) & ~fixed[ids])
+            if urgent:
+                src = self._frontier_scan(k, lambda st, ids: (st == LIVE) & ~fixed[ids])
+            else:
+                written = self._written_in_flight() if self.usage.uses else None
+                blocked = (lambda st, ids: fixed[ids] | (st == VACATED) | written[ids]) if written is not None else \
+                    (lambda st, ids: fixed[ids] | (st == VACATED))
+                src = self._frontier_scan(k, lambda st, ids: st == LIVE, stop=blocked)
             n = min(len(src), len(dst))
             beyond = dst[:n] > src[:n] if down else dst[:n] < src[:n]
             k = int(np.count_nonzero(beyond))
@@ -323,14 +572,15 @@ class Band:
         return moved
 
     def flush_for_allocation(self) -> int:
-        """Urgent flush for relief: settled first, uncapped, packs every movable page (COMP-8)."""
+        """Urgent flush for relief: settled first, uncapped, packs every movable page (COMP-8, COMP-13)."""
         invariants.geometry_ready(self)
         if self.n_pending:
             self.settle_pending()
-        return self.flush(max_moves=None)
+        return self.flush(max_moves=None, urgent=True)
 
     def _absorb_boundary_holes(self) -> None:
-        """Retreat the frontier over trailing holes; never over a pending, live or fixed page."""
+        """Retreat the frontier over trailing holes; never over a pending, live, fixed or vacated page.
+        Holes that leave with unfinished uses on them become fences in the arena (COMP-20)."""
         if self.parked or self.span == 0:
             return
         frontier = self.lo if self.placement is Placement.DOWN_END else self.hi - 1
@@ -349,22 +599,41 @@ class Band:
                 self.hi = new_hi
 
     def _drop_holes(self, ids: np.ndarray) -> None:
-        """Holes that leave the span: out of the band."""
+        """Holes that leave the span: out of the band; their unfinished uses fence their bytes."""
+        self.chain.fence_pages(self, ids)
         self.state[ids] = OUT
         self.holes.keep(self.state[self.holes.view()] == HOLE)
         self.n_holes -= len(ids)
 
     def _commit_move_batch(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy live pages `src` into holes `dst` and rebind their virtual ids (COMP-16)."""
+        """Copy live pages `src` into holes `dst` and rebind their virtual ids (COMP-16). The copy
+        first waits every writer of the sources (COMP-17) and clears the destinations. A source a
+        forward in flight may still read is left a hole with that forward's hazard, which the next
+        writer waits (COMP-18); one a network send reads is vacated until it is released."""
+        self._wait_writers(src)
+        self._clear(Consumer.SCHEDULE_COPY, dst)
+        self.chain.wait_fences(self, dst)
         self.chain.copier.move_pages(self, src, dst)
         self.ids.rebind_physical(src, dst)
         self.state[dst] = LIVE
         self.holes.keep(self.state[self.holes.view()] == HOLE)
-        self.state[src] = HOLE
-        self.holes.push(src)
+        self._vacate_sources(src)
         self.stats["moves"] += len(src)
         self.chain.move_epoch += 1
         self.epoch.bump()
+        self.chain.log("move", self.name, src, dst)
+
+    def _vacate_sources(self, src: np.ndarray) -> None:
+        net = self._network_used(src) if self.usage.uses else np.zeros(len(src), dtype=bool)
+        if net.any():
+            self._vacate(src[net])
+        holes = src[~net]
+        self.state[holes] = HOLE
+        self.holes.push(holes)
+        key = self.chain.forward_steps.newest_unprocessed()
+        if key is not None and len(src):
+            self.usage.record(PageUse(Hazard.FORWARD, src.copy(), writes=False, event=key.event, step=key.step,
+                                      vacated=True, label=f"vacated under step {key.step}"))
 
     def prewarm_compaction(self) -> None:
         """Run the page-copy path once at startup (COMP-25) so the first serving-time move neither
@@ -373,7 +642,7 @@ class Band:
         page = self.grid.sink_id if self.grid.sink_id is not None else self.grid.first_id
         if page < self.grid.n_grid:
             ids = np.array([page], dtype=np.int64)
-            self.chain.copier.move_pages(self, ids, ids)
+            self.chain.copier.move_pages(self, ids, ids, label="prewarm")
 
     def relieve(self, n: int) -> np.ndarray:
         """A lone band that falls short (a host-tier load's take) runs the chain's relief through
@@ -414,7 +683,7 @@ class Band:
 class FloatBand(Band):
     """A band between the ends. It never compacts (its holes are reused where they are), moves only
     when a planned layout relocates it, and is parked (transparent to its neighbours) when it holds
-    no live, fixed or pending page."""
+    no live, fixed, pending or vacated page."""
 
     def __init__(self, pool: SubPool, grid: BandGrid, chain: ChainAllocator, n_virtual: int) -> None:
         super().__init__(pool, grid, chain, n_virtual)
@@ -422,22 +691,20 @@ class FloatBand(Band):
         self.parked = True
 
     def _after_free(self) -> None:
-        if not self.parked and self.n_live + self.n_pending + self.n_fixed == 0:
+        if not self.parked and self.n_live + self.n_pending + self.n_fixed + self.n_vacated == 0:
             self.park()
 
     def park(self) -> None:
         """Give the whole span back: an empty float is transparent (COMP-24)."""
-        if self.n_live + self.n_pending + self.n_fixed:
+        if self.n_live + self.n_pending + self.n_fixed + self.n_vacated:
             raise InvariantError("band.park_nonempty", f"{self.name} cannot park with pages in it")
         if self.parked:
             return
-        self.state[self.lo : self.hi] = OUT
-        self.holes.keep(np.zeros(self.holes.count, dtype=bool))
-        self.n_holes = 0
+        self._drop_holes(np.arange(self.lo, self.hi))
         self.lo = self.hi = -1
         self.parked = True
 
-    def flush(self, max_moves: int | None) -> int:
+    def flush(self, max_moves: int | None, urgent: bool = False) -> int:
         """Floats never compact: a flush only hands back boundary holes (COMP-21, COMP-22)."""
         self._absorb_span_boundary_holes()
         return 0
@@ -463,21 +730,36 @@ class FloatBand(Band):
 
     def relocate_into(self, lo: int, size: int) -> None:
         """Copy every live page, in order, to `[lo, lo + live)` and make the span `[lo, lo + size)`,
-        the rest holes. Pending pages must have settled (`band.geometry_ready`)."""
+        the rest holes (COMP-23). Pending pages must have settled (`band.geometry_ready`); the old
+        block's pages that leave the span keep their unfinished uses as fences in the arena."""
         invariants.geometry_ready(self)
         if self.n_pending:
             self.settle_pending()
-        if self.n_fixed:
-            raise InvariantError("band.relocate_fixed", f"{self.name} holds fixed pages and cannot move")
+        if self.n_fixed or self.n_vacated:
+            raise InvariantError("band.relocate_fixed", f"{self.name} holds fixed or vacated pages and cannot move")
         live = self.live_pages()
         if size < len(live) or lo < self.grid.first_id or lo + size > self.grid.n_grid:
             raise CapacityError(f"{self.name}: block [{lo}, {lo + size}) cannot hold {len(live)} live pages")
         dst = np.arange(lo, lo + len(live), dtype=np.int64)
-        if not self.parked:
-            self.state[self.lo : self.hi] = OUT
-        self.holes.keep(np.zeros(self.holes.count, dtype=bool))
+        old = np.arange(self.lo, self.hi, dtype=np.int64) if not self.parked else np.empty(0, dtype=np.int64)
+        self.chain.wait_fences(self, np.setdiff1d(np.arange(lo, lo + size), old))
+        self._clear(Consumer.SCHEDULE_COPY, np.intersect1d(dst, old))
+        key = self.chain.forward_steps.newest_unprocessed()
+        if key is not None and len(np.intersect1d(dst, live)):
+            # the new block overlaps live pages a forward in flight may still read: wait it first
+            self._stream_wait(key.event, f"relocation over pages step {key.step} may read")
         if len(live):
+            self._wait_writers(live)
             self._relocate_pages(live, dst)
+            if key is not None:
+                self.usage.record(PageUse(Hazard.FORWARD, live.copy(), writes=False, event=key.event, step=key.step,
+                                          vacated=True, label=f"relocated under step {key.step}"))
+        new = np.arange(lo, lo + size, dtype=np.int64)
+        leaving = np.setdiff1d(old, new)
+        if len(leaving):
+            self.chain.fence_pages(self, leaving)
+        self.state[old] = OUT
+        self.holes.keep(np.zeros(self.holes.count, dtype=bool))
         self.state[dst] = LIVE
         tail = np.arange(lo + len(live), lo + size, dtype=np.int64)
         self.state[tail] = HOLE
@@ -486,6 +768,7 @@ class FloatBand(Band):
         self.parked = False
         self.lo, self.hi = lo, lo + size
         self.chain.move_epoch += 1
+        self.chain.log("relocate", self.name, lo, size)
 
     def _relocate_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy in waves so that no copy overwrites a page a later copy still reads."""
@@ -499,7 +782,7 @@ class FloatBand(Band):
             wave = remaining & ~reading[dst]
             if not wave.any():
                 raise AssertionError("relocation copies form a cycle")
-            self.chain.copier.move_pages(self, src[wave], dst[wave])
+            self.chain.copier.move_pages(self, src[wave], dst[wave], label="relocate")
             remaining &= ~wave
         if len(src):
             self.ids.rebind_physical(src, dst)
@@ -515,6 +798,7 @@ class FloatBand(Band):
         else:
             ids = np.arange(self.lo - pages, self.lo, dtype=np.int64)
             self.lo -= pages
+        self.chain.wait_fences(self, ids)
         self.state[ids] = HOLE
         self.holes.push(ids)
         self.n_holes += pages

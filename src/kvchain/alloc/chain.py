@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,10 +21,11 @@ from ..errors import CapacityError, InvariantError
 from ..memory.arena import KVArena
 from ..memory.copy import PageCopier
 from ..plan import KVStoragePlan, Placement, PoolKind
-from .band import HOLE, LIVE, OUT, PENDING, SINK, Band, CapacityEpoch, FloatBand
+from .band import HOLE, LIVE, OUT, PENDING, SINK, VACATED, Band, CapacityEpoch, FloatBand, SnapshotMode
 from .demand import DemandPurpose, KVDemand, request_demand
 from .forward_steps import ForwardSteps
 from .id_space import UNBOUND, IdStack
+from .page_usage import CLEARANCE, Clear, Consumer, Hazard, PageUse
 from .pricing import (
     ChainSnapshot,
     LayoutPlan,
@@ -34,11 +36,22 @@ from .pricing import (
     reclaimed_snapshot,
     take_layout,
 )
+from .signals import HostTransfer, NetworkTransfer, NetworkTransferWaiter
 
 log = logging.getLogger("kvchain.chain")
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False
+
+
+@dataclass(eq=False)
+class Fence:
+    """Bytes that left a band while a use of them was unfinished: whichever band next writes them
+    clears the use first (COMP-20)."""
+
+    lo: int
+    hi: int
+    use: PageUse
 
 
 class ChainAllocator:
@@ -67,7 +80,11 @@ class ChainAllocator:
         self.virtual_free = IdStack(self.n_virtual, np.arange(self.n_virtual - 1, 0, -1, dtype=np.int64))
         n_slots = self.state_band.grid.n_grid if self.state_band is not None else 0
         self.slot_free = IdStack(n_slots, np.arange(n_slots - 1, -1, -1, dtype=np.int64))
-        self._memo: ChainSnapshot | None = None
+        self._memo: dict[SnapshotMode, ChainSnapshot] = {}
+        self.fences: list[Fence] = []
+        self.waiter = NetworkTransferWaiter(device)
+        #: when a list, every decision (pages chosen, frontiers, moves, waits) is appended to it
+        self.decisions: list | None = None
         #: read once at construction, like the rest of the pool's configuration
         self.max_moves_per_call = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
         self.log_compaction_stats = bool(env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"))
@@ -89,21 +106,27 @@ class ChainAllocator:
                 break
         return prev_top, next_bottom
 
-    def snapshot(self) -> ChainSnapshot:
+    def snapshot(self, mode: SnapshotMode = SnapshotMode.TAKE) -> ChainSnapshot:
         return ChainSnapshot(
-            tuple(b.snapshot() for b in self.bands),
+            tuple(b.snapshot(mode) for b in self.bands),
             self.layout.chain_lo,
             self.layout.arena_bytes,
             self.epoch.value,
             self.forward_steps.newest_unprocessed() is not None,
         )
 
-    def pricing_snapshot(self) -> ChainSnapshot:
-        """The snapshot pricing reads, kept until the capacity epoch moves (CAP-6)."""
-        memo = self._memo
+    def pricing_snapshot(self, mode: SnapshotMode = SnapshotMode.EVERY_BYTE) -> ChainSnapshot:
+        """The snapshot pricing reads, kept until the capacity epoch moves (CAP-6). Capacity
+        questions read every byte (a relief may wait on the host for a transfer to free it); an
+        in-place take reads the band as it stands."""
+        memo = self._memo.get(mode)
         if memo is None or memo.epoch != self.epoch.value:
-            memo = self._memo = self.snapshot()
+            memo = self._memo[mode] = self.snapshot(mode)
         return memo
+
+    def in_place(self, pages: Sequence[int]) -> bool:
+        """Would a take of `pages` succeed with no rearrangement at all?"""
+        return plan(self.pricing_snapshot(SnapshotMode.TAKE), tuple(pages), Step.NO_MOVE) is not None
 
     def empty_snapshot(self) -> ChainSnapshot:
         """The chain with nothing allocated: what an arriving request is checked against."""
@@ -156,7 +179,7 @@ class ChainAllocator:
         """Lay the chain out so that a take of `pages` succeeds, moving pages if needed. A yes is
         always followed by a successful take (CAP-11); a no changes nothing."""
         pages = self._check_demand(pages)
-        if plan(self.pricing_snapshot(), pages, Step.NO_MOVE) is not None:
+        if self.in_place(pages):
             return True
         if not feasible(self.pricing_snapshot(), pages):
             return False
@@ -189,10 +212,9 @@ class ChainAllocator:
             after = take_layout(bands[i].snapshot(), pages[i], prev_top, next_bottom)
             if after is not None:
                 return [band._acquire(n, after if j == i else None) for j, (band, n) in enumerate(zip(bands, pages))]
-        snap = self.pricing_snapshot()
-        in_place = plan(snap, pages, Step.NO_MOVE)
+        in_place = plan(self.pricing_snapshot(SnapshotMode.TAKE), pages, Step.NO_MOVE)
         if in_place is None:
-            if not feasible(snap, pages):
+            if not feasible(self.pricing_snapshot(), pages):
                 raise CapacityError(self._shortfall_message(pages))
             self._relieve(pages)
             return [band._acquire(n) for band, n in zip(self.bands, pages)]
@@ -205,19 +227,29 @@ class ChainAllocator:
         layout = self._relief_plan(pages)
         if layout is None:
             raise InvariantError("chain.relief", f"feasible said yes but no relief plan serves {pages}")
+        self.log("relief", layout.step.name, [(r.band, r.lo, r.size) for r in layout.relocations])
         self.realize(layout)
         return layout
 
     def _urgent_recovery(self) -> None:
-        """Settle every pending batch of every band, then park floats left empty (ALLOC-12/13)."""
+        """Read ahead, settle every pending batch of every band, then park floats left empty
+        (ALLOC-11/12/13)."""
         for band in self.bands:
-            band.settle_pending()
+            band.settle_pending_for_recovery()
         for band in self.bands:
-            if isinstance(band, FloatBand) and not band.parked and band.n_live + band.n_fixed == 0:
+            if isinstance(band, FloatBand) and not band.parked and band.n_live + band.n_fixed + band.n_vacated == 0:
                 band.park()
 
     def _relief_plan(self, pages: tuple[int, ...]) -> LayoutPlan | None:
-        return first_plan(self.pricing_snapshot(), pages)
+        """First with every network-held row fixed in place (ALLOC-14, PD-6); only when no such
+        layout exists, with every byte, waiting on the host for the transfers (ALLOC-15, PD-7)."""
+        layout = first_plan(self.pricing_snapshot(SnapshotMode.HOLD_NETWORK), pages)
+        if layout is not None:
+            return layout
+        held = self.network_transfers()
+        if held:
+            self.wait_transfers(held)
+        return first_plan(self.pricing_snapshot(SnapshotMode.TAKE), pages)
 
     def realize(self, layout: LayoutPlan) -> None:
         """Compact the listed ends, relocate floats in move order, extend pinned floats (ALLOC-16/17).
@@ -237,6 +269,88 @@ class ChainAllocator:
         parts = [f"{b.name} {n} pages ({b.n_live} live)" for b, n in zip(self.bands, pages) if n]
         return (f"no layout of the arena serves {', '.join(parts)}; "
                 f"about {self.available_bytes_estimate()} bytes free in all")
+
+    # -- compaction -------------------------------------------------------------------------------
+
+    # -- the ledger across bands ------------------------------------------------------------------
+
+    def log(self, kind: str, *fields) -> None:
+        if self.decisions is not None:
+            self.decisions.append((kind, *(f.tolist() if isinstance(f, np.ndarray) else f for f in fields)))
+
+    def network_transfers(self) -> list[NetworkTransfer]:
+        seen: dict[int, NetworkTransfer] = {}
+        for band in self.bands:
+            for use in band.usage.uses:
+                if use.hazard is Hazard.NETWORK and isinstance(use.transfer, NetworkTransfer):
+                    seen.setdefault(use.transfer.id, use.transfer)
+        return list(seen.values())
+
+    def wait_transfers(self, transfers: Sequence[NetworkTransfer]) -> None:
+        """Host-wait network transfers (the transfer engine runs outside every stream), then release
+        them everywhere (LEDG-4). Past the deadline this raises naming the transfers in flight."""
+        transfers = [t for t in transfers if t is not None and not t.released]
+        if not transfers:
+            return
+        self.log("host_wait", [t.name for t in transfers])
+        self.waiter.wait(transfers)
+        for t in transfers:
+            self.end_transfer(t)
+
+    def end_transfer(self, transfer: NetworkTransfer | HostTransfer) -> None:
+        """A transfer is over (released, or its host copy acknowledged): end its uses in every band
+        and the fences it left, and return vacated pages it alone held."""
+        if isinstance(transfer, NetworkTransfer):
+            transfer.released = True
+        else:
+            transfer.ended = True
+        for band in self.bands:
+            if band.usage.end_transfer(transfer):
+                band.epoch.bump()
+            band.take_ready_vacated()
+        self.fences = [f for f in self.fences if f.use.transfer is not transfer]
+
+    def fence_pages(self, band: Band, ids: np.ndarray) -> None:
+        """Pages leaving `band`: every unfinished use on them becomes a fence over their bytes."""
+        if not band.usage.uses or not len(ids) or not band.usage.count[ids].any():
+            return
+        leaving = np.zeros(band.grid.n_grid, dtype=bool)
+        leaving[ids] = True
+        for use in list(band.usage.uses):
+            if use.hazard is Hazard.FIXED:
+                continue
+            out = leaving[use.pages]
+            if not out.any():
+                continue
+            lo, hi = band.byte_ranges(use.pages[out])
+            self.fences += [Fence(int(a), int(b), use) for a, b in zip(lo, hi)]
+            band.usage.end(use)
+            if not out.all():
+                rest = PageUse(use.hazard, use.pages[~out], use.writes, use.event, use.step, use.transfer,
+                               use.vacated, use.label)
+                band.usage.record(rest)
+
+    def wait_fences(self, band: Band, ids: np.ndarray) -> None:
+        """Before `band` writes bytes that left another band (or itself), clear their fences on the
+        schedule stream (COMP-20); a fence cleared there is dropped."""
+        if not self.fences or not len(ids):
+            return
+        lo, hi = band.byte_ranges(ids)
+        a, b = int(lo.min()), int(hi.max())
+        keep = []
+        waited: set[int] = set()
+        rules = CLEARANCE[Consumer.SCHEDULE_COPY]
+        for fence in self.fences:
+            if fence.hi <= a or fence.lo >= b or not ((lo < fence.hi) & (hi > fence.lo)).any():
+                keep.append(fence)
+                continue
+            clear = rules[fence.use.hazard]
+            if clear is Clear.HOST_WAIT:
+                self.wait_transfers([fence.use.transfer])
+            elif clear is Clear.STREAM_WAIT and fence.use.event is not None and fence.use.event.seq not in waited:
+                waited.add(fence.use.event.seq)
+                band._stream_wait(fence.use.event, f"fence left by {fence.use.label}")
+        self.fences = keep
 
     # -- compaction -------------------------------------------------------------------------------
 
@@ -270,8 +384,12 @@ class ChainAllocator:
     # -- forward retirement -----------------------------------------------------------------------
 
     def on_forward_retired(self, step: int) -> None:
+        """A forward is processed (with every earlier one): release its pending pages and end its
+        uses in every band's ledger and in the fences (LIFE-23, LEDG-7)."""
         for band in self.bands:
             band.release_pending_through(step)
+            band.retire_forwards_through(step)
+        self.fences = [f for f in self.fences if f.use.step is None or f.use.step > step]
         self.epoch.bump()
 
     # -- the memory clip --------------------------------------------------------------------------
@@ -341,9 +459,9 @@ class ChainAllocator:
         """Byte conservation: counts match page states, spans lie in order inside the chain without
         overlap, ids and maps agree, and a memoised snapshot is never stale (CHK-15)."""
         problems: list[str] = []
-        memo = self._memo
-        if memo is not None and memo.epoch == self.epoch.value and memo != self.snapshot():
-            problems.append("stale pricing snapshot: the capacity epoch did not move on a change")
+        for mode, memo in self._memo.items():
+            if memo.epoch == self.epoch.value and memo != self.snapshot(mode):
+                problems.append(f"stale pricing snapshot ({mode.value}): the capacity epoch did not move on a change")
         cursor = self.layout.chain_lo
         for band in self.bands:
             problems += _band_problems(band)
@@ -370,7 +488,11 @@ class ChainAllocator:
 def _band_problems(band: Band) -> list[str]:
     out = []
     st = band.state
-    counts = np.bincount(st, minlength=5)
+    counts = np.bincount(st, minlength=6)
+    if counts[VACATED] != band.n_vacated:
+        out.append(f"{band.name}: {counts[VACATED]} vacated pages, counted {band.n_vacated}")
+    if int(np.count_nonzero(band.fixed_mask)) != band.n_fixed:
+        out.append(f"{band.name}: {int(np.count_nonzero(band.fixed_mask))} fixed pages, counted {band.n_fixed}")
     if counts[LIVE] != band.n_live:
         out.append(f"{band.name}: {counts[LIVE]} live pages, counted {band.n_live}")
     if counts[HOLE] != band.n_holes or len(band.holes) != band.n_holes:

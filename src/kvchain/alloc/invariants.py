@@ -31,6 +31,8 @@ NON_FATAL = {"band.host_read_before_wait", "band.geometry_ready", "capacity.obse
 
 
 _operation_level: InvariantCheckLevel | None = None
+#: whether the current allocator operation has queued a stream wait (LIFE-41)
+_operation_waited = False
 
 
 def level() -> InvariantCheckLevel:
@@ -42,17 +44,34 @@ def level() -> InvariantCheckLevel:
 
 def begin_operation() -> bool:
     """Pin the level for an outermost allocator operation; returns whether this call pinned it."""
-    global _operation_level
+    global _operation_level, _operation_waited
     if _operation_level is not None:
         return False
     _operation_level = env.invariant_level()
+    _operation_waited = False
     return True
 
 
 def end_operation(pinned: bool) -> None:
-    global _operation_level
+    global _operation_level, _operation_waited
     if pinned:
         _operation_level = None
+        _operation_waited = False
+
+
+def before_wait() -> None:
+    """A stream wait is about to be queued in the current allocator operation."""
+    global _operation_waited
+    if _operation_level is not None:
+        _operation_waited = True
+
+
+def check_host_read(band: Band, what: str) -> None:
+    """`band.host_read_before_wait` (CHK-10): within one allocator operation every host read of
+    device state precedes the first stream wait; a read behind a wait on a running forward would
+    park the scheduler until that forward ends."""
+    if _operation_waited:
+        fail("band.host_read_before_wait", f"{band.name}: host read of {what} after a stream wait in the same operation")
 
 
 def fail(check: str, message: str) -> None:

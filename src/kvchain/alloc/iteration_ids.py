@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass(frozen=True)
 class IterationIds:
     """Physical write locations per sub-pool name (attention: token ids; state: slot ids)."""

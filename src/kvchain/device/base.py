@@ -91,8 +91,10 @@ class Device(abc.ABC):
         reads: Sequence[PageAccess] = (),
         writes: Sequence[PageAccess] = (),
         label: str = "",
+        on_start: Callable[[], None] | None = None,
     ) -> None:
-        """Queue `fn` on `stream`; it runs after everything queued there before it."""
+        """Queue work on `stream`; it runs after everything queued there before it. `on_start`
+        runs when the work starts (a kernel's reads), `fn` when it completes (its writes land)."""
 
     @abc.abstractmethod
     def record(self, stream: Stream, label: str = "") -> Event:
@@ -109,6 +111,9 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def query(self, event: Event) -> bool:
         """Whether `event` has fired. Decisions must never depend on this (it differs by rank)."""
+
+    def close(self) -> None:  # noqa: B027 - a no-op unless a backend runs workers
+        """Stop any worker the backend runs (threads)."""
 
     def synchronize(self) -> None:
         """Block the host until all queued work completes (tests and idle checks only)."""

@@ -19,8 +19,11 @@ class ImmediateDevice(Device):
         reads: Sequence[PageAccess] = (),
         writes: Sequence[PageAccess] = (),
         label: str = "",
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self.counters.launches += 1
+        if on_start is not None:
+            on_start()
         if fn is not None:
             fn()
 

@@ -1,0 +1,146 @@
+"""`PageUsage`: the per-band page ledger, and `CLEARANCE`, the one rule for who waits for what.
+
+A band records one `PageUse` per use of its pages that is not over yet: a forward's writes, a
+host-tier copy, a network transfer, vacated move sources, fixed pages. The next writer of a page
+(a `Consumer`) must clear every `Hazard` recorded on it, as `CLEARANCE` says: a stream wait, a
+host wait, after the forward retires, or never (the page is excluded)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..device.base import Event
+from .signals import HostTransfer, NetworkTransfer
+
+
+class Hazard(enum.Enum):
+    FORWARD = "forward"  # a forward in flight writes the pages (or may read a vacated source)
+    COPY_READ = "copy_read"  # a host-tier backup reads them
+    COPY_WRITE = "copy_write"  # a host-tier load writes them
+    NETWORK = "network"  # a PD send reads them or a receive writes them
+    FIXED = "fixed"  # a load reservation, or rows a relief keeps in place
+
+
+class Consumer(enum.Enum):
+    FORWARD = "forward"  # the next forward
+    SCHEDULE_COPY = "schedule_copy"  # a move or a state copy
+    ZERO = "zero"  # hand-out zeroing
+    HOST_LOAD = "host_load"  # a host-tier load
+    NETWORK_RECEIVE = "network_receive"  # a PD receive
+
+
+class Clear(enum.Enum):
+    NONE = "none"  # already ordered
+    STREAM_WAIT = "stream wait"
+    HOST_WAIT = "host wait"
+    AFTER_RETIRE = "after retire"  # the forward must have retired first
+    EXCLUDED = "excluded"  # the page may not be chosen
+
+
+_COPY = {Hazard.COPY_READ: Clear.STREAM_WAIT, Hazard.COPY_WRITE: Clear.STREAM_WAIT}
+
+#: Who waits for what (LEDG-9..29): read by `PageUsage.clearance` alone.
+CLEARANCE: dict[Consumer, dict[Hazard, Clear]] = {
+    Consumer.FORWARD: {Hazard.FORWARD: Clear.NONE, **_COPY, Hazard.NETWORK: Clear.HOST_WAIT,
+                       Hazard.FIXED: Clear.EXCLUDED},
+    Consumer.SCHEDULE_COPY: {Hazard.FORWARD: Clear.STREAM_WAIT, **_COPY, Hazard.NETWORK: Clear.HOST_WAIT,
+                             Hazard.FIXED: Clear.EXCLUDED},
+    Consumer.ZERO: {Hazard.FORWARD: Clear.STREAM_WAIT, **_COPY, Hazard.NETWORK: Clear.HOST_WAIT,
+                    Hazard.FIXED: Clear.EXCLUDED},
+    Consumer.HOST_LOAD: {Hazard.FORWARD: Clear.NONE, **_COPY, Hazard.NETWORK: Clear.HOST_WAIT,
+                         Hazard.FIXED: Clear.EXCLUDED},
+    Consumer.NETWORK_RECEIVE: {Hazard.FORWARD: Clear.AFTER_RETIRE, **_COPY, Hazard.NETWORK: Clear.HOST_WAIT,
+                               Hazard.FIXED: Clear.EXCLUDED},
+}
+
+
+@dataclass(eq=False)
+class PageUse:
+    """One unfinished use of some of a band's pages (physical grid ids)."""
+
+    hazard: Hazard
+    pages: np.ndarray
+    writes: bool
+    event: Event | None = None  # what a stream wait waits (forward_done, a copy's finish event)
+    step: int | None = None  # FORWARD: the forward's step; it retires with it
+    transfer: NetworkTransfer | HostTransfer | None = None
+    vacated: bool = False  # the pages are move sources that stay out of use until this ends
+    label: str = ""
+
+    def __repr__(self) -> str:
+        return f"PageUse({self.hazard.value}, {len(self.pages)} pages, {self.label})"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What a consumer must do before it writes: one clearance action."""
+
+    clear: Clear
+    use: PageUse
+
+
+class PageUsage:
+    """One band's ledger. `count[p]` is how many unfinished uses cover grid id p, so the common
+    case (no use on the pages at hand) is one vectorised check."""
+
+    def __init__(self, n_grid: int) -> None:
+        self.uses: list[PageUse] = []
+        self.count = np.zeros(n_grid, dtype=np.int32)
+        self.unknown_writer: PageUse | None = None  # a forward whose writes are unknown (speculative)
+
+    def __len__(self) -> int:
+        return len(self.uses) + (self.unknown_writer is not None)
+
+    def record(self, use: PageUse) -> PageUse:
+        use.pages = np.asarray(use.pages, dtype=np.int64)
+        np.add.at(self.count, use.pages, 1)
+        self.uses.append(use)
+        return use
+
+    def end(self, use: PageUse) -> None:
+        if use is self.unknown_writer:
+            self.unknown_writer = None
+            return
+        self.uses.remove(use)
+        np.subtract.at(self.count, use.pages, 1)
+
+    def busy(self, pages: np.ndarray) -> np.ndarray:
+        """Per page, whether any unfinished use covers it."""
+        return self.count[pages] > 0
+
+    def on(self, pages: np.ndarray) -> list[PageUse]:
+        """The unfinished uses that cover any of `pages` (an unknown writer covers all)."""
+        out = [self.unknown_writer] if self.unknown_writer is not None else []
+        if not len(pages) or not self.uses or not self.count[pages].any():
+            return out
+        mask = np.zeros(len(self.count), dtype=bool)
+        mask[pages] = True
+        out += [u for u in self.uses if mask[u.pages].any()]
+        return out
+
+    def clearance(self, consumer: Consumer, pages: np.ndarray) -> list[Wait]:
+        """What `consumer` must clear before writing `pages`, read from CLEARANCE (LEDG-9)."""
+        rules = CLEARANCE[consumer]
+        return [Wait(rules[u.hazard], u) for u in self.on(pages) if rules[u.hazard] is not Clear.NONE]
+
+    def writers_of(self, pages: np.ndarray) -> list[PageUse]:
+        return [u for u in self.on(pages) if u.writes]
+
+    def end_forwards_through(self, step: int) -> list[PageUse]:
+        """Retire the forward uses of every forward with step <= `step` (LEDG-7)."""
+        done = [u for u in self.uses if u.hazard is Hazard.FORWARD and u.step is not None and u.step <= step]
+        for u in done:
+            self.end(u)
+        if self.unknown_writer is not None and self.unknown_writer.step <= step:
+            done.append(self.unknown_writer)
+            self.unknown_writer = None
+        return done
+
+    def end_transfer(self, transfer: NetworkTransfer | HostTransfer) -> list[PageUse]:
+        done = [u for u in self.uses if u.transfer is transfer]
+        for u in done:
+            self.end(u)
+        return done

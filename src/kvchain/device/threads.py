@@ -1,0 +1,121 @@
+"""`ThreadDevice`: real concurrency on a CPU. Each stream is a worker thread that runs its work in
+order; events are `threading.Event`s set when the work queued before them has run; a stream wait
+blocks that stream's worker, never the host. Torch releases the GIL in its kernels, so page copies,
+zeroing and forwards really overlap, and a missing wait corrupts real bytes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import KVChainError, TransferTimeoutError
+from .base import Device, Event, PageAccess, Stream
+
+
+@dataclass(eq=False)
+class ThreadEvent(Event):
+    flag: threading.Event = field(default_factory=threading.Event)
+
+
+class _Worker:
+    def __init__(self, name: str) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"kvchain-stream-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            kind, payload = self.queue.get()
+            if kind == "stop":
+                return
+            try:
+                if kind == "run":
+                    on_start, fn = payload
+                    if on_start is not None:
+                        on_start()
+                    if fn is not None:
+                        fn()
+                elif kind == "wait":
+                    payload.flag.wait()
+                elif kind == "set":
+                    payload.flag.set()
+            except BaseException as exc:  # surfaced to the host at its next wait
+                if self.error is None:
+                    self.error = exc
+                if kind == "set":
+                    payload.flag.set()
+
+
+class ThreadDevice(Device):
+    name = "threads"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._workers: dict[str, _Worker] = {}
+        self._lock = threading.Lock()
+
+    def _worker(self, stream: Stream) -> _Worker:
+        worker = self._workers.get(stream.name)
+        if worker is None:
+            with self._lock:
+                worker = self._workers.setdefault(stream.name, _Worker(stream.name))
+        return worker
+
+    def _raise_worker_errors(self) -> None:
+        for name, worker in self._workers.items():
+            if worker.error is not None:
+                error, worker.error = worker.error, None
+                raise KVChainError(f"work on stream {name!r} failed: {error!r}") from error
+
+    def launch(
+        self,
+        stream: Stream,
+        fn: Callable[[], None] | None,
+        *,
+        reads: Sequence[PageAccess] = (),
+        writes: Sequence[PageAccess] = (),
+        label: str = "",
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        self.counters.launches += 1
+        self._worker(stream).queue.put(("run", (on_start, fn)))
+
+    def record(self, stream: Stream, label: str = "") -> ThreadEvent:
+        self.counters.records += 1
+        event = ThreadEvent(stream=stream, label=label)
+        self._worker(stream).queue.put(("set", event))
+        return event
+
+    def stream_wait(self, stream: Stream, event: Event) -> None:
+        self.counters.stream_waits += 1
+        assert isinstance(event, ThreadEvent)
+        if not event.flag.is_set():
+            self._worker(stream).queue.put(("wait", event))
+
+    def host_wait(self, event: Event, timeout: float | None = None) -> None:
+        self.counters.host_waits += 1
+        assert isinstance(event, ThreadEvent)
+        if not event.flag.is_set():
+            self.counters.host_waits_blocked += 1
+            if not event.flag.wait(timeout):
+                raise TransferTimeoutError(f"host wait for {event.label or 'an event'} ran past {timeout} s")
+        self._raise_worker_errors()
+
+    def query(self, event: Event) -> bool:
+        assert isinstance(event, ThreadEvent)
+        return event.flag.is_set()
+
+    def synchronize(self) -> None:
+        for name in list(self._workers):
+            self.host_wait(self.record(self.stream(name), "synchronize"))
+        self._raise_worker_errors()
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.queue.put(("stop", None))
+        for worker in self._workers.values():
+            worker.thread.join(timeout=10)
+        self._workers.clear()
