@@ -13,11 +13,14 @@ import numpy as np
 from .alloc import invariants
 from .alloc.band import allocator_operation
 from .alloc.chain import ChainAllocator
+from .alloc.forward_steps import LaunchRecord
 from .alloc.id_space import UNBOUND
 from .alloc.invariants import check_windows_released
 from .alloc.iteration_ids import IterationIds
+from .alloc.page_usage import Hazard, PageUse
 from .alloc.runner_ids import RunnerIds
-from .device.base import Device, PageAccess
+from .alloc.signals import HostTransfer, NetworkTransfer, ReceiveHold
+from .device.base import Device, Event, PageAccess
 from .errors import CapacityError, InputError, InvariantError
 from .layout.views import SubPoolView
 from .memory.arena import KVArena
@@ -258,6 +261,141 @@ class KVStorage:
 
     def page_access(self, sub_pool: str, physical: np.ndarray) -> PageAccess:
         return PageAccess(self.plan.by_name(sub_pool).index, physical)
+
+    # -- the overlap scheduler's hooks ------------------------------------------------------------------
+
+    def forward_launched(self, has_forward: bool = True) -> LaunchRecord:
+        """`Scheduler._on_step_launch` (LIFE-21). A step without a forward of its own records no
+        event and advances nothing (LIFE-35)."""
+        return self.allocator.forward_steps.forward_launched(has_forward)
+
+    def order_forward_after_schedule(self) -> None:
+        """The forward stream waits the schedule stream, so the next forward follows every zeroing,
+        move and state copy queued before it (CLEARANCE: FORWARD needs no wait of its own)."""
+        device = self.device
+        device.stream_wait(device.forward_stream, device.record(device.schedule_stream, "schedule"))
+
+    @_operation
+    def record_forward(
+        self,
+        record: LaunchRecord,
+        done: Event,
+        writes: IterationIds | None,
+        shared_read_done: Event | None = None,
+    ) -> None:
+        """`Scheduler._record_unified_forward` (LIFE-22): the forward's `done` event and the ids it
+        writes (`writes=None` for a speculative step: unknown, LIFE-36), then `forward_recorded`.
+        `shared_read_done` fires once the forward's shared reads (metadata, KV pages) are over: the
+        write-after-read barrier waits it."""
+        chain = self.allocator
+        chain.forward_steps.forward_recorded(record, done, writes_known=writes is not None)
+        record.shared_read_done = shared_read_done
+        ps = self.page_size
+        for band in chain.bands:
+            if writes is None:
+                band.set_inflight_forward(record.step, done, None)
+            elif band.pool.kind is PoolKind.STATE:
+                if writes.state_slots is not None:
+                    band.set_inflight_forward(record.step, done, writes.state_slots[writes.state_slots >= 0])
+            else:
+                band.set_inflight_forward(record.step, done, writes.locs[band.name] // ps)
+
+    def apply_war_barrier(self) -> None:
+        """`Scheduler._apply_war_barrier` (LIFE-4/5/6): after each launch and before the previous
+        result is processed, the schedule stream waits the running forward's shared-read end, or
+        the whole forward stream when it declared none."""
+        device = self.device
+        running = self.allocator.forward_steps.newest_unprocessed()
+        event = getattr(running, "shared_read_done", None) if running is not None else None
+        if event is None:
+            event = device.record(device.forward_stream, "war barrier")
+        device.stream_wait(device.schedule_stream, event)
+
+    @_operation
+    def forward_processed(self, record: LaunchRecord) -> None:
+        """`Scheduler._on_step_processed` (LIFE-23), after the result processor synchronized a
+        completion that covers the forward (LIFE-28)."""
+        self.allocator.forward_steps.forward_processed(record)
+
+    def reset_new_rows(self) -> np.ndarray:
+        """Rows handed out since the last forward: the next forward resets their request state on
+        its own stream before its kernels (LIFE-18)."""
+        return self.table.resets.take()
+
+    # -- host tier and PD: the allocator side -------------------------------------------------------------
+
+    def physical_pages(self, sub_pool: str, virtual: np.ndarray) -> np.ndarray:
+        """Translate virtual page ids (slot ids for state) at submission time (HIC-7)."""
+        band = self.allocator.bands[self.plan.by_name(sub_pool).index]
+        physical = band.ids.v2p[np.asarray(virtual, dtype=np.int64)]
+        if (physical < 0).any():
+            raise InvariantError("band.free_of_bound_page", f"{sub_pool}: translation of unbound ids")
+        return physical
+
+    @_operation
+    def alloc_load(self, sub_pool: str, n: int) -> tuple[np.ndarray, PageUse]:
+        """Physical pages for a host-tier load into `sub_pool`, fixed under a load reservation
+        (HIC-4/5). Returns the pages and the reservation to end."""
+        band = self.allocator.bands[self.plan.by_name(sub_pool).index]
+        return band.alloc_physical(n)
+
+    @_operation
+    def end_load_reservations(self, sub_pool: str, reservation: PageUse) -> None:
+        """End a load reservation: the pages may move again (HIC-6, HIC-8)."""
+        self.allocator.bands[self.plan.by_name(sub_pool).index].unfix(reservation)
+
+    @_operation
+    def record_host_transfer(self, name: str, writes: bool, pages: dict[str, np.ndarray], done: Event) -> HostTransfer:
+        """A host-tier copy of physical `pages` per sub-pool: a backup reads them (COPY_READ), a
+        load writes them (COPY_WRITE). It ends at `end_host_transfer`; until then the next writer of
+        its pages waits `done` on its stream (LEDG-3, HIC-2)."""
+        transfer = HostTransfer(name, writes, done)
+        hazard = Hazard.COPY_WRITE if writes else Hazard.COPY_READ
+        for pool_name, ids in pages.items():
+            band = self.allocator.bands[self.plan.by_name(pool_name).index]
+            band.usage.record(PageUse(hazard, np.asarray(ids, dtype=np.int64), writes, event=done,
+                                      transfer=transfer, label=f"{hazard.value} {name}"))
+        return transfer
+
+    @_operation
+    def end_host_transfer(self, transfer: HostTransfer) -> None:
+        self.allocator.end_transfer(transfer)
+
+    @_operation
+    def record_network_transfer(self, transfer: NetworkTransfer, pages: dict[str, np.ndarray]) -> None:
+        """A PD send (reads `pages`) or receive (writes them): one NETWORK use per band (PD-1)."""
+        for pool_name, ids in pages.items():
+            band = self.allocator.bands[self.plan.by_name(pool_name).index]
+            band.usage.record(PageUse(Hazard.NETWORK, np.asarray(ids, dtype=np.int64), writes=not transfer.sends,
+                                      event=transfer.done, transfer=transfer, label=repr(transfer)))
+            band.epoch.bump()
+
+    @_operation
+    def end_network_transfer(self, transfer: NetworkTransfer) -> None:
+        """The transfer released its pages (LEDG-4): vacated pages it alone held return to use."""
+        self.allocator.end_transfer(transfer)
+
+    @_operation
+    def hold_receive_rows(self, name: str, pages: dict[str, np.ndarray]) -> ReceiveHold:
+        """Hold a request's receive rows until their physical ids are published (PD-8)."""
+        hold = ReceiveHold(name, {})
+        for pool_name, ids in pages.items():
+            band = self.allocator.bands[self.plan.by_name(pool_name).index]
+            ids = np.asarray(ids, dtype=np.int64)
+            band.held[ids] += 1
+            band.n_held += len(ids)
+            hold.pages[band.index] = ids
+        return hold
+
+    def published(self, hold: ReceiveHold) -> None:
+        """The held rows' ids reached the peer: compaction may move them again."""
+        if hold.published:
+            return
+        hold.published = True
+        for index, ids in hold.pages.items():
+            band = self.allocator.bands[index]
+            band.held[ids] -= 1
+            band.n_held -= len(ids)
 
     # -- maintenance and stats -------------------------------------------------------------------------
 

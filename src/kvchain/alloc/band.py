@@ -279,7 +279,8 @@ class Band:
                 )
         from_pending = min(max(0, n - holes), pending)
         if from_pending:
-            self.settle_pending(self.pending.oldest_covering(from_pending))
+            # settled pages are taken at once: a float must not park in between
+            self.settle_pending(self.pending.oldest_covering(from_pending), park=False)
         from_holes = n - grow
         ids = self._take_holes(from_holes) if from_holes else None
         if grow:
@@ -431,7 +432,7 @@ class Band:
     def _after_free(self) -> None:
         pass
 
-    def settle_pending(self, n_batches: int | None = None) -> int:
+    def settle_pending(self, n_batches: int | None = None, park: bool = True) -> int:
         """Settle the oldest `n_batches` pending batches (all when None): the schedule stream waits
         their forwards' events; the host never blocks (LIFE-29). The forwards stay unprocessed
         (LIFE-30). Their pages become holes."""
@@ -441,15 +442,19 @@ class Band:
         batches = self.pending.pop_oldest(n)
         for batch in batches:
             self._stream_wait(batch.event, f"settle pending under step {batch.key}")
-        self._pending_to_holes(batches)
+        self._pending_to_holes(batches, park)
         self.stats["settled_batches"] += len(batches)
         return sum(b.size for b in batches)
 
-    def settle_pending_for_recovery(self) -> int:
-        """Urgent recovery: read ahead on the host everything the layout will read (free lists,
-        pending pages, write sets, transfer pages), then settle every pending batch (ALLOC-11/12)."""
+    def read_ahead_for_recovery(self) -> None:
+        """Urgent recovery's first half (ALLOC-11): read on the host everything the layout will read
+        (free lists, pending pages, in-flight write sets, transfer pages) before any stream wait."""
         invariants.check_host_read(self, "the recovery read-ahead")
-        return self.settle_pending()
+
+    def settle_pending_for_recovery(self) -> int:
+        """Urgent recovery's second half (ALLOC-12): settle every pending batch. Recovery parks the
+        floats it leaves empty itself."""
+        return self.settle_pending(park=False)
 
     def release_pending_through(self, step: int) -> int:
         """Return every batch keyed at or before a processed forward to the holes (LIFE-27)."""
@@ -458,13 +463,14 @@ class Band:
             self._pending_to_holes(batches)
         return sum(b.size for b in batches)
 
-    def _pending_to_holes(self, batches) -> None:
+    def _pending_to_holes(self, batches, park: bool = True) -> None:
         ids = np.concatenate([b.pages() for b in batches])
         self.state[ids] = HOLE
         self.holes.push(ids)
         self.n_pending -= len(ids)
         self.n_holes += len(ids)
-        self._after_free()
+        if park:
+            self._after_free()
 
     # -- forwards -------------------------------------------------------------------------------
 
@@ -734,7 +740,7 @@ class FloatBand(Band):
         block's pages that leave the span keep their unfinished uses as fences in the arena."""
         invariants.geometry_ready(self)
         if self.n_pending:
-            self.settle_pending()
+            self.settle_pending(park=False)
         if self.n_fixed or self.n_vacated:
             raise InvariantError("band.relocate_fixed", f"{self.name} holds fixed or vacated pages and cannot move")
         live = self.live_pages()

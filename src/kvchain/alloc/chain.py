@@ -235,6 +235,8 @@ class ChainAllocator:
         """Read ahead, settle every pending batch of every band, then park floats left empty
         (ALLOC-11/12/13)."""
         for band in self.bands:
+            band.read_ahead_for_recovery()
+        for band in self.bands:
             band.settle_pending_for_recovery()
         for band in self.bands:
             if isinstance(band, FloatBand) and not band.parked and band.n_live + band.n_fixed + band.n_vacated == 0:

@@ -93,6 +93,7 @@ class LaunchRecord:
     recorded: bool = False
     writes_known: bool = True
     processed: bool = False
+    shared_read_done: Event | None = None
 
 
 class ForwardSteps:

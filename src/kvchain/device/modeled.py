@@ -72,7 +72,7 @@ class ModeledDevice(Device):
         self._tail: dict[str, float] = {}
         self._clocks: dict[str, Clock] = {}
         self.host_clock: Clock = {"host": 0}
-        self._events: list[tuple[float, int, int, WorkItem]] = []  # (time, phase, seq, item)
+        self._events: list[tuple[float, int, int, WorkItem]] = []  # (time, 0 end / 1 start, seq, item)
         self._seq = itertools.count()
         self._delays: list[tuple[str, float, int]] = []
         self.history: list[WorkItem] = []  # every item, for happens-before checks
@@ -122,8 +122,9 @@ class ModeledDevice(Device):
         item = WorkItem(next(self._seq), name, label, start, end, dict(clock), tuple(reads), tuple(writes),
                         fn, on_start)
         self.history.append(item)
-        heapq.heappush(self._events, (start, 0, item.seq, item))
-        heapq.heappush(self._events, (end, 1, item.seq, item))
+        # at equal times completions run before starts: work that waits on another starts once it ended
+        heapq.heappush(self._events, (start, 1, item.seq, item))
+        heapq.heappush(self._events, (end, 0, item.seq, item))
 
     def record(self, stream: Stream, label: str = "") -> ModeledEvent:
         self.counters.records += 1
@@ -163,7 +164,7 @@ class ModeledDevice(Device):
         while self._events and self._events[0][0] <= t:
             time, phase, _seq, item = heapq.heappop(self._events)
             self.now = max(self.now, time)
-            if phase == 0:
+            if phase == 1:
                 item.started = True
                 if item.on_start is not None:
                     item.on_start()

@@ -1,0 +1,1 @@
+"""Testing tools that ship with the package: an overlap-scheduler driver with payload checks."""

@@ -1,0 +1,39 @@
+"""Helpers for driving a storage on a ModeledDevice by hand: open, record and process forwards."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvchain.device import ModeledDevice
+from kvchain.testing.overlap import overlap_storage
+
+
+def modeled_storage(seed: int = 0, **kwargs):
+    device = ModeledDevice(seed=seed, durations={"forward": 10.0})
+    storage = overlap_storage(device, **kwargs)
+    return storage, device
+
+
+def launch_forward(storage, rows=None, vtok=None, writes_known=True, label=None):
+    """Launch a forward that writes the given virtual tokens; returns its launch record."""
+    device = storage.device
+    storage.order_forward_after_schedule()
+    record = storage.forward_launched()
+    device.launch(device.forward_stream, None, label=label or f"forward:{record.step}")
+    done = device.record(device.forward_stream, f"forward_done:{record.step}")
+    writes = None
+    if writes_known:
+        writes = storage.iteration_ids(np.asarray(vtok if vtok is not None else [], dtype=np.int64), rows)
+    storage.record_forward(record, done, writes)
+    return record
+
+
+def process(storage, record):
+    storage.device.host_wait(record.event)
+    storage.forward_processed(record)
+
+
+def request(storage, length):
+    row = storage.alloc_row()
+    vtok = storage.alloc_extend(np.array([row]), np.array([length]))
+    return row, vtok

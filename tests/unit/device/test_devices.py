@@ -1,0 +1,116 @@
+"""The device backends: ordering, events, waits, timing and happens-before."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvchain.device import ModeledDevice, ThreadDevice
+from kvchain.device.modeled import clock_leq
+from kvchain.errors import KVChainError, TransferTimeoutError
+
+
+def test_modeled_runs_work_at_simulated_completion_in_order():
+    dev = ModeledDevice(seed=1)
+    out = []
+    s, f = dev.schedule_stream, dev.forward_stream
+    dev.launch(s, lambda: out.append("s1"), label="s1")
+    dev.launch(s, lambda: out.append("s2"), label="s2")
+    ev = dev.record(s, "after s2")
+    dev.stream_wait(f, ev)
+    dev.launch(f, lambda: out.append("f1"), label="f1")
+    assert out == []  # nothing ran: the host has not waited
+    assert not dev.query(ev)
+    dev.host_wait(ev)
+    assert out == ["s1", "s2"] and dev.query(ev)
+    dev.synchronize()
+    assert out == ["s1", "s2", "f1"]
+    assert dev.counters.host_waits_blocked >= 1
+
+
+def test_modeled_timing_depends_on_the_seed_and_is_deterministic():
+    def ends(seed):
+        dev = ModeledDevice(seed=seed)
+        for i in range(5):
+            dev.launch(dev.forward_stream, None, label=f"w{i}")
+        return [round(w.end, 6) for w in dev.history]
+
+    assert ends(3) == ends(3)
+    assert ends(3) != ends(4)
+
+
+def test_modeled_delay_and_happens_before():
+    dev = ModeledDevice(seed=0)
+    dev.delay_next("slow", 100.0)
+    dev.launch(dev.forward_stream, None, label="slow forward")
+    dev.launch(dev.schedule_stream, None, label="unordered copy")
+    ev = dev.record(dev.forward_stream)
+    dev.stream_wait(dev.schedule_stream, ev)
+    dev.launch(dev.schedule_stream, None, label="ordered copy")
+    fwd, unordered, ordered = dev.history
+    assert fwd.end - fwd.start > 100
+    assert not clock_leq(fwd.clock, unordered.clock) and not clock_leq(unordered.clock, fwd.clock)
+    assert clock_leq(fwd.clock, ordered.clock)
+    assert ordered.start >= fwd.end
+
+
+def test_modeled_host_wait_deadline():
+    dev = ModeledDevice(seed=0)
+    dev.delay_next("stuck", 1000.0)
+    dev.launch(dev.stream("network"), None, label="stuck transfer")
+    with pytest.raises(TransferTimeoutError):
+        dev.host_wait(dev.record(dev.stream("network"), "transfer"), timeout=10.0)
+
+
+def test_thread_device_orders_streams_by_events():
+    dev = ThreadDevice()
+    try:
+        out = []
+        gate = threading.Event()
+        s, f = dev.schedule_stream, dev.forward_stream
+        dev.launch(s, lambda: (gate.wait(5), out.append("slow schedule work")))
+        ev = dev.record(s)
+        dev.stream_wait(f, ev)
+        dev.launch(f, lambda: out.append("forward"))
+        time.sleep(0.05)
+        assert out == []  # the forward stream waits; the host did not block
+        gate.set()
+        dev.synchronize()
+        assert out == ["slow schedule work", "forward"]
+        assert dev.query(ev)
+    finally:
+        dev.close()
+
+
+def test_thread_device_host_wait_timeout_and_errors():
+    dev = ThreadDevice()
+    try:
+        gate = threading.Event()
+        dev.launch(dev.forward_stream, lambda: gate.wait(5))
+        with pytest.raises(TransferTimeoutError):
+            dev.host_wait(dev.record(dev.forward_stream), timeout=0.05)
+        gate.set()
+        dev.launch(dev.forward_stream, lambda: 1 / 0)
+        with pytest.raises(KVChainError, match="ZeroDivisionError"):
+            dev.synchronize()
+    finally:
+        dev.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_device_streams_and_events():
+    from kvchain.device.cuda import CudaDevice
+
+    dev = CudaDevice()
+    x = torch.zeros(1 << 20, device="cuda")
+    dev.launch(dev.schedule_stream, lambda: x.add_(1))
+    ev = dev.record(dev.schedule_stream)
+    dev.stream_wait(dev.forward_stream, ev)
+    y = torch.empty_like(x)
+    dev.launch(dev.forward_stream, lambda: y.copy_(x))
+    dev.host_wait(dev.record(dev.forward_stream), timeout=10)
+    assert float(y[0]) == 1.0
