@@ -227,7 +227,7 @@ class OverlapDriver:
         device = self.device
         ps = storage.page_size
         table = storage.table
-        lens = table.seq_lens[rows].copy()
+        table.seq_lens[rows].copy()
         runner = storage.runner_ids(rows)
         writes = storage.iteration_ids(vtok, rows)
         # what each read must see: the values last written for every token the rows held before
@@ -303,7 +303,7 @@ class OverlapDriver:
                         self._mismatch(f"step {step} {name}: row {int(rows[i])} pos {int(pos[k])} "
                                        f"read {got[k]} want {w[k]}")
             if slot_expect is not None:
-                virtual, want, started = slot_expect
+                _virtual, want, started = slot_expect
                 slots = meta_slot_buf[:batch_n].numpy()
                 got = self._slot_tensor()[torch.from_numpy(slots)].reshape(batch_n, -1)[:, 0].numpy()
                 bad = started & (want != 0) & (got != want)

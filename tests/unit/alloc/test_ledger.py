@@ -50,7 +50,7 @@ def test_take_prefers_holes_that_need_no_wait_and_clears_the_rest():
     assert not owner.usage.busy(clean).any()
     owner.holes.push(clean)
     owner.n_holes += 2
-    r3, _ = request(storage, 16)  # needs all four holes: two of them wait the backup
+    _r3, _ = request(storage, 16)  # needs all four holes: two of them wait the backup
     waits = [d for d in _labels(storage, "stream_wait") if d[1] == "full"]
     assert waits and waits[-1][3] == "backup done"
 
@@ -239,7 +239,7 @@ def test_opportunistic_flush_never_waits_an_unretired_forward():
 
 def test_speculative_forward_freezes_compaction_until_it_retires():
     """LIFE-36, COMP-14, COMP-15: unknown writes: nothing moves opportunistically; urgent waits it."""
-    storage, dev = modeled_storage(chain_kib=16)
+    storage, _dev = modeled_storage(chain_kib=16)
     chain = storage.allocator
     chain.decisions = []
     owner = chain.owner

@@ -27,7 +27,7 @@ def test_modeled_forwards_read_the_last_written_bytes(seed):
     under running forwards, settles, zeroing and compaction. No write-after-read barrier here and
     per-forward metadata: the pool's own ordering is all that protects the pages."""
     device = ModeledDevice(seed=seed, durations={"forward": 6.0})
-    storage, stats = _run(device, 400, seed=seed, war_barrier=False, persistent_metadata=False)
+    _storage, stats = _run(device, 400, seed=seed, war_barrier=False, persistent_metadata=False)
     assert stats.forwards > 300 and stats.moves > 0 and stats.tokens_checked > 50_000
     assert stats.mismatches == []
 
@@ -75,7 +75,7 @@ def test_allocator_operations_never_block_the_host():
     """LIFE-3, COMP-5, PD-2: takes, frees, window retirement and opportunistic flushes never
     host-wait, while forwards run long (the host waits only to process results)."""
     device = ModeledDevice(seed=3, durations={"forward": 20.0})
-    storage, stats = _run(device, 300, seed=3)
+    _storage, stats = _run(device, 300, seed=3)
     assert stats.allocator_host_waits == 0
     assert device.counters.host_waits_blocked > 0  # the driver itself did wait for results
     assert device.counters.stream_waits > 0
@@ -87,7 +87,7 @@ def test_thread_device_forwards_read_the_last_written_bytes():
     write-after-read barrier every byte read is the byte last written for its virtual page."""
     device = ThreadDevice()
     try:
-        storage, stats = _run(device, 2000, seed=7, read_delay=0.0005)
+        _storage, stats = _run(device, 2000, seed=7, read_delay=0.0005)
     finally:
         device.close()
     assert stats.forwards > 1500 and stats.moves > 0

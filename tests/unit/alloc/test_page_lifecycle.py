@@ -13,7 +13,7 @@ from support.modeled import launch_forward, modeled_storage, process, request
 def test_free_under_a_forward_pends_and_is_released_when_processed():
     """LIFE-24, LIFE-26, LIFE-27: a page freed under a recorded forward pends, counts as free, and
     returns to the holes when that forward is processed."""
-    storage, dev = modeled_storage()
+    storage, _dev = modeled_storage()
     row, vtok = request(storage, 12)
     owner = storage.allocator.owner
     rec = launch_forward(storage, np.array([row]), vtok)
