@@ -28,7 +28,7 @@ from .decl import (
     WindowLifetime,
     kv_layer_decls,
 )
-from .device import Device, ImmediateDevice
+from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
 from .errors import (
     BudgetError,
     CapacityError,
@@ -70,6 +70,7 @@ __all__ = [
     "KVPart",
     "KVStorage",
     "KVStoragePlan",
+    "ModeledDevice",
     "PlanError",
     "PlanSizing",
     "RunnerIds",
@@ -77,6 +78,7 @@ __all__ = [
     "StateLifetime",
     "StateTensor",
     "SubPool",
+    "ThreadDevice",
     "TransferTimeoutError",
     "WindowLifetime",
     "WindowRetirement",

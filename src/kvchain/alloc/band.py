@@ -226,10 +226,11 @@ class Band:
         self.stats["stream_waits"] += 1
         self.chain.log("stream_wait", self.name, why, event.label)
 
-    def _clear(self, consumer: Consumer, ids: np.ndarray) -> None:
-        """Make the schedule stream clear every hazard the ledger records on pages about to be
-        written, by the CLEARANCE rule (LEDG-9); what the pages need is read only now, after they
-        were chosen (LEDG-32)."""
+    def _drain_pending_reuse(self, consumer: Consumer, ids: np.ndarray) -> None:
+        """Before pages are written again, make the schedule stream clear every hazard the ledger
+        still records on them (a fenced hole's host copy, a vacated source's forward), by the
+        CLEARANCE rule (LEDG-9); what the pages need is read only now, after they were chosen
+        (LEDG-32)."""
         waited: set[int] = set()
         for wait in self.usage.clearance(consumer, ids):
             self._apply(wait.clear, wait.use, waited, consumer)
@@ -247,6 +248,11 @@ class Band:
                                      f"{self.name}: {consumer.value} chose pages an unretired forward uses")
         elif clear is Clear.EXCLUDED:
             raise InvariantError("page_usage.excluded", f"{self.name}: {consumer.value} chose {use}")
+
+    def _wait_fences(self, ids: np.ndarray) -> None:
+        """Before writing pages whose bytes another band (or this one) left with unfinished uses,
+        clear those fences (COMP-20)."""
+        self.chain.wait_fences(self, ids)
 
     def _wait_writers(self, src: np.ndarray) -> None:
         """Before copying sources, wait every unfinished writer of them: a forward in flight, a
@@ -285,12 +291,12 @@ class Band:
         ids = self._take_holes(from_holes) if from_holes else None
         if grow:
             grown = self._grow_to(after)
-            self.chain.wait_fences(self, grown)
+            self._wait_fences(grown)
             ids = grown if ids is None else np.concatenate([ids, grown])
         self.state[ids] = LIVE
         self.n_live += n
         if self.usage.uses or self.usage.unknown_writer is not None:
-            self._clear(consumer, ids)
+            self._drain_pending_reuse(consumer, ids)
         self._maybe_zero_pages(ids)
         self.chain.log("take", self.name, ids)
         return ids
@@ -617,8 +623,8 @@ class Band:
         forward in flight may still read is left a hole with that forward's hazard, which the next
         writer waits (COMP-18); one a network send reads is vacated until it is released."""
         self._wait_writers(src)
-        self._clear(Consumer.SCHEDULE_COPY, dst)
-        self.chain.wait_fences(self, dst)
+        self._drain_pending_reuse(Consumer.SCHEDULE_COPY, dst)
+        self._wait_fences(dst)
         self.chain.copier.move_pages(self, src, dst)
         self.ids.rebind_physical(src, dst)
         self.state[dst] = LIVE
@@ -748,8 +754,8 @@ class FloatBand(Band):
             raise CapacityError(f"{self.name}: block [{lo}, {lo + size}) cannot hold {len(live)} live pages")
         dst = np.arange(lo, lo + len(live), dtype=np.int64)
         old = np.arange(self.lo, self.hi, dtype=np.int64) if not self.parked else np.empty(0, dtype=np.int64)
-        self.chain.wait_fences(self, np.setdiff1d(np.arange(lo, lo + size), old))
-        self._clear(Consumer.SCHEDULE_COPY, np.intersect1d(dst, old))
+        self._wait_fences(np.setdiff1d(np.arange(lo, lo + size), old))
+        self._drain_pending_reuse(Consumer.SCHEDULE_COPY, np.intersect1d(dst, old))
         key = self.chain.forward_steps.newest_unprocessed()
         if key is not None and len(np.intersect1d(dst, live)):
             # the new block overlaps live pages a forward in flight may still read: wait it first
@@ -804,7 +810,7 @@ class FloatBand(Band):
         else:
             ids = np.arange(self.lo - pages, self.lo, dtype=np.int64)
             self.lo -= pages
-        self.chain.wait_fences(self, ids)
+        self._wait_fences(ids)
         self.state[ids] = HOLE
         self.holes.push(ids)
         self.n_holes += pages

@@ -227,7 +227,6 @@ class OverlapDriver:
         device = self.device
         ps = storage.page_size
         table = storage.table
-        table.seq_lens[rows].copy()
         runner = storage.runner_ids(rows)
         writes = storage.iteration_ids(vtok, rows)
         # what each read must see: the values last written for every token the rows held before

@@ -11,8 +11,8 @@ from kvchain.device import ModeledDevice, ThreadDevice
 from kvchain.testing.overlap import OverlapDriver, overlap_storage
 
 
-def _run(device, steps, seed=0, **driver):
-    storage = overlap_storage(device, chain_kib=12)
+def _run(device, steps, seed=0, windows=(16,), **driver):
+    storage = overlap_storage(device, chain_kib=12, windows=windows)
     storage.allocator.compaction_gap_fraction = 1.0  # compact whenever there are holes
     storage.allocator.decisions = []
     stats = OverlapDriver(storage, seed=seed, **driver).run(steps)
@@ -20,22 +20,31 @@ def _run(device, steps, seed=0, **driver):
     return storage, stats
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_modeled_forwards_read_the_last_written_bytes(seed):
+@pytest.mark.parametrize(("seed", "windows"), [(0, (16,)), (1, (16,)), (2, (32, 8)), (3, (32, 8))])
+def test_modeled_forwards_read_the_last_written_bytes(seed, windows):
     """LIFE-1, LIFE-24..30, COMP-17..20, LEDG-9: every byte a forward reads (and every row past a
     sequence, which must read zero) is what was last written for its virtual page, across frees
     under running forwards, settles, zeroing and compaction. No write-after-read barrier here and
     per-forward metadata: the pool's own ordering is all that protects the pages."""
     device = ModeledDevice(seed=seed, durations={"forward": 6.0})
-    _storage, stats = _run(device, 400, seed=seed, war_barrier=False, persistent_metadata=False)
+    storage, stats = _run(device, 400, seed=seed, windows=windows, war_barrier=False, persistent_metadata=False)
     assert stats.forwards > 300 and stats.moves > 0 and stats.tokens_checked > 50_000
     assert stats.mismatches == []
+    if len(windows) == 2:  # two floating windows: relief relocates them under running forwards
+        assert any(d[0] == "relocate" for d in storage.allocator.decisions)
 
 
-@pytest.mark.parametrize("mutant", ["skip settle waits", "free straight to holes", "reuse move sources at once"])
+@pytest.mark.parametrize("mutant", ["skip settle waits", "free straight to holes", "reuse move sources at once",
+                                    "skip relocation and fence waits"])
 def test_the_payload_check_fails_when_the_pool_skips_a_wait(mutant, monkeypatch):
     """The check above is real: break one of the pool's orderings and reads see stale bytes."""
-    if mutant == "skip settle waits":
+    windows = (16,)
+    if mutant == "skip relocation and fence waits":
+        windows = (32, 8)
+        original = band_module.Band._stream_wait
+        monkeypatch.setattr(band_module.Band, "_stream_wait", lambda self, event, why: None
+                            if why.startswith(("relocation", "fence")) else original(self, event, why))
+    elif mutant == "skip settle waits":
         original = band_module.Band._stream_wait
         monkeypatch.setattr(band_module.Band, "_stream_wait",
                             lambda self, event, why: None if why.startswith("settle") else original(self, event, why))
@@ -49,7 +58,7 @@ def test_the_payload_check_fails_when_the_pool_skips_a_wait(mutant, monkeypatch)
     mismatches = 0
     for seed in range(4):
         device = ModeledDevice(seed=seed, durations={"forward": 6.0})
-        storage = overlap_storage(device, chain_kib=12)
+        storage = overlap_storage(device, chain_kib=12, windows=windows)
         storage.allocator.compaction_gap_fraction = 1.0
         mismatches += len(OverlapDriver(storage, seed=seed, war_barrier=False, persistent_metadata=False)
                           .run(400).mismatches)
