@@ -22,9 +22,11 @@ def window_keep_from(seq_lens: np.ndarray, window: int, chunked: bool) -> np.nda
     return np.maximum(seq_lens - window, 0)
 
 
-def retire_window_rows(storage: KVStorage, rows: np.ndarray, floors: np.ndarray | None = None) -> int:
-    """Free, in every window band, the pages of `rows` wholly before the window. `floors` (token
-    positions per row) cap the retirement. Returns pages freed."""
+def retire_window_rows(storage: KVStorage, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
+    """Free, in every window band, the pages of `rows` wholly before the window. With prefix
+    sharing, `checkpoints` (token positions per row) keep each window behind the row's latest
+    checkpoint (WIN-11). Pages of a tree-shared prefix are the tree's: the row stops reading them but
+    never frees them. Returns pages freed."""
     table = storage.table
     chain = storage.allocator
     rows = np.asarray(rows, dtype=np.int64)
@@ -36,13 +38,14 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, floors: np.ndarray 
     freed = 0
     for k, band in enumerate(chain.window_bands):
         keep = window_keep_from(seq, band.pool.window, band.pool.lifetime.chunked)
-        if floors is not None:
-            keep = np.minimum(keep, floors)
+        if checkpoints is not None:
+            keep = np.minimum(keep, np.maximum(checkpoints - band.pool.window, 0))
         new_lo = np.minimum(keep // ps, last_page)
-        old_lo = table.window_lo[rows, k]
+        old_lo = np.maximum(table.window_lo[rows, k], table.shared_pages[rows])
         counts = np.maximum(new_lo - old_lo, 0)
         n = int(counts.sum())
         if not n:
+            table.window_lo[rows, k] = np.maximum(table.window_lo[rows, k], new_lo)
             continue
         if counts.max() == 1:  # the common step: some rows retire one page each
             moved = counts > 0

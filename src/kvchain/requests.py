@@ -54,6 +54,8 @@ class RequestTable:
         self.active = np.zeros(rows, dtype=bool)
         #: per window band, the first page each row still binds there (earlier pages are retired)
         self.window_lo = np.zeros((rows, n_windows), dtype=np.int64)
+        #: leading pages of each row the prefix tree owns: the row reads them but never frees them
+        self.shared_pages = np.zeros(rows, dtype=np.int64)
         self._free = IdStack(rows, np.arange(rows - 1, 0, -1, dtype=np.int64))
         self.resets = RowResets(rows)
 
@@ -77,6 +79,7 @@ class RequestTable:
         self.seq_lens[row] = 0
         self.state_slot[row] = NO_SLOT
         self.window_lo[row] = 0
+        self.shared_pages[row] = 0
         self._free.push(np.array([row], dtype=np.int64))
 
     def release_rows(self, rows: np.ndarray) -> None:
@@ -89,7 +92,16 @@ class RequestTable:
         self.seq_lens[rows] = 0
         self.state_slot[rows] = NO_SLOT
         self.window_lo[rows] = 0
+        self.shared_pages[rows] = 0
         self._free.push(rows)
+
+    def own_pages(self, rows: np.ndarray) -> np.ndarray:
+        """The virtual pages the rows own (past their tree-shared prefix), concatenated."""
+        rows = np.asarray(rows, dtype=np.int64)
+        counts = (self.seq_lens[rows] + self.page_size - 1) // self.page_size
+        cols = np.arange(self.max_pages)[None, :]
+        mask = (cols < counts[:, None]) & (cols >= self.shared_pages[rows][:, None])
+        return self.page_table[rows][mask]
 
     def pages_of(self, row: int) -> np.ndarray:
         return self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)].copy()
@@ -108,7 +120,7 @@ class RequestTable:
         inactive = ~self.active
         inactive[0] = False
         if ((self.seq_lens[inactive] != 0).any() or (self.state_slot[inactive] != NO_SLOT).any()
-                or self.window_lo[inactive].any()):
+                or self.window_lo[inactive].any() or self.shared_pages[inactive].any()):
             problems.append("an inactive request row still holds a length or a state slot")
         if self.page_table[inactive].any():
             problems.append("an inactive request row still holds pages")

@@ -172,13 +172,54 @@ class KVStorage:
         return self.alloc_extend.__wrapped__(self, rows, self.table.seq_lens[rows] + 1)
 
     @_operation
-    def advance(self, rows: np.ndarray, floors: np.ndarray | None = None) -> int:
-        """After a forward: retire the window rows that fell out of each window (WIN-1)."""
+    def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
+        """After a forward: retire the window rows that fell out of each window (WIN-1), never past
+        the window behind each row's latest checkpoint when `checkpoints` are given (WIN-11)."""
         from .advance import retire_window_rows
 
-        return retire_window_rows(self, rows, floors)
+        return retire_window_rows(self, rows, checkpoints)
 
     @_operation
+    @_operation
+    def assign_prefix(self, row: int, vpages: np.ndarray, length: int, window_lo: np.ndarray) -> None:
+        """Start a row on a prefix the tree owns: `vpages` hold its first `length` tokens (whole
+        pages); `window_lo` per window band is the first of them the window still binds."""
+        table = self.table
+        if table.seq_lens[row] or not table.active[row]:
+            raise InvariantError("requests.row_state", f"row {row} must be fresh to take a prefix")
+        n = len(vpages)
+        if length != n * self.page_size:
+            raise InputError(f"a shared prefix is whole pages: {length} tokens in {n} pages")
+        table.page_table[row, :n] = vpages
+        table.seq_lens[row] = length
+        table.shared_pages[row] = n
+        table.window_lo[row] = window_lo
+
+    def release_to_tree(self, row: int, n_pages: int) -> None:
+        """The tree took ownership of the row's first `n_pages` pages (an insert): the row no longer
+        frees them."""
+        table = self.table
+        table.shared_pages[row] = max(int(table.shared_pages[row]), n_pages)
+
+    @_operation
+    def rehome_window(self, sub_pool: str, src: np.ndarray, dst: np.ndarray) -> None:
+        """Move window rows bound to virtual pages `src` onto virtual pages `dst` (unbound there),
+        without allocating or copying: the physical pages stay, their owner ids change (WIN-7)."""
+        band = self.allocator.bands[self.plan.by_name(sub_pool).index]
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        physical = band.ids.v2p[src]
+        if (physical < 0).any() or (band.ids.v2p[dst] >= 0).any():
+            raise InvariantError("chain.window_segment_bound", f"{sub_pool}: rehome needs bound sources and free targets")
+        band.ids.unbind_physical(physical)
+        band.ids.bind(dst, physical)
+
+    @_operation
+    def bind_window(self, sub_pool: str, vpages: np.ndarray, physical: np.ndarray) -> None:
+        """Bind live window pages (a host-tier load's, say) to owner virtual pages (WIN-7)."""
+        band = self.allocator.bands[self.plan.by_name(sub_pool).index]
+        band.bind(np.asarray(vpages, dtype=np.int64), np.asarray(physical, dtype=np.int64))
+
     def free_rows(self, rows: np.ndarray) -> None:
         """End requests: windows release their rows first, then the owner, then state slots."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -187,11 +228,7 @@ class KVStorage:
         table = self.table
         if not table.active[rows].all():
             raise InvariantError("requests.row_state", f"free of rows not in use {rows[~table.active[rows]].tolist()}")
-        ps = self.page_size
-        counts = (table.seq_lens[rows] + ps - 1) // ps
-        mask = np.arange(table.max_pages)[None, :] < counts[:, None]
-        vpages = table.page_table[rows][mask]
-        self._free_virtual_pages(vpages)
+        self._free_virtual_pages(table.own_pages(rows))  # a tree-shared prefix stays with the tree
         slots = table.state_slot[rows]
         self._free_state_slots(slots[slots != NO_SLOT])
         table.release_rows(rows)
@@ -420,10 +457,7 @@ class KVStorage:
         """Live pages per band that the active rows account for."""
         table = self.table
         rows = np.flatnonzero(table.active)
-        ps = self.page_size
-        counts = (table.seq_lens[rows] + ps - 1) // ps
-        mask = np.arange(table.max_pages)[None, :] < counts[:, None]
-        vpages = table.page_table[rows][mask]
+        vpages = table.own_pages(rows)
         out = {}
         for band in self.allocator.bands:
             if band.pool.kind is PoolKind.STATE:

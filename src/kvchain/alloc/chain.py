@@ -518,6 +518,9 @@ def _band_problems(band: Band) -> list[str]:
     live = np.flatnonzero(st == LIVE)
     if len(live) and ((band.ids.p2v[live] < 0).any() or (band.ids.v2p[band.ids.p2v[live]] != live).any()):
         out.append(f"{band.name}: a live page is unbound or its virtual id maps elsewhere")
+    if int(np.count_nonzero(band.ids.v2p >= 0)) != len(live):
+        out.append(f"{band.name}: {int(np.count_nonzero(band.ids.v2p >= 0))} virtual ids bound to "
+                   f"{len(live)} live pages (two ids share a page, or an id outlived its page)")
     if band.ids.v2p[-1] != UNBOUND or band.ids.read_map[-1] != band.ids.sink:
         out.append(f"{band.name}: the map entry past the last virtual id was bound")
     not_live = np.flatnonzero(st != LIVE)

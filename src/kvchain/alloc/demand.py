@@ -107,11 +107,14 @@ def request_demand(
     window_retirement: WindowRetirement = WindowRetirement.EAGER,
     checkpoint_interval: int | None = None,
     shares_prefixes: bool = False,
+    min_chunk: int = 1,
 ) -> KVDemand:
     """Price one request for `purpose` (see DEMAND_RULES).
 
     `cached_len` tokens of its prefix are already held (the prefix tree); `chunk_len` is the tokens
-    this pass writes (default: the rest of the input)."""
+    this pass writes (default: the rest of the input). `min_chunk` is the smallest prefill chunk the
+    scheduler cuts (the checkpoint interval when it cuts on the grid): a lifetime peak includes that
+    chunk's transient window tail, so a request that fits an empty pool can always be prefilled."""
     if input_len < 0 or output_len < 0 or cached_len < 0 or cached_len > input_len:
         raise InputError(
             f"request lengths must satisfy 0 <= cached ({cached_len}) <= input ({input_len}), output {output_len} >= 0"
@@ -136,7 +139,7 @@ def request_demand(
             if window_retirement is WindowRetirement.NEVER:
                 bound = full
             elif rule.window is WindowCharge.PEAK:
-                bound = span_pages(retained + 1, ps)
+                bound = span_pages(retained + max(min_chunk, 1), ps)
             elif rule.window is WindowCharge.PASS:
                 bound = span_pages(retained + max(chunk_len, 1), ps)
             else:

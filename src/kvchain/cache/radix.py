@@ -1,0 +1,518 @@
+"""`UnifiedRadixCache`: a radix tree over token ids whose nodes hold one slot per sub-pool.
+
+Nodes cover whole pages. For every page a node holds the owner's virtual page (full attention); for
+each window sub-pool, the node keeps the window's retained length: pages from `window_lo` to the
+node's end are still bound in that window, earlier ones were retired (WIN-2, WIN-4). A node may hold
+a state slot: the recurrent state at its end, a checkpoint (WIN-9) or, with `no_buffer`, a sequence
+end (WIN-10).
+
+A match ends only where everything a continuation needs is there: the full pages behind it, each
+window's rows behind it, and (for a model with state) a state slot at exactly that point. Running
+requests lock the path they matched (reference counts); the window rows behind a match stay locked
+only while the request may still read them. Eviction is a logical free (WIN-5): unlocked leaves go
+whole, window rows nobody reads and state slots go on their own, least recently used first. A node
+a forward in flight still reads may be evicted: its pages pend until that forward is processed
+(WIN-6)."""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+from ..plan import PoolKind
+from ..storage import KVStorage
+
+
+class CheckpointStrategy(enum.Enum):
+    """How recurrent state reaches the tree (`--mamba-radix-cache-strategy`)."""
+
+    EXTRA_BUFFER = "extra_buffer"  # a tracking slot per request captures the state on the grid
+    EXTRA_BUFFER_LAZY = "extra_buffer_lazy"  # the tracking slot is taken only at a grid point
+    NO_BUFFER = "no_buffer"  # the state at the sequence end only
+
+
+class TreeNode:
+    __slots__ = (
+        "children",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "start",
+        "state_slot",
+        "vpages",
+        "window_lo",
+        "window_lock",
+    )
+
+    def __init__(self, parent: TreeNode | None, key: np.ndarray, vpages: np.ndarray, n_windows: int,
+                 start: int) -> None:
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.key = key  # token ids, whole pages
+        self.vpages = vpages  # owner virtual page per page
+        self.window_lo = np.full(n_windows, len(vpages), dtype=np.int64)
+        self.state_slot = -1
+        self.lock_ref = 0
+        self.window_lock = 0
+        self.last_access = 0
+        self.start = start  # tokens from the root to this node's start
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.vpages)
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(start={self.start}, pages={self.n_pages}, window_lo={self.window_lo.tolist()}, "
+                f"state={self.state_slot}, lock={self.lock_ref}/{self.window_lock})")
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """A usable prefix: `length` tokens (whole pages), their owner virtual pages, the node that ends
+    there (to lock), each window's first bound page among them, and the state slot at the end."""
+
+    length: int
+    vpages: np.ndarray
+    node: TreeNode
+    window_lo: np.ndarray
+    state_slot: int
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    node: TreeNode
+    new_pages: int  # pages of the insert the tree took ownership of
+    duplicates: np.ndarray  # the inserter's virtual pages the tree already had: the inserter frees them
+    state_taken: bool
+
+
+@dataclass
+class Evicted:
+    """Pages per sub-pool an eviction (planned or done) gives back."""
+
+    pages: dict[str, int]
+
+    def add(self, name: str, n: int) -> None:
+        self.pages[name] = self.pages.get(name, 0) + n
+
+
+class UnifiedRadixCache:
+    def __init__(self, storage: KVStorage, strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER,
+                 checkpoint_interval: int | None = None) -> None:
+        self.storage = storage
+        self.plan = storage.plan
+        self.ps = storage.page_size
+        self.windows = [p for p in self.plan.sub_pools if p.kind is PoolKind.WINDOW]
+        self.state = self.plan.state
+        self.strategy = strategy
+        if self.state is not None and strategy is not CheckpointStrategy.NO_BUFFER and (
+                not checkpoint_interval or checkpoint_interval % self.ps):
+            raise InputError(
+                f"checkpointed state needs a checkpoint interval that is a whole number of pages "
+                f"(page size {self.ps}), got {checkpoint_interval}")
+        self.checkpoint_interval = checkpoint_interval if self.state is not None else None
+        self.slots = self._index_slots()
+        self.root = TreeNode(None, np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), len(self.windows), 0)
+        self._clock = itertools.count(1)
+        self.stats = {"inserted_pages": 0, "matched_tokens": 0, "evicted_pages": 0, "evicted_window_pages": 0,
+                      "evicted_state_slots": 0, "checkpoints": 0, "checkpoint_stalls": 0}
+
+    def _index_slots(self) -> list[str]:
+        """Sub-pool names in `tree_slots` order: full, the primary window (the generic window slot),
+        other windows longest first, state (WIN-2, WIN-3)."""
+        return [self.plan.sub_pools[i].name for i in self.plan.tree_slots]
+
+    # -- walking ----------------------------------------------------------------------------------
+
+    def _page_key(self, tokens: np.ndarray, page: int) -> bytes:
+        return tokens[page * self.ps : (page + 1) * self.ps].tobytes()
+
+    def _walk(self, tokens: np.ndarray) -> list[tuple[TreeNode, int]]:
+        """The path `tokens` follows: (node, pages of the node matched), page-granular."""
+        path = []
+        node = self.root
+        n_pages = len(tokens) // self.ps
+        page = 0
+        while page < n_pages:
+            child = node.children.get(self._page_key(tokens, page))
+            if child is None:
+                break
+            k = 0
+            while k < child.n_pages and page + k < n_pages and np.array_equal(
+                    child.key[k * self.ps : (k + 1) * self.ps], tokens[(page + k) * self.ps : (page + k + 1) * self.ps]):
+                k += 1
+            path.append((child, k))
+            page += k
+            if k < child.n_pages:
+                break
+            node = child
+        return path
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Split `node` after its first `k` pages; returns the new upper node."""
+        ps = self.ps
+        upper = TreeNode(node.parent, node.key[: k * ps], node.vpages[:k], len(self.windows), node.start)
+        upper.window_lo = np.minimum(node.window_lo, k)
+        upper.lock_ref = node.lock_ref
+        upper.window_lock = node.window_lock
+        upper.last_access = node.last_access
+        node.parent.children[node.key[:ps].tobytes()] = upper
+        node.key = node.key[k * ps :]
+        node.vpages = node.vpages[k:]
+        node.window_lo = np.maximum(node.window_lo - k, 0)
+        node.start += k * ps
+        node.parent = upper
+        upper.children[node.key[:ps].tobytes()] = node
+        return upper
+
+    # -- matching ---------------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
+        """The longest usable prefix of `tokens` (WIN-9/10: a model with state matches only at a
+        node holding state; every window's rows behind the end must be bound). Splits a node when
+        the match ends inside it, so the caller can lock exactly the prefix."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        path = self._walk(tokens)
+        empty = MatchResult(0, np.empty(0, dtype=np.int64), self.root,
+                            np.zeros(len(self.windows), dtype=np.int64), -1)
+        if not path:
+            return empty
+        vpages = np.concatenate([n.vpages[:k] for n, k in path])
+        bound = [np.concatenate([np.arange(k) >= n.window_lo[w] for n, k in path]) for w in range(len(self.windows))]
+        for end_page, node_index in self._candidate_ends(path):
+            if not self._windows_cover(bound, end_page):
+                continue
+            node, k = path[node_index]
+            if k < node.n_pages:
+                node = self._split(node, k)
+            stamp = next(self._clock)
+            walker = node
+            while walker is not None:
+                walker.last_access = stamp
+                walker = walker.parent
+            window_lo = np.array([_first_bound_of_suffix(b[:end_page]) for b in bound], dtype=np.int64)
+            self.stats["matched_tokens"] += end_page * self.ps
+            state = node.state_slot if self.state is not None else -1
+            return MatchResult(end_page * self.ps, vpages[:end_page].copy(), node, window_lo, state)
+        return empty
+
+    def _candidate_ends(self, path: list[tuple[TreeNode, int]]) -> Iterator[tuple[int, int]]:
+        """(end page, index of the node it ends in), longest first."""
+        offsets = np.cumsum([0] + [k for _n, k in path])
+        for i in range(len(path) - 1, -1, -1):
+            node, k = path[i]
+            if self.state is not None:
+                # state exists only at node ends that hold a slot, and only a fully matched node ends
+                if k == node.n_pages and node.state_slot >= 0:
+                    yield int(offsets[i + 1]), i
+                continue
+            for end in range(int(offsets[i + 1]), int(offsets[i]), -1):
+                yield end, i
+
+    def _windows_cover(self, bound: list[np.ndarray], end_page: int) -> bool:
+        for w, pool in enumerate(self.windows):
+            need_from = max(0, end_page * self.ps - pool.window) // self.ps
+            if not bound[w][need_from:end_page].all():
+                return False
+        return True
+
+    def swa_retain_floor(self, length: int, shares_prefixes: bool = True) -> int | None:
+        """The checkpoint behind which a request's windows are kept (WIN-11): the latest grid point at
+        or before `length`, when the cache shares prefixes and checkpoints state (WIN-12); None when
+        no floor applies. Retirement keeps each window's rows from `floor - window` on."""
+        if not shares_prefixes or self.checkpoint_interval is None:
+            return None
+        return (length // self.checkpoint_interval) * self.checkpoint_interval
+
+    def name_loaded_window_rows_by_owner(self, sub_pool: str, reservation, vpages: np.ndarray) -> None:
+        """A host-tier load's window rows, reserved in `sub_pool` (`KVStorage.alloc_load`), now belong
+        to owner virtual pages `vpages`: bind them and end the reservation, so they may move (HIC-6)."""
+        self.storage.bind_window(sub_pool, vpages, reservation.pages)
+        self.storage.end_load_reservations(sub_pool, reservation)
+
+    # -- locks ----------------------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """A running request reads the path to `node`: none of it may be evicted whole."""
+        while node is not None and node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not None and node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "unbalanced tree lock"
+            node = node.parent
+
+    def lock_window(self, node: TreeNode, length: int) -> list[TreeNode]:
+        """Lock the window rows behind a match of `length` tokens ending at `node`, for as long as the
+        request may still read them. Returns the nodes locked (to unlock later)."""
+        reach = max((w.window for w in self.windows), default=0)
+        locked = []
+        walker = node
+        while walker is not None and walker is not self.root and walker.start + walker.n_pages * self.ps > length - reach:
+            walker.window_lock += 1
+            locked.append(walker)
+            walker = walker.parent
+        return locked
+
+    @staticmethod
+    def unlock_window(nodes: list[TreeNode]) -> None:
+        for node in nodes:
+            node.window_lock -= 1
+            assert node.window_lock >= 0, "unbalanced window lock"
+
+    # -- inserting ------------------------------------------------------------------------------------
+
+    def holds_other_pages(self, tokens: np.ndarray, vpages: np.ndarray) -> bool:
+        """Whether the tree already holds some of these tokens under other virtual pages (a running
+        request's insert would then leave it owning pages in the middle of its row)."""
+        ps = self.ps
+        path = self._walk(np.asarray(tokens[: len(vpages) * ps], dtype=np.int32))
+        page = 0
+        for node, k in path:
+            if not np.array_equal(node.vpages[:k], vpages[page : page + k]):
+                return True
+            page += k
+        return False
+
+    def insert(self, tokens: np.ndarray, vpages: np.ndarray, window_lo: np.ndarray, state_slot: int = -1) -> InsertResult:
+        """Insert whole pages of `tokens` held by `vpages`; each window binds the inserter's pages from
+        `window_lo[w]` on. Pages the tree already holds come back as duplicates for the inserter to
+        free; where the tree's window rows were evicted and the inserter's duplicates still bind
+        them, they are rehomed onto the tree's pages without allocating (WIN-7). A state slot given
+        for the end is taken unless the tree already has one there."""
+        ps = self.ps
+        n_pages = len(vpages)
+        tokens = np.asarray(tokens[: n_pages * ps], dtype=np.int32)
+        path = self._walk(tokens)
+        node = self.root
+        page = 0
+        duplicates = []
+        for child, k in path:
+            if k < child.n_pages:
+                child = self._split(child, k)
+            seg = slice(page, page + k)
+            mine = vpages[seg]
+            dup = mine[mine != child.vpages]
+            duplicates.append(dup)
+            self._rehome(child, mine, [int(window_lo[w]) - page for w in range(len(self.windows))])
+            node = child
+            page += k
+        new_pages = n_pages - page
+        if new_pages:
+            leaf = TreeNode(node, tokens[page * ps :].copy(), vpages[page:].copy(), len(self.windows), page * ps)
+            leaf.window_lo = np.clip(window_lo - page, 0, new_pages)
+            node.children[self._page_key(tokens, page)] = leaf
+            node = leaf
+            self.stats["inserted_pages"] += new_pages
+        stamp = next(self._clock)
+        walker = node
+        while walker is not None:
+            walker.last_access = stamp
+            walker = walker.parent
+        taken = False
+        if state_slot >= 0 and node is not self.root and node.state_slot < 0:
+            node.state_slot = state_slot
+            taken = True
+        dups = np.concatenate(duplicates) if duplicates else np.empty(0, dtype=np.int64)
+        return InsertResult(node, new_pages, dups, taken)
+
+    def _rehome(self, node: TreeNode, mine: np.ndarray, inserter_lo: list[int]) -> None:
+        """Where the node's window rows are gone but the inserter's duplicate pages bind them from some
+        page on up to the node's first bound page, move those bindings onto the node's pages."""
+        k = len(mine)
+        for w, pool in enumerate(self.windows):
+            have = int(node.window_lo[w])
+            start = max(inserter_lo[w], 0)
+            if start >= have or have > k:
+                continue  # nothing to revive, or the revived rows would not reach the node's bound tail
+            dst = node.vpages[start:have]
+            src = mine[start:have]
+            same = src == dst
+            if same.all():
+                continue
+            if same.any():
+                continue  # mixed ownership: leave the tree as it is
+            self.storage.rehome_window(pool.name, src, dst)
+            node.window_lo[w] = start
+
+    # -- eviction ------------------------------------------------------------------------------------
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def held_pages(self) -> dict[str, int]:
+        """Live pages per sub-pool the tree owns (for the idle leak check)."""
+        held = {p.name: 0 for p in self.plan.sub_pools}
+        owner = self.plan.owner.name
+        for node in self._nodes():
+            held[owner] += node.n_pages
+            for w, pool in enumerate(self.windows):
+                held[pool.name] += node.n_pages - int(node.window_lo[w])
+            if node.state_slot >= 0:
+                held[self.state.name] += 1
+        return held
+
+    def verify(self) -> None:
+        """Every page a node holds is still live where the node says it is: the owner binds every
+        virtual page, each window binds the pages from its `window_lo` on, a state slot is bound, and
+        no virtual page is held twice. A match can then never hand out freed pages."""
+        from ..errors import InvariantError
+
+        chain = self.storage.allocator
+        seen: set[int] = set()
+        problems = []
+        for node in self._nodes():
+            v = node.vpages
+            if (chain.owner.ids.v2p[v] < 0).any():
+                problems.append(f"{node}: owner pages unbound")
+            if seen.intersection(v.tolist()):
+                problems.append(f"{node}: a virtual page is held twice")
+            seen.update(v.tolist())
+            for w, pool in enumerate(self.windows):
+                band = chain.bands[pool.index]
+                if (band.ids.v2p[v[int(node.window_lo[w]):]] < 0).any():
+                    problems.append(f"{node}: {pool.name} rows it claims are unbound")
+            if node.state_slot >= 0 and chain.state_band.ids.v2p[node.state_slot] < 0:
+                problems.append(f"{node}: state slot unbound")
+            if node.lock_ref < 0 or node.window_lock < 0:
+                problems.append(f"{node}: negative lock")
+        if problems:
+            raise InvariantError("tree.pages_live", "; ".join(problems[:5]))
+
+    def reclaimable(self) -> dict[str, int]:
+        """Pages per sub-pool eviction could give back now: unlocked subtrees whole, window rows no
+        request reads, every state slot (ADM-6)."""
+        out = {p.name: 0 for p in self.plan.sub_pools}
+        owner = self.plan.owner.name
+        for node in self._nodes():
+            if node.lock_ref == 0:
+                out[owner] += node.n_pages
+            if node.lock_ref == 0 or node.window_lock == 0:
+                for w, pool in enumerate(self.windows):
+                    out[pool.name] += node.n_pages - int(node.window_lo[w])
+            if node.state_slot >= 0:
+                out[self.state.name] += 1
+        return out
+
+    def _victims(self) -> Iterator[tuple[str, TreeNode]]:
+        """Planned evictions in least-recently-used order: ('leaf', n) unlocked leaves whole (a parent
+        becomes a candidate once all its children are planned away), ('window', n) window rows no
+        request reads, ('state', n) state slots. Nothing is freed while planning."""
+        nodes = list(self._nodes())
+        heap = [(n.last_access, id(n), n) for n in nodes]
+        heapq.heapify(heap)
+        children = {id(n): len(n.children) for n in nodes}
+        window_done: set[int] = set()
+        state_done: set[int] = set()
+        gone: set[int] = set()
+        while heap:
+            _t, key, node = heapq.heappop(heap)
+            if key in gone:
+                continue
+            if node.lock_ref == 0 and children[key] == 0:
+                gone.add(key)
+                yield "leaf", node
+                window_done.add(key)
+                state_done.add(key)
+                parent = node.parent
+                if parent is not None and parent is not self.root:
+                    children[id(parent)] -= 1
+                    if children[id(parent)] == 0 and parent.lock_ref == 0:
+                        heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                continue
+            if key not in window_done and node.window_lock == 0 and (node.window_lo < node.n_pages).any():
+                window_done.add(key)
+                yield "window", node
+            if key not in state_done and node.state_slot >= 0:
+                state_done.add(key)
+                yield "state", node
+
+    def evict(self, wanted, max_steps: int = 1 << 30) -> Evicted:
+        """Evict in LRU order until `wanted(freed pages per sub-pool)` says enough: the walk is
+        priced before anything is freed and stops at the first yes (ADM-8). Returns what it freed
+        (nothing when no eviction would be enough)."""
+        plan: list[tuple[str, TreeNode]] = []
+        planned = Evicted({})
+        enough = wanted(planned.pages)
+        if not enough:
+            for kind, node in self._victims():
+                if len(plan) >= max_steps:
+                    break
+                plan.append((kind, node))
+                self._count(kind, node, planned)
+                if wanted(planned.pages):
+                    enough = True
+                    break
+        freed = Evicted({})
+        if not enough:
+            return freed
+        for kind, node in plan:
+            self._evict(kind, node, freed)
+        return freed
+
+    def _count(self, kind: str, node: TreeNode, out: Evicted) -> None:
+        if kind in ("leaf", "window"):
+            for w, pool in enumerate(self.windows):
+                out.add(pool.name, node.n_pages - int(node.window_lo[w]))
+        if kind == "leaf":
+            out.add(self.plan.owner.name, node.n_pages)
+        if node.state_slot >= 0 and kind in ("leaf", "state"):
+            out.add(self.state.name, 1)
+
+    def _evict(self, kind: str, node: TreeNode, freed: Evicted) -> None:
+        storage = self.storage
+        if kind in ("leaf", "window"):
+            for w, pool in enumerate(self.windows):
+                lo = int(node.window_lo[w])
+                if lo < node.n_pages:
+                    band = storage.allocator.bands[pool.index]
+                    with_ops(storage, band.free_virtual, node.vpages[lo:])
+                    self.stats["evicted_window_pages"] += node.n_pages - lo
+                    freed.add(pool.name, node.n_pages - lo)
+                    node.window_lo[w] = node.n_pages
+        if (kind == "leaf" or kind == "state") and node.state_slot >= 0:
+            storage.free_state_slots(np.array([node.state_slot]))
+            node.state_slot = -1
+            self.stats["evicted_state_slots"] += 1
+            freed.add(self.state.name, 1)
+        if kind == "leaf":
+            storage.free_virtual_pages(node.vpages)
+            self.stats["evicted_pages"] += node.n_pages
+            freed.add(self.plan.owner.name, node.n_pages)
+            del node.parent.children[node.key[: self.ps].tobytes()]
+            node.parent = None
+
+    def evict_all(self) -> Evicted:
+        """Evict everything no request locks (tests, shutdown)."""
+        freed = Evicted({})
+        for kind, node in list(self._victims()):
+            self._evict(kind, node, freed)
+        return freed
+
+
+def _first_bound_of_suffix(flags: np.ndarray) -> int:
+    """The first index of the trailing run of True in `flags` (len(flags) when it ends in False)."""
+    if not len(flags) or not flags[-1]:
+        return len(flags)
+    false = np.flatnonzero(~flags)
+    return int(false[-1]) + 1 if len(false) else 0
+
+
+def with_ops(storage: KVStorage, fn, *args):
+    from ..alloc.band import allocator_operation
+
+    with allocator_operation():
+        return fn(*args)

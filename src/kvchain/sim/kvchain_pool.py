@@ -1,0 +1,357 @@
+"""`KVChainPool`: the scheduler's pool protocol over a `KVStorage`, the prefix tree and admission.
+
+Per request it keeps: the row, the tree node it holds a lock on (its deepest shared prefix), the
+window locks behind it, and a tracking state slot when the tree checkpoints recurrent state.
+
+The checkpoint retention bound is exact (closing the reference design's known limitation): a
+checkpoint the tree cannot take (no replacement tracking slot, or no slot at a lazy grid point) is
+abandoned, not waited for: windows keep only the rows behind the latest grid point, so a request
+never holds more window rows than `request_demand` priced (window + one interval + this pass's
+tail), and a stall costs a cache entry, never memory."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..alloc.demand import DemandPurpose, KVDemand, request_demand
+from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
+from ..capacity import evict_until_fits, reclaimable_pages
+from ..errors import CapacityError
+from ..plan import PoolKind
+from ..prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
+from ..requests import NO_SLOT
+from ..sizing import pages_for
+from ..storage import KVStorage
+from ..units import format_bytes
+from .protocol import PoolFull, PoolStats
+from .request import SimRequest
+
+
+class KVChainPool:
+    name = "kvchain"
+
+    def __init__(self, storage: KVStorage, *, prefix_cache: bool = True,
+                 strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER,
+                 checkpoint_interval: int | None = None, new_token_ratio: float = 1.0) -> None:
+        self.storage = storage
+        self.chain = storage.allocator
+        self.plan = storage.plan
+        self.page_size = storage.page_size
+        self.has_state = self.plan.state is not None
+        if self.has_state and strategy is not CheckpointStrategy.NO_BUFFER and checkpoint_interval is None:
+            checkpoint_interval = max(self.page_size, 256 // self.page_size * self.page_size)
+        self.strategy = strategy
+        self.checkpoint_interval = checkpoint_interval if self.has_state and strategy is not \
+            CheckpointStrategy.NO_BUFFER else None
+        self.tree = UnifiedRadixCache(storage, strategy, self.checkpoint_interval) if prefix_cache else None
+        self.shares = prefix_cache
+        self.new_token_ratio = new_token_ratio
+        self.tracking = self.has_state and prefix_cache and strategy is CheckpointStrategy.EXTRA_BUFFER
+        self.window_reach = max((w.window for w in self.plan.windows), default=0)
+        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0}
+
+    # -- demand ----------------------------------------------------------------------------------------
+
+    @property
+    def min_chunk(self) -> int:
+        """The smallest prefill chunk: one checkpoint interval when chunks are cut on the grid."""
+        return self.checkpoint_interval or self.page_size
+
+    def _demand_kwargs(self) -> dict:
+        return {"checkpoint_interval": self.checkpoint_interval, "shares_prefixes": self.shares,
+                "min_chunk": self.min_chunk}
+
+    def arrival_check(self, req: SimRequest) -> str | None:
+        """Reject a request larger than an empty pool, with the numbers; clip max_new to memory and
+        to the context length."""
+        context = self.storage.table.context_len
+        if req.input_len >= context:
+            return f"rejected at arrival: {req.input_len} input tokens reach the context length {context}"
+        if req.max_new > context - req.input_len:
+            req.max_new = context - req.input_len
+            req.output_len = min(req.output_len, req.max_new)
+            self.stats_counters["clipped"] += 1
+        clip = self.chain.max_new_tokens_for_memory(req.input_len, req.max_new, **self._demand_kwargs())
+        if clip is None:
+            d = request_demand(self.plan, DemandPurpose.CEILING, input_len=req.input_len, **self._demand_kwargs())
+            need = sum(n * p.page_bytes for n, p in zip(d.pages, self.plan.sub_pools))
+            return (f"rejected at arrival: {req.input_len} input tokens need {format_bytes(need)} "
+                    f"({', '.join(f'{p.name} {n} pages' for p, n in zip(self.plan.sub_pools, d.pages) if n)}); "
+                    f"an empty pool of {format_bytes(self.chain.layout.chain_bytes)} cannot hold them")
+        if clip < req.max_new:
+            req.max_new = clip
+            req.output_len = min(req.output_len, max(clip, 1))
+            self.stats_counters["clipped"] += 1
+        return None
+
+    def _remaining(self, req: SimRequest) -> KVDemand:
+        """What a running request may still take: the rest of its full-attention tokens (scaled by the
+        expected share of its output), and a page per window for its next step."""
+        ps = self.page_size
+        total = req.input_len + max(req.max_new - req.generated, 0)
+        full_left = max(pages_for(total, ps) - pages_for(req.computed, ps), 0)
+        prompt_left = max(pages_for(req.input_len, ps) - pages_for(req.computed, ps), 0)
+        full = prompt_left + int(np.ceil((full_left - prompt_left) * self.new_token_ratio))
+        pages = []
+        for pool in self.plan.sub_pools:
+            if pool.kind is PoolKind.FULL:
+                pages.append(full)
+            elif pool.kind is PoolKind.WINDOW:
+                pages.append(min(full, 1 + prompt_left))
+            else:
+                pages.append(0)
+        return KVDemand(tuple(pages), full, 0)
+
+    def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> ChainPrefillBudget:
+        reserve = KVDemand.zero(len(self.plan.sub_pools))
+        for req in running:
+            reserve = reserve + self._remaining(req)
+        return ChainPrefillBudget(self.storage, reserve, frees_coming, self.checkpoint_interval, self.shares,
+                                  reclaimable_pages(self.storage, self.tree))
+
+    def next_chunk(self, req: SimRequest, token_limit: int) -> int:
+        return mamba_prefill_chunk_grid(req.computed, token_limit, req.input_len, self.checkpoint_interval)
+
+    # -- room -----------------------------------------------------------------------------------------------
+
+    def _make_room(self, pages: list[int]) -> bool:
+        return evict_until_fits(self.storage, self.tree, pages)
+
+    def _extend_demand(self, rows: np.ndarray, new_lens: np.ndarray) -> list[int]:
+        table = self.storage.table
+        ps = self.page_size
+        grow = int((pages_for_arr(new_lens, ps) - pages_for_arr(table.seq_lens[rows], ps)).sum())
+        need_slot = int((table.state_slot[rows] == NO_SLOT).sum())
+        return [need_slot if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools]
+
+    def extend(self, reqs: list[SimRequest], new_lens: list[int]) -> None:
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        lens = np.array(new_lens, dtype=np.int64)
+        try:
+            self.storage.alloc_extend(rows, lens)
+            return
+        except CapacityError:
+            pass
+        if not self._make_room(self._extend_demand(rows, lens)):
+            raise PoolFull("the pool cannot grow the running requests")
+        try:
+            self.storage.alloc_extend(rows, lens)
+        except CapacityError as e:
+            raise PoolFull(str(e)) from e
+
+    # -- admission --------------------------------------------------------------------------------------
+
+    def try_admit(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int) -> Admission:
+        storage = self.storage
+        table = storage.table
+        if not table.free_rows:
+            return Admission(Decision.WAIT, reason="no free request row")
+        state = {"node": None, "window_locks": [], "lock_until": 0, "tracking": -1, "checkpoint": 0}
+        match = None
+        cached = 0
+        if self.tree is not None:
+            match = self.tree.match_prefix(req.tokens(max(req.input_len - 1, 0)))
+            cached = match.length
+            if cached:
+                # lock what the match found at once: making room for this request must not evict it
+                self.tree.lock(match.node)
+                state["node"] = match.node
+                state["window_locks"] = self.tree.lock_window(match.node, cached)
+                state["lock_until"] = cached + self.window_reach
+                state["checkpoint"] = cached
+        if cached:  # what the match just locked is no longer reclaimable
+            ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
+        output_left = max(req.max_new - req.generated, 0)
+        a = ctx.consider(req.input_len, output_left, cached, token_limit)
+        if a.decision is Decision.ADMIT and not self._make_room(self._admit_demand(cached + a.chunk_len, cached)):
+            ctx.admitted = ctx.admitted + (KVDemand.zero(len(a.demand.pages)) if a.demand is None else
+                                           _negate(a.demand))
+            ctx.admitted_count -= 1
+            a = Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
+        if a.decision is not Decision.ADMIT:
+            self._unlock(state)
+            if cached and (a.decision is Decision.ABORT or not ctx._waiting_frees_memory()):
+                # the match itself pins what it would need: start over without it, from an emptied cache
+                self.tree.evict_all()
+                ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
+                return self._admit_fresh(ctx, req, token_limit, state)
+            return a
+        first = cached + a.chunk_len
+        row = storage.alloc_row()
+        try:
+            if cached:
+                storage.assign_prefix(row, match.vpages, cached, match.window_lo)
+            storage.alloc_extend(np.array([row]), np.array([first]))
+            if match is not None and match.state_slot >= 0:
+                storage.copy_state(np.array([match.state_slot]), table.state_slot[[row]])
+            if self.tracking:
+                state["tracking"] = int(storage.alloc_state_slots(1)[0])
+        except CapacityError:
+            self._release(row, state)
+            return Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
+        req.row = row
+        req.cached = cached
+        req.computed = first
+        req.pool_state = state
+        return a
+
+    def _admit_fresh(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int, state: dict) -> Admission:
+        """Admission with no cached prefix (after dropping a match that pinned the memory it needed)."""
+        storage = self.storage
+        a = ctx.consider(req.input_len, max(req.max_new - req.generated, 0), 0, token_limit)
+        if a.decision is not Decision.ADMIT:
+            return a
+        if not self._make_room(self._admit_demand(a.chunk_len, 0)):
+            return Admission(Decision.ABORT, reason=f"unschedulable: the first {a.chunk_len} tokens do not fit "
+                                                   "an emptied pool")
+        row = storage.alloc_row()
+        state.update(checkpoint=0, lock_until=0)
+        try:
+            storage.alloc_extend(np.array([row]), np.array([a.chunk_len]))
+            if self.tracking:
+                state["tracking"] = int(storage.alloc_state_slots(1)[0])
+        except CapacityError:
+            self._release(row, state)
+            return Admission(Decision.ABORT, reason="unschedulable: the first chunk does not fit an emptied pool")
+        req.row, req.cached, req.computed, req.pool_state = row, 0, a.chunk_len, state
+        return a
+
+    def _admit_demand(self, first: int, cached: int) -> list[int]:
+        ps = self.page_size
+        grow = pages_for(first, ps) - pages_for(cached, ps)
+        slots = (1 if self.has_state else 0) + (1 if self.tracking else 0)
+        return [slots if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools]
+
+    # -- after the forward ---------------------------------------------------------------------------
+
+    def processed(self, reqs: list[SimRequest]) -> None:
+        storage = self.storage
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        checkpoints = None
+        if self.checkpoint_interval and self.tree is not None:
+            checkpoints = np.zeros(len(reqs), dtype=np.int64)
+            for i, req in enumerate(reqs):
+                grid = self.tree.swa_retain_floor(req.computed)
+                if grid > req.pool_state["checkpoint"]:
+                    self.checkpoint_into_tree(req, grid)
+                    req.pool_state["checkpoint"] = grid  # taken or abandoned: never waited for
+                checkpoints[i] = req.pool_state["checkpoint"]
+        storage.advance(rows, checkpoints)
+        if self.tree is not None:
+            for req in reqs:
+                st = req.pool_state
+                if st["window_locks"] and req.computed >= st["lock_until"]:
+                    self.tree.unlock_window(st["window_locks"])
+                    st["window_locks"] = []
+
+    def checkpoint_into_tree(self, req: SimRequest, at: int) -> None:
+        """Hand the state at grid point `at` to the tree with the prefix behind it (WIN-14), if a
+        slot can be had; otherwise abandon this checkpoint (the exact retention bound)."""
+        storage = self.storage
+        table = storage.table
+        st = req.pool_state
+        row = req.row
+        if self.strategy is CheckpointStrategy.EXTRA_BUFFER:
+            slot = st["tracking"]
+            try:
+                replacement = int(storage.alloc_state_slots(1)[0])
+            except CapacityError:
+                if not self._make_room([1 if p.kind is PoolKind.STATE else 0 for p in self.plan.sub_pools]):
+                    self.stats_counters["checkpoint_stalls"] += 1
+                    return
+                replacement = int(storage.alloc_state_slots(1)[0])
+        else:  # lazy: a slot only at the grid point
+            try:
+                slot = int(storage.alloc_state_slots(1)[0])
+            except CapacityError:
+                self.stats_counters["checkpoint_stalls"] += 1
+                return
+            replacement = -1
+        n = at // self.page_size
+        vpages = table.page_table[row, :n].copy()
+        tokens = req.tokens(at)
+        if self.tree.holds_other_pages(tokens, vpages):
+            # another request cached this prefix with its own pages first: keep ours, skip this one
+            storage.free_state_slots(np.array([slot if replacement < 0 else replacement]))
+            self.stats_counters["checkpoint_stalls"] += 1
+            return
+        result = self.tree.insert(tokens, vpages, table.window_lo[row], slot)
+        assert result.state_taken and not len(result.duplicates)
+        storage.copy_state(table.state_slot[[row]], np.array([slot]))  # the state at the grid point
+        storage.release_to_tree(row, n)
+        self.tree.lock(result.node)
+        if st["node"] is not None:
+            self.tree.unlock(st["node"])
+        st["node"] = result.node
+        if st["window_locks"]:
+            self.tree.unlock_window(st["window_locks"])
+        st["window_locks"] = self.tree.lock_window(result.node, at)
+        st["lock_until"] = at + self.window_reach
+        if replacement >= 0:
+            st["tracking"] = replacement
+        self.stats_counters["checkpoints"] += 1
+
+    # -- the end of a request --------------------------------------------------------------------------
+
+    def finish(self, req: SimRequest) -> None:
+        self._cache_and_free(req, end_state=self.strategy is CheckpointStrategy.NO_BUFFER and self.has_state)
+
+    def preempt(self, req: SimRequest) -> None:
+        self._cache_and_free(req, end_state=False)
+
+    def _cache_and_free(self, req: SimRequest, end_state: bool) -> None:
+        storage = self.storage
+        table = storage.table
+        row = req.row
+        st = req.pool_state
+        if self.tree is not None:
+            n = int(table.seq_lens[row]) // self.page_size
+            shared = int(table.shared_pages[row])
+            if n > shared:
+                slot = int(table.state_slot[row]) if end_state and n * self.page_size == table.seq_lens[row] else -1
+                result = self.tree.insert(req.tokens(n * self.page_size), table.page_table[row, :n].copy(),
+                                          table.window_lo[row], slot)
+                if len(result.duplicates):
+                    storage.free_virtual_pages(result.duplicates)
+                storage.release_to_tree(row, n)
+                if result.state_taken:
+                    table.state_slot[row] = NO_SLOT
+        self._release(row, st)
+
+    def _unlock(self, st: dict) -> None:
+        if self.tree is not None:
+            if st["window_locks"]:
+                self.tree.unlock_window(st["window_locks"])
+            if st["node"] is not None:
+                self.tree.unlock(st["node"])
+        st.update(node=None, window_locks=[])
+
+    def _release(self, row: int, st: dict) -> None:
+        self._unlock(st)
+        if st.get("tracking", -1) >= 0:
+            self.storage.free_state_slots(np.array([st["tracking"]]))
+        st["tracking"] = -1
+        self.storage.free_rows(np.array([row]))
+
+    # -- stats ---------------------------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        bands = self.chain.bands
+        live = sum(b.n_live * b.page_bytes for b in bands)
+        cached = 0
+        if self.tree is not None:
+            held = self.tree.held_pages()
+            cached = sum(held[b.name] * b.page_bytes for b in bands)
+        return PoolStats(live, self.storage.sizing.budget_bytes, cached)
+
+    def check_idle(self) -> None:
+        held = self.tree.held_pages() if self.tree is not None else None
+        self.storage.check_idle(held)
+
+
+def pages_for_arr(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    return (np.asarray(tokens) + page_size - 1) // page_size
+
+
+def _negate(d: KVDemand) -> KVDemand:
+    return KVDemand(tuple(-p for p in d.pages), -d.virtual_pages, -d.state_slots)

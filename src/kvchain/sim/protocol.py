@@ -1,0 +1,60 @@
+"""The small pool protocol the scheduler loop drives, so other pool designs plug into the same
+loop for side-by-side comparison (and a model runner can attach later)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..prefill_budget import Admission
+from .request import SimRequest
+
+
+class PoolFull(Exception):
+    """An extension the pool cannot serve even after it made what room it could; nothing changed."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    live_bytes: int  # bytes held by running requests and the prefix cache
+    budget_bytes: int
+    cached_bytes: int  # of live_bytes, what only the prefix cache holds
+
+    @property
+    def utilisation(self) -> float:
+        return self.live_bytes / max(1, self.budget_bytes)
+
+
+class Pool(Protocol):
+    name: str
+    page_size: int
+
+    def arrival_check(self, req: SimRequest) -> str | None:
+        """None when the request could ever run (its max_new may be clipped to what fits); else
+        the reason it is rejected at arrival, with the numbers."""
+
+    def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> object:
+        """Context for one admission pass (what running requests still need, what is reclaimable)."""
+
+    def try_admit(self, pass_ctx: object, req: SimRequest, token_limit: int) -> Admission:
+        """Decide, and on ADMIT take the request's row and its first chunk (after its cached prefix)."""
+
+    def next_chunk(self, req: SimRequest, token_limit: int) -> int:
+        """How many more prompt tokens a running prefill computes this step (0: wait a step)."""
+
+    def extend(self, reqs: list[SimRequest], new_lens: list[int]) -> None:
+        """Grow running requests' KV to new lengths, making room from the cache if needed.
+        Raises PoolFull with nothing changed."""
+
+    def processed(self, reqs: list[SimRequest]) -> None:
+        """After a step's forward: take checkpoints, retire window rows."""
+
+    def finish(self, req: SimRequest) -> None:
+        """Cache what can be reused and free the rest."""
+
+    def preempt(self, req: SimRequest) -> None:
+        """Give all of a running request's memory back; it recomputes later."""
+
+    def stats(self) -> PoolStats: ...
+
+    def check_idle(self) -> None: ...

@@ -1,0 +1,65 @@
+"""A request as the model-free scheduler sees it: token ids, how long its output will be, and
+where it is in its life."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Phase(enum.Enum):
+    PENDING = "pending"  # not arrived yet
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"  # admitted nowhere: unschedulable
+    REJECTED = "rejected"  # larger than an empty pool
+
+
+@dataclass(eq=False)
+class SimRequest:
+    rid: int
+    arrival: int  # step
+    prompt: np.ndarray  # token ids
+    max_new: int  # what the client asked for (the memory clip may lower it)
+    output_len: int  # how many tokens it will really generate (<= max_new)
+    output: np.ndarray | None = None  # the token ids it generates (synthesised when None)
+    phase: Phase = Phase.PENDING
+    reason: str = ""
+    # runtime, owned by the scheduler and the pool
+    computed: int = 0  # tokens whose KV exists
+    generated: int = 0
+    row: int = -1
+    cached: int = 0  # prompt tokens the prefix cache supplied
+    admitted_step: int = -1
+    finished_step: int = -1
+    preemptions: int = 0
+    pool_state: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt = np.asarray(self.prompt, dtype=np.int32)
+        if self.output is None:
+            rng = np.random.default_rng(self.rid * 7919 + 17)
+            self.output = rng.integers(1, 2**30, size=max(self.max_new, 1), dtype=np.int64).astype(np.int32)
+
+    @property
+    def input_len(self) -> int:
+        """What a (re)admission must compute: the prompt, plus outputs already generated when a
+        preempted request comes back to recompute."""
+        return len(self.prompt) + max(self.generated - 1, 0)
+
+    def tokens(self, n: int) -> np.ndarray:
+        """The first `n` tokens of prompt + output."""
+        if n <= len(self.prompt):
+            return self.prompt[:n]
+        return np.concatenate([self.prompt, self.output[: n - len(self.prompt)]])
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.input_len
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.output_len

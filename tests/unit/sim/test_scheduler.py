@@ -1,0 +1,189 @@
+"""The model-free scheduler over the kvchain pool: every admitted request finishes, none waits
+forever, the prefix tree never hands out freed pages, and nothing leaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvchain.alloc.demand import retained_window, span_pages
+from kvchain.cache.radix import CheckpointStrategy
+from kvchain.errors import CapacityError
+from kvchain.sim.request import Phase, SimRequest
+from kvchain.sim.scheduler import Scheduler
+from support.simworld import workload, world
+
+
+def _run(pool, requests, *, budget=64, running=16, check_every_step=True, max_steps=20_000):
+    sched = Scheduler(pool, max_batched_tokens=budget, max_running=running, max_wait_steps=2_000)
+    sched.add(requests)
+    while not sched.idle:
+        assert sched.step_no < max_steps, "the workload did not drain"
+        sched.step()
+        if check_every_step and pool.tree is not None:
+            pool.tree.verify()
+        _check_window_bound(pool, sched)
+    pool.check_idle()
+    if pool.tree is not None:
+        pool.tree.verify()
+    return sched
+
+
+def _check_window_bound(pool, sched):
+    """LIM-5: no running request holds more of its own window rows than admission priced."""
+    table = pool.storage.table
+    for req in sched.running:
+        row = req.row
+        for band in pool.chain.window_bands:
+            own = table.own_pages(np.array([row]))
+            held = int(np.count_nonzero(band.ids.v2p[own] >= 0))
+            bound = span_pages(retained_window(band.pool.window, pool.checkpoint_interval, pool.shares)
+                               + sched.max_batched_tokens, pool.page_size)
+            assert held <= bound, f"row {row} holds {held} {band.name} pages, priced at most {bound}"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), window=st.sampled_from([0, 8, 16]), state=st.booleans(),
+       chain_kib=st.integers(10, 40), strategy=st.sampled_from(list(CheckpointStrategy)),
+       budget=st.sampled_from([16, 64, 256]))
+def test_every_admitted_request_finishes_and_nothing_leaks(seed, window, state, chain_kib, strategy, budget):
+    """ADM-9..11, WIN-1..16, CHK-15: over random workloads with shared prefixes, every request ends
+    finished, aborted or rejected (none waits forever); every request that was admitted finishes;
+    the tree never returns freed pages; at idle nothing leaks and byte accounting is exact."""
+    pool = world(chain_kib=chain_kib, window=window, state=state, strategy=strategy)
+    requests = workload(seed)
+    sched = _run(pool, requests, budget=budget)
+    for req in requests:
+        assert req.phase in (Phase.FINISHED, Phase.ABORTED, Phase.REJECTED), req
+        if req.admitted_step >= 0:
+            assert req.phase is Phase.FINISHED, f"request {req.rid} was admitted but {req.phase}: {req.reason}"
+        if req.phase is Phase.FINISHED:
+            assert req.generated == req.output_len
+    assert sched.stats.finished > 0
+
+
+def test_forced_checkpoint_stalls_still_finish(monkeypatch):
+    """LIM-3/4/5: with no free slot for checkpoints half of the time, admitted requests still finish and
+    never hold more window rows than priced (checked every step)."""
+    pool = world(chain_kib=20, window=16, state=True, strategy=CheckpointStrategy.EXTRA_BUFFER)
+    storage = pool.storage
+    original = storage.alloc_state_slots
+    calls = {"n": 0}
+
+    def flaky(n):
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            raise CapacityError("no free tracking slot (forced)")
+        return original(n)
+
+    monkeypatch.setattr(storage, "alloc_state_slots", flaky)
+    requests = workload(3, n=50)
+    sched = _run(pool, requests)
+    assert pool.stats_counters["checkpoint_stalls"] > 0
+    assert all(r.phase is Phase.FINISHED for r in requests if r.admitted_step >= 0)
+    assert sched.stats.finished > 30
+
+
+def test_prefix_reuse_allocates_fewer_pages():
+    """A workload with shared prefixes takes measurably fewer full-attention pages with the tree."""
+    taken = {}
+    for cache in (True, False):
+        pool = world(chain_kib=200, window=16, state=True, prefix_cache=cache)
+        owner = pool.chain.owner
+        count = {"n": 0}
+        original = owner._acquire
+
+        def counting(n, after=None, consumer=None, _o=original, _c=count):
+            _c["n"] += n
+            return _o(n, after) if consumer is None else _o(n, after, consumer)
+
+        owner._acquire = counting
+        requests = workload(11, n=60, shared=0.9, prefix_len=48, spread=6)
+        _run(pool, requests, check_every_step=False)
+        taken[cache] = count["n"]
+    assert taken[True] < 0.85 * taken[False], taken
+
+
+def test_multi_turn_windows_reuse_the_previous_turn():
+    """A window model (no state) reuses a whole previous turn: its window rows are retained at the
+    sequence end."""
+    pool = world(chain_kib=100, window=16, state=False)
+    first = SimRequest(0, 0, np.arange(1, 41), max_new=9, output_len=9)
+    sched = _run(pool, [first])
+    history = first.tokens(first.computed)
+    second = SimRequest(1, sched.step_no, np.concatenate([history, np.arange(500, 510)]), max_new=4, output_len=4)
+    sched2 = Scheduler(pool, max_batched_tokens=64, max_running=4)
+    sched2.add([second])
+    sched2.run()
+    assert second.cached >= (len(history) // 4) * 4 - 4
+    pool.check_idle()
+
+
+def test_oversize_request_is_rejected_at_arrival_with_numbers():
+    """A request larger than an empty pool is rejected at arrival, naming what it needs."""
+    pool = world(chain_kib=6, window=8, state=True, context=1024)
+    big = SimRequest(0, 0, np.arange(1, 400), max_new=5, output_len=5)
+    small = SimRequest(1, 0, np.arange(1, 10), max_new=5, output_len=5)
+    sched = _run(pool, [big, small])
+    assert big.phase is Phase.REJECTED and "input tokens need" in big.reason and "empty pool" in big.reason
+    assert small.phase is Phase.FINISHED
+    assert sched.stats.rejected == 1
+
+
+def test_a_prompt_past_the_context_length_is_rejected():
+    pool = world(chain_kib=60, context=64)
+    req = SimRequest(0, 0, np.arange(1, 100), max_new=5, output_len=5)
+    _run(pool, [req])
+    assert req.phase is Phase.REJECTED and "context length 64" in req.reason
+
+
+def test_memory_clip_lowers_max_new():
+    """ADM-16: the clip and admission share request_demand: an output too long for the pool is
+    clipped at arrival instead of rejected."""
+    pool = world(chain_kib=6, window=8, state=True, context=4096)
+    req = SimRequest(0, 0, np.arange(1, 20), max_new=10_000, output_len=10_000)
+    _run(pool, [req], max_steps=50_000)
+    assert req.phase is Phase.FINISHED and req.max_new < 4096 - 19  # memory, not the context, bound it
+    assert pool.stats_counters["clipped"] == 2
+
+
+def test_unschedulable_request_is_aborted_with_its_reason():
+    """ADM-11: when nothing will give memory back and no chunk fits now, the request is aborted as
+    unschedulable instead of waiting forever. Here a load reservation pins memory no request frees."""
+    pool = world(chain_kib=8, window=8, state=True)
+    storage = pool.storage
+    pinned, _reservation = storage.alloc_load("full", storage.allocator.owner.grid.n_grid // 3)
+    req = SimRequest(0, 0, np.arange(1, 120), max_new=8, output_len=8)
+    sched = Scheduler(pool, max_batched_tokens=256, max_running=4)
+    sched.add([req])
+    sched.run(max_steps=100)
+    assert req.phase is Phase.ABORTED and req.reason.startswith("unschedulable"), req.reason
+    del pinned
+
+
+def test_waits_while_running_work_will_free_memory():
+    """ADM-9: a request that does not fit now waits while running requests will give memory back,
+    and is admitted once they finish."""
+    pool = world(chain_kib=10, window=8, state=True)
+    hog = SimRequest(0, 0, np.arange(1, 150), max_new=20, output_len=20)
+    late = SimRequest(1, 1, np.arange(300, 420), max_new=4, output_len=4)
+    _run(pool, [hog, late], budget=256)
+    assert hog.phase is Phase.FINISHED and late.phase is Phase.FINISHED
+    assert late.admitted_step > late.arrival  # it waited for the running request, not aborted
+
+
+@pytest.mark.parametrize("strategy", list(CheckpointStrategy))
+def test_state_matches_land_on_checkpoints(strategy):
+    """WIN-9/10: with checkpoints a match ends on the grid; with no_buffer at a sequence end."""
+    pool = world(chain_kib=100, window=16, state=True, strategy=strategy, interval=16)
+    prefix = np.arange(1, 51)  # 50 tokens
+    a = SimRequest(0, 0, np.concatenate([prefix, [7, 8]]), max_new=3, output_len=3)
+    _run(pool, [a])
+    b = SimRequest(1, 0, np.concatenate([prefix, [9, 10, 11]]), max_new=3, output_len=3)
+    _run(pool, [b])
+    if strategy is CheckpointStrategy.NO_BUFFER:
+        assert b.cached == 0  # a's sequence end is not b's prefix
+    else:
+        assert b.cached == 48  # the last grid point (16) at or before the shared 50 tokens
