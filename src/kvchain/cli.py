@@ -144,6 +144,7 @@ command("models", "list the built-in model presets")(_configure_models)(cmd_mode
 def _register_optional() -> None:
     """Subcommands that live with their subjects register themselves on import."""
     from . import bench  # noqa: F401
+    from .sim import cli as _sim_cli  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:

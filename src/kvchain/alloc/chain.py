@@ -80,6 +80,9 @@ class ChainAllocator:
         self.virtual_free = IdStack(self.n_virtual, np.arange(self.n_virtual - 1, 0, -1, dtype=np.int64))
         n_slots = self.state_band.grid.n_grid if self.state_band is not None else 0
         self.slot_free = IdStack(n_slots, np.arange(n_slots - 1, -1, -1, dtype=np.int64))
+        #: most live pages per band (chain order), or None: with caps the chain emulates fixed
+        #: per-kind pools that cannot borrow each other's bytes (the static baselines)
+        self.caps: tuple[int, ...] | None = None
         self._memo: dict[SnapshotMode, ChainSnapshot] = {}
         self.fences: list[Fence] = []
         self.waiter = NetworkTransferWaiter(device)
@@ -150,10 +153,19 @@ class ChainAllocator:
             raise ValueError(f"demand must be {len(self.bands)} non-negative page counts, got {pages}")
         return pages
 
+    def _within_caps(self, pages: Sequence[int], freed: Sequence[int] | None = None) -> bool:
+        if self.caps is None:
+            return True
+        for band, cap, n, f in zip(self.bands, self.caps, pages, freed or (0,) * len(self.bands)):
+            if n and band.n_live - min(f, band.n_live) + n > cap:
+                return False
+        return True
+
     @capacity_decision
     def units_fit(self, pages: Sequence[int]) -> bool:
         """Would a take of `pages` (per band) succeed now? Exactly the take's own answer (CAP-11)."""
-        return feasible(self.pricing_snapshot(), self._check_demand(pages))
+        pages = self._check_demand(pages)
+        return self._within_caps(pages) and feasible(self.pricing_snapshot(), pages)
 
     @capacity_decision
     def admits(self, demand: KVDemand, reclaimable: Sequence[int] | None = None) -> bool:
@@ -162,6 +174,8 @@ class ChainAllocator:
         if demand.virtual_pages > len(self.virtual_free):
             return False
         if demand.state_slots > len(self.slot_free):
+            return False
+        if not self._within_caps(demand.pages, reclaimable):
             return False
         snap = self.pricing_snapshot()
         if reclaimable is not None:
@@ -172,13 +186,16 @@ class ChainAllocator:
     def fits_after_frees(self, pages: Sequence[int], freed: Sequence[int]) -> bool:
         """Would `pages` fit once `freed` pages per band are given back? An eviction walk stops at
         the first yes (ADM-8)."""
-        return feasible(reclaimed_snapshot(self.pricing_snapshot(), freed), self._check_demand(pages))
+        pages = self._check_demand(pages)
+        return self._within_caps(pages, freed) and feasible(reclaimed_snapshot(self.pricing_snapshot(), freed), pages)
 
     @capacity_decision
     def ensure_capacity(self, pages: Sequence[int]) -> bool:
         """Lay the chain out so that a take of `pages` succeeds, moving pages if needed. A yes is
         always followed by a successful take (CAP-11); a no changes nothing."""
         pages = self._check_demand(pages)
+        if not self._within_caps(pages):
+            return False
         if self.in_place(pages):
             return True
         if not feasible(self.pricing_snapshot(), pages):
@@ -199,6 +216,8 @@ class ChainAllocator:
 
     def _plan_and_take(self, pages: tuple[int, ...]) -> list[np.ndarray]:
         bands = self.bands
+        if self.caps is not None and not self._within_caps(pages):
+            raise CapacityError(f"a fixed per-kind pool is full: {pages} pages over caps {self.caps}")
         growers = [i for i, (b, n) in enumerate(zip(bands, pages)) if n > b.n_holes + b.n_pending]
         if not growers:
             # every band serves its share from holes and pending pages: the in-place plan holds
@@ -405,8 +424,9 @@ class ChainAllocator:
         def fits(output_len: int) -> bool:
             d = request_demand(self.plan, DemandPurpose.CEILING, input_len=input_len,
                                output_len=output_len, **demand_kwargs)
-            return (d.virtual_pages < self.n_virtual and d.state_slots <= len(self.slot_free) + self._slots_held()
-                    and feasible(empty, d.pages))
+            within = self.caps is None or all(n <= cap for n, cap in zip(d.pages, self.caps))
+            return (within and d.virtual_pages < self.n_virtual
+                    and d.state_slots <= len(self.slot_free) + self._slots_held() and feasible(empty, d.pages))
 
         if not fits(0):
             return None

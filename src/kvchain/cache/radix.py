@@ -40,6 +40,7 @@ class CheckpointStrategy(enum.Enum):
 class TreeNode:
     __slots__ = (
         "children",
+        "hits",
         "key",
         "last_access",
         "lock_ref",
@@ -62,6 +63,7 @@ class TreeNode:
         self.lock_ref = 0
         self.window_lock = 0
         self.last_access = 0
+        self.hits = 0  # matches that ended at or below this node: proven reuse
         self.start = start  # tokens from the root to this node's start
 
     @property
@@ -121,6 +123,14 @@ class UnifiedRadixCache:
         self.slots = self._index_slots()
         self.root = TreeNode(None, np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), len(self.windows), 0)
         self._clock = itertools.count(1)
+        # what the tree holds and what of it locks protect, per sub-pool (chain order), kept in step
+        # by `_account` around every change to a node: reclaimable pages are held - locked
+        self._band_of = {p.name: p.index for p in self.plan.sub_pools}
+        self._held = [0] * len(self.plan.sub_pools)
+        self._locked = [0] * len(self.plan.sub_pools)
+        self._owner_i = self.plan.owner.index
+        self._window_i = [w.index for w in self.windows]
+        self._state_i = self.state.index if self.state is not None else -1
         self.stats = {"inserted_pages": 0, "matched_tokens": 0, "evicted_pages": 0, "evicted_window_pages": 0,
                       "evicted_state_slots": 0, "checkpoints": 0, "checkpoint_stalls": 0}
 
@@ -158,11 +168,13 @@ class UnifiedRadixCache:
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Split `node` after its first `k` pages; returns the new upper node."""
         ps = self.ps
+        self._account(node, -1)
         upper = TreeNode(node.parent, node.key[: k * ps], node.vpages[:k], len(self.windows), node.start)
         upper.window_lo = np.minimum(node.window_lo, k)
         upper.lock_ref = node.lock_ref
         upper.window_lock = node.window_lock
         upper.last_access = node.last_access
+        upper.hits = node.hits
         node.parent.children[node.key[:ps].tobytes()] = upper
         node.key = node.key[k * ps :]
         node.vpages = node.vpages[k:]
@@ -170,6 +182,8 @@ class UnifiedRadixCache:
         node.start += k * ps
         node.parent = upper
         upper.children[node.key[:ps].tobytes()] = node
+        self._account(upper, 1)
+        self._account(node, 1)
         return upper
 
     # -- matching ---------------------------------------------------------------------------------
@@ -196,6 +210,7 @@ class UnifiedRadixCache:
             walker = node
             while walker is not None:
                 walker.last_access = stamp
+                walker.hits += 1
                 walker = walker.parent
             window_lo = np.array([_first_bound_of_suffix(b[:end_page]) for b in bound], dtype=np.int64)
             self.stats["matched_tokens"] += end_page * self.ps
@@ -237,18 +252,41 @@ class UnifiedRadixCache:
         self.storage.bind_window(sub_pool, vpages, reservation.pages)
         self.storage.end_load_reservations(sub_pool, reservation)
 
+    # -- accounting -------------------------------------------------------------------------------------
+
+    def _account(self, node: TreeNode, sign: int) -> None:
+        """Add (`sign` 1) or remove (-1) a node's pages to what the tree holds and what its locks
+        protect; called around every change to a node."""
+        n = node.n_pages
+        held, locked = self._held, self._locked
+        held[self._owner_i] += sign * n
+        if node.lock_ref > 0:
+            locked[self._owner_i] += sign * n
+        protect = node.lock_ref > 0 and node.window_lock > 0
+        for w, index in enumerate(self._window_i):
+            bound = n - int(node.window_lo[w])
+            held[index] += sign * bound
+            if protect:
+                locked[index] += sign * bound
+        if node.state_slot >= 0:
+            held[self._state_i] += sign
+
     # -- locks ----------------------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:
         """A running request reads the path to `node`: none of it may be evicted whole."""
         while node is not None and node is not self.root:
+            self._account(node, -1)
             node.lock_ref += 1
+            self._account(node, 1)
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
         while node is not None and node is not self.root:
+            self._account(node, -1)
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unbalanced tree lock"
+            self._account(node, 1)
             node = node.parent
 
     def lock_window(self, node: TreeNode, length: int) -> list[TreeNode]:
@@ -258,16 +296,19 @@ class UnifiedRadixCache:
         locked = []
         walker = node
         while walker is not None and walker is not self.root and walker.start + walker.n_pages * self.ps > length - reach:
+            self._account(walker, -1)
             walker.window_lock += 1
+            self._account(walker, 1)
             locked.append(walker)
             walker = walker.parent
         return locked
 
-    @staticmethod
-    def unlock_window(nodes: list[TreeNode]) -> None:
+    def unlock_window(self, nodes: list[TreeNode]) -> None:
         for node in nodes:
+            self._account(node, -1)
             node.window_lock -= 1
             assert node.window_lock >= 0, "unbalanced window lock"
+            self._account(node, 1)
 
     # -- inserting ------------------------------------------------------------------------------------
 
@@ -311,6 +352,7 @@ class UnifiedRadixCache:
             leaf = TreeNode(node, tokens[page * ps :].copy(), vpages[page:].copy(), len(self.windows), page * ps)
             leaf.window_lo = np.clip(window_lo - page, 0, new_pages)
             node.children[self._page_key(tokens, page)] = leaf
+            self._account(leaf, 1)
             node = leaf
             self.stats["inserted_pages"] += new_pages
         stamp = next(self._clock)
@@ -320,7 +362,9 @@ class UnifiedRadixCache:
             walker = walker.parent
         taken = False
         if state_slot >= 0 and node is not self.root and node.state_slot < 0:
+            self._account(node, -1)
             node.state_slot = state_slot
+            self._account(node, 1)
             taken = True
         dups = np.concatenate(duplicates) if duplicates else np.empty(0, dtype=np.int64)
         return InsertResult(node, new_pages, dups, taken)
@@ -342,7 +386,9 @@ class UnifiedRadixCache:
             if same.any():
                 continue  # mixed ownership: leave the tree as it is
             self.storage.rehome_window(pool.name, src, dst)
+            self._account(node, -1)
             node.window_lo[w] = start
+            self._account(node, 1)
 
     # -- eviction ------------------------------------------------------------------------------------
 
@@ -355,6 +401,10 @@ class UnifiedRadixCache:
 
     def held_pages(self) -> dict[str, int]:
         """Live pages per sub-pool the tree owns (for the idle leak check)."""
+        return {p.name: self._held[p.index] for p in self.plan.sub_pools}
+
+    def _recount(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Held and reclaimable pages recomputed from every node (what the counters must equal)."""
         held = {p.name: 0 for p in self.plan.sub_pools}
         owner = self.plan.owner.name
         for node in self._nodes():
@@ -363,7 +413,17 @@ class UnifiedRadixCache:
                 held[pool.name] += node.n_pages - int(node.window_lo[w])
             if node.state_slot >= 0:
                 held[self.state.name] += 1
-        return held
+        out = {p.name: 0 for p in self.plan.sub_pools}
+        owner_name = self.plan.owner.name
+        for node in self._nodes():
+            if node.lock_ref == 0:
+                out[owner_name] += node.n_pages
+            if node.lock_ref == 0 or node.window_lock == 0:
+                for w, pool in enumerate(self.windows):
+                    out[pool.name] += node.n_pages - int(node.window_lo[w])
+            if node.state_slot >= 0:
+                out[self.state.name] += 1
+        return held, out
 
     def verify(self) -> None:
         """Every page a node holds is still live where the node says it is: the owner binds every
@@ -389,37 +449,33 @@ class UnifiedRadixCache:
                 problems.append(f"{node}: state slot unbound")
             if node.lock_ref < 0 or node.window_lock < 0:
                 problems.append(f"{node}: negative lock")
+        held, reclaimable = self._recount()
+        if held != self.held_pages() or reclaimable != self.reclaimable():
+            problems.append(f"counters drifted: held {self.held_pages()} vs {held}, "
+                            f"reclaimable {self.reclaimable()} vs {reclaimable}")
         if problems:
             raise InvariantError("tree.pages_live", "; ".join(problems[:5]))
 
     def reclaimable(self) -> dict[str, int]:
         """Pages per sub-pool eviction could give back now: unlocked subtrees whole, window rows no
         request reads, every state slot (ADM-6)."""
-        out = {p.name: 0 for p in self.plan.sub_pools}
-        owner = self.plan.owner.name
-        for node in self._nodes():
-            if node.lock_ref == 0:
-                out[owner] += node.n_pages
-            if node.lock_ref == 0 or node.window_lock == 0:
-                for w, pool in enumerate(self.windows):
-                    out[pool.name] += node.n_pages - int(node.window_lo[w])
-            if node.state_slot >= 0:
-                out[self.state.name] += 1
-        return out
+        return {p.name: self._held[p.index] - self._locked[p.index] for p in self.plan.sub_pools}
 
     def _victims(self) -> Iterator[tuple[str, TreeNode]]:
-        """Planned evictions in least-recently-used order: ('leaf', n) unlocked leaves whole (a parent
-        becomes a candidate once all its children are planned away), ('window', n) window rows no
-        request reads, ('state', n) state slots. Nothing is freed while planning."""
+        """Planned evictions, least recently used first among nodes no match has reused yet, then
+        among reused ones (a prefix that proved shared outlives one-off content): ('leaf', n)
+        unlocked leaves whole (a parent becomes a candidate once all its children are planned
+        away), ('window', n) window rows no request reads, ('state', n) state slots. Nothing is
+        freed while planning."""
         nodes = list(self._nodes())
-        heap = [(n.last_access, id(n), n) for n in nodes]
+        heap = [(min(n.hits, 1), n.last_access, id(n), n) for n in nodes]
         heapq.heapify(heap)
         children = {id(n): len(n.children) for n in nodes}
         window_done: set[int] = set()
         state_done: set[int] = set()
         gone: set[int] = set()
         while heap:
-            _t, key, node = heapq.heappop(heap)
+            _h, _t, key, node = heapq.heappop(heap)
             if key in gone:
                 continue
             if node.lock_ref == 0 and children[key] == 0:
@@ -431,7 +487,7 @@ class UnifiedRadixCache:
                 if parent is not None and parent is not self.root:
                     children[id(parent)] -= 1
                     if children[id(parent)] == 0 and parent.lock_ref == 0:
-                        heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, id(parent), parent))
                 continue
             if key not in window_done and node.window_lock == 0 and (node.window_lo < node.n_pages).any():
                 window_done.add(key)
@@ -474,6 +530,7 @@ class UnifiedRadixCache:
 
     def _evict(self, kind: str, node: TreeNode, freed: Evicted) -> None:
         storage = self.storage
+        self._account(node, -1)
         if kind in ("leaf", "window"):
             for w, pool in enumerate(self.windows):
                 lo = int(node.window_lo[w])
@@ -494,6 +551,8 @@ class UnifiedRadixCache:
             freed.add(self.plan.owner.name, node.n_pages)
             del node.parent.children[node.key[: self.ps].tobytes()]
             node.parent = None
+            return
+        self._account(node, 1)
 
     def evict_all(self) -> Evicted:
         """Evict everything no request locks (tests, shutdown)."""

@@ -39,7 +39,7 @@ class KVChainPool:
         self.page_size = storage.page_size
         self.has_state = self.plan.state is not None
         if self.has_state and strategy is not CheckpointStrategy.NO_BUFFER and checkpoint_interval is None:
-            checkpoint_interval = max(self.page_size, 256 // self.page_size * self.page_size)
+            checkpoint_interval = default_checkpoint_interval(self.plan)
         self.strategy = strategy
         self.checkpoint_interval = checkpoint_interval if self.has_state and strategy is not \
             CheckpointStrategy.NO_BUFFER else None
@@ -84,30 +84,30 @@ class KVChainPool:
             self.stats_counters["clipped"] += 1
         return None
 
-    def _remaining(self, req: SimRequest) -> KVDemand:
-        """What a running request may still take: the rest of its full-attention tokens (scaled by the
-        expected share of its output), and a page per window for its next step."""
+    def _reserve(self, running: list[SimRequest]) -> KVDemand:
+        """What running requests may still take, all together: the rest of their full-attention
+        tokens (output scaled by the expected share of it they generate) and a page per window for
+        each one's next step (or the rest of its prompt)."""
+        n_bands = len(self.plan.sub_pools)
+        if not running:
+            return KVDemand.zero(n_bands)
         ps = self.page_size
-        total = req.input_len + max(req.max_new - req.generated, 0)
-        full_left = max(pages_for(total, ps) - pages_for(req.computed, ps), 0)
-        prompt_left = max(pages_for(req.input_len, ps) - pages_for(req.computed, ps), 0)
-        full = prompt_left + int(np.ceil((full_left - prompt_left) * self.new_token_ratio))
-        pages = []
-        for pool in self.plan.sub_pools:
-            if pool.kind is PoolKind.FULL:
-                pages.append(full)
-            elif pool.kind is PoolKind.WINDOW:
-                pages.append(min(full, 1 + prompt_left))
-            else:
-                pages.append(0)
-        return KVDemand(tuple(pages), full, 0)
+        computed = np.fromiter((r.computed for r in running), np.int64, len(running))
+        prompt = np.fromiter((r.input_len for r in running), np.int64, len(running))
+        left_out = np.fromiter((max(r.max_new - r.generated, 0) for r in running), np.int64, len(running))
+        have = (computed + ps - 1) // ps
+        prompt_left = np.maximum((prompt + ps - 1) // ps - have, 0)
+        full_left = np.maximum((prompt + left_out + ps - 1) // ps - have, 0)
+        full = prompt_left + np.ceil((full_left - prompt_left) * self.new_token_ratio).astype(np.int64)
+        total = int(full.sum())
+        window = int(np.minimum(full, 1 + prompt_left).sum())
+        pages = tuple(total if p.kind is PoolKind.FULL else window if p.kind is PoolKind.WINDOW else 0
+                      for p in self.plan.sub_pools)
+        return KVDemand(pages, total, 0)
 
     def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> ChainPrefillBudget:
-        reserve = KVDemand.zero(len(self.plan.sub_pools))
-        for req in running:
-            reserve = reserve + self._remaining(req)
-        return ChainPrefillBudget(self.storage, reserve, frees_coming, self.checkpoint_interval, self.shares,
-                                  reclaimable_pages(self.storage, self.tree))
+        return ChainPrefillBudget(self.storage, self._reserve(running), frees_coming, self.checkpoint_interval,
+                                  self.shares, reclaimable_pages(self.storage, self.tree))
 
     def next_chunk(self, req: SimRequest, token_limit: int) -> int:
         return mamba_prefill_chunk_grid(req.computed, token_limit, req.input_len, self.checkpoint_interval)
@@ -355,3 +355,13 @@ def pages_for_arr(tokens: np.ndarray, page_size: int) -> np.ndarray:
 
 def _negate(d: KVDemand) -> KVDemand:
     return KVDemand(tuple(-p for p in d.pages), -d.virtual_pages, -d.state_slots)
+
+
+def default_checkpoint_interval(plan) -> int:
+    """Tokens between cached state checkpoints when none is given: half the tokens whose full-attention
+    KV weighs as much as one state slot (a checkpoint should not cost more than what it saves),
+    at least 256 and a whole number of pages."""
+    ps = plan.page_size
+    tokens = plan.state.page_bytes // max(plan.owner.unit_bytes, 1) // 2
+    tokens = max(256, min(tokens, 8192))
+    return -(-tokens // ps) * ps

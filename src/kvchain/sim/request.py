@@ -40,6 +40,7 @@ class SimRequest:
 
     def __post_init__(self) -> None:
         self.prompt = np.asarray(self.prompt, dtype=np.int32)
+        self.prompt_len = len(self.prompt)
         if self.output is None:
             rng = np.random.default_rng(self.rid * 7919 + 17)
             self.output = rng.integers(1, 2**30, size=max(self.max_new, 1), dtype=np.int64).astype(np.int32)
@@ -48,7 +49,8 @@ class SimRequest:
     def input_len(self) -> int:
         """What a (re)admission must compute: the prompt, plus outputs already generated when a
         preempted request comes back to recompute."""
-        return len(self.prompt) + max(self.generated - 1, 0)
+        g = self.generated
+        return self.prompt_len + (g - 1 if g > 1 else 0)
 
     def tokens(self, n: int) -> np.ndarray:
         """The first `n` tokens of prompt + output."""

@@ -1,0 +1,194 @@
+"""The pools engines use today, next to kvchain, on the same byte budget, trace and scheduler loop.
+
+Every pool here runs the same allocator, prefix tree and admission code as kvchain; each baseline
+changes only what its design changes, so a comparison isolates the memory layout:
+
+* `static-default`: fixed pools per kind that cannot borrow each other's bytes (emulated as a
+  ceiling on each band's live pages): the state pool gets `state_ratio` state bytes per attention
+  byte (0.9, the default memory ratio of the engines that split a recurrent-state pool this way),
+  and each window pool `window_ratio` window tokens per full-attention token (0.8, their default).
+* `static-best`: the same, its two ratios chosen by a sweep on the trace itself: an oracle no
+  real deployment has.
+* `uniform-page`: one shared pool of equal-byte pages, as hybrid allocators that page every layer
+  kind alike do: layers are grouped into groups of the smallest kind's layer count (other kinds
+  padded up to whole groups), an attention page is enlarged to a block of tokens big enough that
+  its bytes reach one recurrent state's, state is padded to that page, and prefix caching (and
+  state checkpoints) work in whole blocks.
+* `kvchain`: the unified chain: every sub-pool takes any free bytes, pages of each band's own size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..build import build_kv_storage
+from ..decl import KVLayerDecl
+from ..layout.entry import PageEnvelope
+from ..memory.arena import arena_layout
+from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
+from ..sizing import PlanSizing, size_plan
+from .kvchain_pool import KVChainPool, default_checkpoint_interval
+
+#: The defaults of the engines whose static split these baselines model.
+DEFAULT_WINDOW_RATIO = 0.8
+DEFAULT_STATE_RATIO = 0.9
+#: Uniform pages round the enlarged attention block to this many tokens.
+UNIFORM_BLOCK_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What every pool in a comparison shares."""
+
+    budget_bytes: int
+    page_size: int = 64
+    context_len: int = 32768
+    max_running: int = 256
+    prefix_cache: bool = True
+    checkpoint_interval: int | None = None
+
+
+def _sizing(plan: KVStoragePlan, cfg: PoolConfig) -> PlanSizing:
+    return size_plan(plan, cfg.budget_bytes, context_len=cfg.context_len, max_running_requests=cfg.max_running)
+
+
+def _checkpoint(plan: KVStoragePlan, cfg: PoolConfig) -> int | None:
+    if plan.state is None:
+        return None
+    return cfg.checkpoint_interval or default_checkpoint_interval(plan)
+
+
+def kvchain_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
+    plan = plan_kv_storage(decls, page_size=cfg.page_size)
+    storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, checkpoint_interval=_checkpoint(plan, cfg))
+    pool.name = "kvchain"
+    return pool
+
+
+# -- static pools ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StaticSplit:
+    window_ratio: float = DEFAULT_WINDOW_RATIO  # window tokens per full-attention token
+    state_ratio: float = DEFAULT_STATE_RATIO  # state bytes per attention byte
+
+
+def static_caps(plan: KVStoragePlan, chain_bytes: int, split: StaticSplit) -> tuple[int, ...]:
+    """Pages per band a static split of `chain_bytes` gives each kind's fixed pool."""
+    state = plan.state
+    state_bytes = int(chain_bytes * split.state_ratio / (1 + split.state_ratio)) if state is not None else 0
+    attention_bytes = chain_bytes - state_bytes
+    per_full_token = plan.owner.unit_bytes + sum(split.window_ratio * w.unit_bytes for w in plan.windows)
+    full_tokens = attention_bytes / per_full_token
+    caps = []
+    for pool in plan.sub_pools:
+        if pool.kind is PoolKind.FULL:
+            caps.append(int(full_tokens) // pool.page_size)
+        elif pool.kind is PoolKind.WINDOW:
+            caps.append(int(full_tokens * split.window_ratio) // pool.page_size)
+        else:
+            caps.append(state_bytes // pool.page_bytes)
+    return tuple(caps)
+
+
+def static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, split: StaticSplit = StaticSplit(),
+                name: str = "static-default") -> KVChainPool:
+    plan = plan_kv_storage(decls, page_size=cfg.page_size)
+    sizing = _sizing(plan, cfg)
+    storage = build_kv_storage(plan, sizing, "meta")
+    chain_bytes = arena_layout(plan, sizing.arena_bytes).chain_bytes
+    storage.allocator.caps = static_caps(plan, chain_bytes, split)
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, checkpoint_interval=_checkpoint(plan, cfg))
+    pool.name = name
+    pool.split = split
+    return pool
+
+
+def static_grid(plan: KVStoragePlan) -> list[StaticSplit]:
+    """The splits `static-best` tries: window ratios when the model has windows, state ratios when
+    it has state."""
+    windows = [0.1, 0.25, 0.5, 0.8, 1.0] if plan.windows else [DEFAULT_WINDOW_RATIO]
+    states = [0.05, 0.15, 0.4, 0.9, 2.0] if plan.state is not None else [DEFAULT_STATE_RATIO]
+    return [StaticSplit(w, s) for w in windows for s in states]
+
+
+def static_best_split(decls: Sequence[KVLayerDecl], cfg: PoolConfig, evaluate: Callable[[KVChainPool], float]
+                      ) -> tuple[StaticSplit, dict[StaticSplit, float]]:
+    """The split with the best `evaluate` score (throughput on the trace itself)."""
+    plan = plan_kv_storage(decls, page_size=cfg.page_size)
+    scores = {split: evaluate(static_pool(decls, cfg, split, name="static-best")) for split in static_grid(plan)}
+    best = max(scores, key=lambda s: scores[s])
+    return best, scores
+
+
+# -- uniform pages ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UniformLayout:
+    group_size: int
+    block_tokens: int
+    page_bytes: int
+    groups: dict[str, int]  # sub-pool name -> layer groups (padded)
+    padding_layers: dict[str, int]
+
+    def waste(self, plan: KVStoragePlan) -> float:
+        """Share of a full page set's bytes that are padding (layers and bytes)."""
+        used = total = 0
+        for pool in plan.sub_pools:
+            per = pool.geometry.unit_bytes() * (self.block_tokens if pool.is_attention else 1)
+            used += per * len(pool.layer_ids)
+            total += self.page_bytes * self.groups[pool.name]
+        return 1 - used / total
+
+
+def uniform_layout(plan: KVStoragePlan, page_size: int) -> UniformLayout:
+    """Group layers into groups of the smallest kind's layer count; size one page to hold a block of
+    a group's attention tokens or one group's recurrent state, whichever is larger."""
+    group = min(len(p.layer_ids) for p in plan.sub_pools)
+    groups = {p.name: math.ceil(len(p.layer_ids) / group) for p in plan.sub_pools}
+    padding = {p.name: groups[p.name] * group - len(p.layer_ids) for p in plan.sub_pools}
+    attention = [p for p in plan.sub_pools if p.is_attention]
+    block = page_size
+    if plan.state is not None:
+        state_page = group * plan.state.geometry.unit_bytes()
+        smallest = min(group * p.geometry.unit_bytes() for p in attention)
+        block = max(page_size, -(-state_page // smallest))
+        block = -(-block // UNIFORM_BLOCK_ALIGN) * UNIFORM_BLOCK_ALIGN
+    page = max(group * p.geometry.unit_bytes() * block for p in attention)
+    if plan.state is not None:
+        page = max(page, group * plan.state.geometry.unit_bytes())
+    page = -(-page // 16) * 16
+    return UniformLayout(group, block, page, groups, padding)
+
+
+def uniform_plan(decls: Sequence[KVLayerDecl], page_size: int) -> tuple[KVStoragePlan, UniformLayout]:
+    """The chain plan of the uniform design: pages of `block_tokens` tokens, every page envelope the
+    same bytes per layer group, padded layers included."""
+    base = plan_kv_storage(decls, page_size=page_size)
+    layout = uniform_layout(base, page_size)
+    plan = plan_kv_storage(decls, page_size=layout.block_tokens)
+    pools = []
+    for pool in plan.sub_pools:
+        env = pool.envelope
+        padded = PageEnvelope(env.components, layout.page_bytes * layout.groups[pool.name], env.payload_bytes)
+        pools.append(dataclasses.replace(pool, envelope=padded))
+    return dataclasses.replace(plan, sub_pools=tuple(pools)), layout
+
+
+def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
+    plan, layout = uniform_plan(decls, cfg.page_size)
+    storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
+    interval = layout.block_tokens if plan.state is not None else None
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, checkpoint_interval=interval)
+    pool.name = "uniform-page"
+    pool.uniform = layout
+    return pool
+
+
+POOLS = ("kvchain", "static-default", "static-best", "uniform-page")

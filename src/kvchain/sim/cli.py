@@ -1,0 +1,86 @@
+"""`kvchain simulate`: serve a workload at real GPU scale through kvchain and the pools engines use
+today, side by side, on one byte budget and one scheduler loop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..cli import _positive_int, add_model_args, command, load_model
+from ..errors import InputError
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--budget", required=True, help="bytes for the KV pool, e.g. 80GiB")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", default="mixed", help="a built-in workload (default mixed)")
+    src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--requests", type=_positive_int, default=2000, help="requests to generate or replay (default 2000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pools", default="kvchain,static-default,static-best,uniform-page",
+                   help="comma-separated pools to compare")
+    p.add_argument("--page-size", type=_positive_int, default=64)
+    p.add_argument("--context", type=_positive_int, default=32768, help="context length (default 32768)")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--max-running", type=_positive_int, default=256)
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off in every pool")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None,
+                   help="tokens between cached recurrent-state checkpoints (default: sized to the state's cost)")
+    p.add_argument("--step-time", default=None,
+                   help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
+    p.add_argument("--ms-per-step", type=float, default=50.0, help="trace timestamps to steps (default 50 ms)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per step for generated workloads")
+    p.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: the cores)")
+    p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _requests(args: argparse.Namespace):
+    from . import workloads
+
+    if args.trace:
+        return workloads.load_trace(args.trace, ms_per_step=args.ms_per_step, limit=args.requests)
+    params = {} if args.rate is None else {"rate": args.rate}
+    return workloads.workload_from_name(args.workload, args.requests, args.seed, **params)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ..units import parse_bytes
+    from .baselines import POOLS, PoolConfig
+    from .compare import SchedulerConfig, compare
+    from .report import comparison_json, plot_comparison, render_comparison
+    from .runner import StepTimeModel
+
+    pools = [p.strip() for p in args.pools.split(",") if p.strip()]
+    unknown = [p for p in pools if p not in POOLS]
+    if not pools or unknown:
+        raise InputError(f"--pools: unknown pool(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(POOLS)})")
+    budget = parse_bytes(args.budget)
+    model = load_model(args)
+    requests = _requests(args)
+    if not requests:
+        raise InputError("the workload has no requests")
+    cfg = PoolConfig(budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
+                     prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every)
+    sched = SchedulerConfig(args.max_batched_tokens, args.max_running,
+                            StepTimeModel.parse(args.step_time) if args.step_time else None)
+    console = Console(stderr=True)
+    total = len(pools) + (1 if "static-best" in pools else 0)
+    with Progress(console=console, transient=True, disable=args.json) as progress:
+        task = progress.add_task(f"simulating {len(requests)} requests", total=total)
+        result = compare(model.decls, cfg, requests, pools, sched, jobs=args.jobs,
+                         progress=lambda _name: progress.advance(task))
+    if args.plot:
+        plot_comparison(result, args.plot, title=f"{model.name}, {args.budget}, {args.trace or args.workload}")
+    if args.json:
+        print(json.dumps(comparison_json(model, args, result), indent=2))
+    else:
+        render_comparison(model, args, result)
+    return 0
+
+
+command("simulate", "serve a workload through kvchain and today's pools, side by side")(_configure)(_run)

@@ -1,0 +1,115 @@
+"""Run a workload through one pool with the scheduler loop and summarise what it served.
+
+Metrics (per pool): output tokens per step (throughput), mean and peak running requests, memory
+utilisation (live bytes / budget; `utilisation` averages the steps where requests were waiting,
+i.e. at saturation), prefix-cache hit rate (prompt tokens the cache supplied / prompt tokens
+admitted), mean queueing delay in steps, preemptions, aborts and rejections. An optional step-time
+model turns steps into seconds (off by default)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .protocol import Pool
+from .request import Phase, SimRequest
+from .scheduler import Scheduler, SchedulerStats
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds per step: a fixed launch cost, a cost per token computed and a cost per KV token read.
+    A documented first-order model, not a measurement: off unless asked for."""
+
+    base_ms: float = 8.0
+    per_token_us: float = 25.0
+    per_kv_token_ns: float = 4.0
+
+    def seconds(self, computed_tokens: int, kv_tokens: int) -> float:
+        return self.base_ms / 1e3 + computed_tokens * self.per_token_us / 1e6 + kv_tokens * self.per_kv_token_ns / 1e9
+
+    @classmethod
+    def parse(cls, text: str) -> StepTimeModel:
+        from ..errors import InputError
+
+        fields = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            key, _, value = part.partition("=")
+            if key.strip() not in cls.__dataclass_fields__:
+                raise InputError(f"step-time model: unknown field {key.strip()!r} (use base_ms, per_token_us, per_kv_token_ns)")
+            try:
+                fields[key.strip()] = float(value)
+            except ValueError:
+                raise InputError(f"step-time model: {key.strip()} needs a number, got {value!r}") from None
+        return cls(**fields)
+
+
+@dataclass
+class PoolResult:
+    pool: str
+    requests: int
+    steps: int
+    throughput: float  # output tokens per step
+    mean_concurrency: float
+    peak_running: int
+    utilisation: float  # mean live bytes / budget over saturated steps
+    utilisation_mean: float
+    hit_rate: float
+    queue_delay: float
+    preemptions: int
+    finished: int
+    aborted: int
+    rejected: int
+    output_tokens: int
+    seconds: float | None = None
+    tokens_per_second: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_pool(pool: Pool, requests: list[SimRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
+             step_time: StepTimeModel | None = None, max_steps: int = 10**7,
+             on_step: Callable[[Scheduler], None] | None = None) -> tuple[PoolResult, SchedulerStats]:
+    """Run fresh copies of `requests` through `pool` until every one finished, aborted or was rejected."""
+    reqs = [copy.deepcopy(r) for r in requests]
+    sched = Scheduler(pool, max_batched_tokens=max_batched_tokens, max_running=max_running)
+    sched.add(reqs)
+    seconds = 0.0 if step_time is not None else None
+    while not sched.idle and sched.step_no < max_steps:
+        record = sched.step()
+        if step_time is not None:
+            kv = sum(r.computed for r in sched.running)
+            seconds += step_time.seconds(record.output_tokens + record.prefill_tokens, kv)
+        if on_step is not None:
+            on_step(sched)
+    stats = sched.stats
+    hist = stats.history
+    saturated = [h.utilisation for h in hist if h.waiting > 0]
+    admitted = [r for r in reqs if r.admitted_step >= 0]
+    prompt_tokens = sum(len(r.prompt) for r in admitted)
+    result = PoolResult(
+        pool=pool.name,
+        requests=len(reqs),
+        steps=stats.steps,
+        throughput=stats.output_tokens / max(stats.steps, 1),
+        mean_concurrency=float(np.mean([h.running for h in hist])) if hist else 0.0,
+        peak_running=stats.peak_running,
+        utilisation=float(np.mean(saturated)) if saturated else float(np.mean([h.utilisation for h in hist] or [0])),
+        utilisation_mean=float(np.mean([h.utilisation for h in hist])) if hist else 0.0,
+        hit_rate=stats.cached_tokens / max(prompt_tokens, 1),
+        queue_delay=float(np.mean([r.admitted_step - r.arrival for r in admitted])) if admitted else 0.0,
+        preemptions=stats.preemptions,
+        finished=sum(r.phase is Phase.FINISHED for r in reqs),
+        aborted=sum(r.phase is Phase.ABORTED for r in reqs),
+        rejected=sum(r.phase is Phase.REJECTED for r in reqs),
+        output_tokens=stats.output_tokens,
+        seconds=seconds,
+        tokens_per_second=(stats.output_tokens / seconds) if seconds else None,
+    )
+    return result, stats

@@ -1,0 +1,366 @@
+"""Synthetic workloads and trace replay: seeded and well-formed, sharing prefixes that a prefix tree
+really matches (and nothing else), traces that round-trip, bad traces named by line, and the real
+scheduler draining them with cache hits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from kvchain.errors import InputError
+from kvchain.sim.request import Phase, SimRequest
+from kvchain.sim.scheduler import Scheduler
+from kvchain.sim.workloads import (
+    WORKLOADS,
+    describe_workloads,
+    load_trace,
+    save_trace,
+    workload_from_name,
+    workload_params,
+)
+from support.simworld import world
+
+# small lengths so the tests are fast; every generator gets the caps it takes
+SMALL = {
+    "chat": dict(prompt_median=60, output_median=20, max_len=300),
+    "multi_turn": dict(user_median=30, output_median=20, max_len=400),
+    "long_doc_qa": dict(doc_min=100, doc_max=300, max_len=400),
+    "agentic": dict(prefix_len=120, task_median=20, tool_median=30, max_len=600),
+    "mixed": {},
+}
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def _same(a: list[SimRequest], b: list[SimRequest]) -> bool:
+    return len(a) == len(b) and all(
+        x.rid == y.rid and x.arrival == y.arrival and x.max_new == y.max_new and x.output_len == y.output_len
+        and np.array_equal(x.prompt, y.prompt) and np.array_equal(x.output, y.output) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_generators_are_seeded_and_well_formed(name):
+    params = SMALL[name]
+    a = workload_from_name(name, 60, 7, **params)
+    b = workload_from_name(name, 60, 7, **params)
+    c = workload_from_name(name, 60, 8, **params)
+    assert _same(a, b)
+    assert not _same(a, c)
+    assert [r.rid for r in a] == list(range(60))
+    arrivals = [r.arrival for r in a]
+    assert arrivals == sorted(arrivals) and arrivals[0] >= 0
+    assert all(isinstance(r.arrival, int) for r in a)
+    cap = params.get("max_len", workload_params(name).get("max_len", 10**9))
+    for r in a:
+        assert r.prompt.dtype == np.int32 and r.output.dtype == np.int32
+        assert len(r.prompt) >= 1 and 1 <= r.output_len <= r.max_new
+        assert len(r.output) >= r.output_len
+        assert len(r.prompt) + r.max_new <= cap
+        assert r.prompt.min() >= 1
+    assert workload_from_name(name, 0, 1, **params) == []
+
+
+def test_mixed_keeps_its_default_caps():
+    reqs = workload_from_name("mixed", 200, 3)
+    assert len(reqs) == 200
+    assert max(len(r.prompt) + r.max_new for r in reqs) <= 32768
+    assert any(len(r.prompt) >= 8192 for r in reqs)  # the long documents are in
+
+
+def test_chat_lengths_follow_the_medians_and_respect_max_len():
+    reqs = workload_from_name("chat", 400, 1)
+    assert 600 < np.median([len(r.prompt) for r in reqs]) < 1600
+    assert 200 < np.median([r.output_len for r in reqs]) < 450
+    assert max(len(r.prompt) + r.max_new for r in reqs) <= 16384
+    capped = workload_from_name("chat", 200, 1, max_len=512, max_new_slack=2.0)
+    assert all(len(r.prompt) + r.max_new <= 512 for r in capped)
+    assert any(r.max_new > r.output_len for r in capped)
+
+
+def test_rate_sets_the_arrival_span():
+    slow = workload_from_name("chat", 400, 2, rate=0.1)
+    fast = workload_from_name("chat", 400, 2, rate=1.0)
+    assert 2500 < slow[-1].arrival < 5500 and 250 < fast[-1].arrival < 550
+
+
+def test_chat_requests_share_nothing():
+    reqs = workload_from_name("chat", 200, 5)
+    firsts = {int(r.prompt[0]) for r in reqs}
+    assert len(firsts) == len(reqs)
+
+
+def _sessions(reqs: list[SimRequest]) -> list[list[SimRequest]]:
+    """Chains of turns: a request continues the latest earlier request whose prompt + output it
+    starts with."""
+    chains: list[list[SimRequest]] = []
+    for r in reqs:
+        for chain in chains:
+            last = chain[-1]
+            history = last.tokens(len(last.prompt) + last.output_len)
+            if len(r.prompt) > len(history) and np.array_equal(r.prompt[: len(history)], history):
+                chain.append(r)
+                break
+        else:
+            chains.append([r])
+    return chains
+
+
+@pytest.mark.parametrize("name", ["multi_turn", "agentic"])
+def test_turns_extend_the_previous_turn(name):
+    """Turn k+1's prompt starts with turn k's prompt + output, and arrives no earlier than turn k
+    could have finished; sessions interleave."""
+    reqs = workload_from_name(name, 80, 3, **SMALL[name])
+    chains = _sessions(reqs)
+    assert any(len(c) >= 3 for c in chains)
+    assert sum(len(c) for c in chains) == 80
+    for chain in chains:
+        for prev, nxt in itertools.pairwise(chain):
+            assert nxt.arrival >= prev.arrival + prev.output_len
+    # interleaved: some session's turn arrives between two turns of another
+    spans = [(c[0].arrival, c[-1].arrival) for c in chains if len(c) > 1]
+    assert any(a0 < b0 < a1 for a0, a1 in spans for b0, _ in spans)
+
+
+def test_multi_turn_sessions_share_no_prefix_across_sessions():
+    reqs = workload_from_name("multi_turn", 80, 4, **SMALL["multi_turn"])
+    heads = [c[0] for c in _sessions(reqs)]
+    assert len({int(r.prompt[0]) for r in heads}) == len(heads)
+    shared = workload_from_name("multi_turn", 40, 4, system_len=50, **SMALL["multi_turn"])
+    assert all(np.array_equal(r.prompt[:50], shared[0].prompt[:50]) for r in shared)
+
+
+def test_agentic_calls_share_the_system_prefix():
+    reqs = workload_from_name("agentic", 60, 2, n_prefixes=2, **SMALL["agentic"])
+    prefixes = {r.prompt[:120].tobytes() for r in reqs}
+    assert len(prefixes) == 2
+    assert all(r.output_len <= 200 for r in reqs)
+    assert np.median([r.output_len for r in workload_from_name("agentic", 200, 2)]) < 80  # tens of tokens
+
+
+def test_long_doc_questions_share_their_document():
+    reqs = workload_from_name("long_doc_qa", 60, 6, n_docs=3, **SMALL["long_doc_qa"])
+    groups: dict[bytes, list[SimRequest]] = {}
+    for r in reqs:
+        groups.setdefault(r.prompt[:100].tobytes(), []).append(r)
+    assert len(groups) == 3
+    for group in groups.values():
+        assert len(group) >= 5
+        doc_len = min(_common_prefix(group[0].prompt, r.prompt) for r in group[1:])
+        assert 100 <= doc_len <= 300  # the whole document is shared, the questions are not
+        assert all(np.array_equal(r.prompt[:doc_len], group[0].prompt[:doc_len]) for r in group)
+        assert all(len(r.prompt) > doc_len for r in group)
+    docs = [g[0].prompt for g in groups.values()]
+    assert all(_common_prefix(docs[i], docs[j]) == 0 for i in range(3) for j in range(i + 1, 3))
+
+
+def test_mixed_fractions_and_params():
+    reqs = workload_from_name("mixed", 100, 1, chat=1.0, multi_turn=0.0, long_doc_qa=0.0, agentic=0.0,
+                              params={"chat": {"max_len": 256}})
+    assert len(reqs) == 100 and all(len(r.prompt) + r.max_new <= 256 for r in reqs)
+    with pytest.raises(InputError, match="unknown workloads"):
+        workload_from_name("mixed", 10, 1, params={"nope": {}})
+    with pytest.raises(InputError, match="'chat' has no parameter 'bogus'"):
+        workload_from_name("mixed", 10, 1, params={"chat": {"bogus": 1}})
+
+
+def test_names_parameters_and_string_values():
+    assert set(describe_workloads()) == {"chat", "multi_turn", "long_doc_qa", "agentic", "mixed"}
+    assert all(isinstance(d, str) and d and "\n" not in d for d in describe_workloads().values())
+    a = workload_from_name("chat", 20, 1, rate="0.25", max_len="512")
+    b = workload_from_name("chat", 20, 1, rate=0.25, max_len=512)
+    assert _same(a, b)
+    with pytest.raises(InputError, match="unknown workload"):
+        workload_from_name("nope", 1, 1)
+    with pytest.raises(InputError, match="no parameter"):
+        workload_from_name("chat", 1, 1, bogus=3)
+    with pytest.raises(InputError, match="wants a int"):
+        workload_from_name("chat", 1, 1, max_len="big")
+    with pytest.raises(InputError, match="rate must be positive"):
+        workload_from_name("chat", 1, 1, rate=0)
+    with pytest.raises(InputError, match="seed"):
+        workload_from_name("chat", 1, -1)
+
+
+# -- traces ---------------------------------------------------------------------------------------
+
+
+def _hash_structure(reqs: list[SimRequest], block: int) -> list[list[int]]:
+    """Per request, per block: the rid and block index of the first request holding the same
+    prefix through that block (the sharing structure, independent of token values)."""
+    first: dict[bytes, tuple[int, int]] = {}
+    out = []
+    for r in sorted(reqs, key=lambda r: (r.arrival, r.rid)):
+        row = []
+        for lo in range(0, len(r.prompt), block):
+            key = r.prompt[: lo + block].tobytes()
+            row.append(first.setdefault(key, (r.rid, lo // block)))
+        out.append(row)
+    return out
+
+
+def test_trace_round_trips(tmp_path):
+    reqs = workload_from_name("mixed", 80, 9, params={k: v for k, v in SMALL.items() if k != "mixed"})
+    path = tmp_path / "t.jsonl"
+    save_trace(reqs, path, block_tokens=16)
+    back = load_trace(path, block_tokens=16)
+    assert [(r.rid, r.arrival, len(r.prompt), r.output_len, r.max_new) for r in back] == \
+        [(r.rid, r.arrival, len(r.prompt), r.output_len, r.max_new) for r in reqs]
+    assert _hash_structure(back, 16) == _hash_structure(reqs, 16)
+    again = tmp_path / "u.jsonl"
+    save_trace(back, again, block_tokens=16)
+    assert [json.loads(x)["hash_ids"] for x in path.read_text().splitlines()] == \
+        [json.loads(x)["hash_ids"] for x in again.read_text().splitlines()]
+    # arrivals survive through timestamps alone too
+    stripped = tmp_path / "v.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    stripped.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "arrival_step"}) + "\n"
+                                for row in rows))
+    assert [r.arrival for r in load_trace(stripped, block_tokens=16)] == [r.arrival for r in reqs]
+
+
+MOONCAKE = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 20, "hash_ids": [0, 1, 2]},
+    {"timestamp": 1000, "input_length": 600, "output_length": 5, "hash_ids": [0, 3]},
+    {"timestamp": 1049, "input_length": 300, "output_length": 7, "hash_ids": [4]},
+    {"timestamp": 1175, "input_length": 1024, "output_length": 9, "hash_ids": [0, 1]},
+    {"timestamp": 1200, "input_length": 700, "output_length": 3},
+]
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_mooncake_sample_loads_with_shared_blocks(tmp_path):
+    path = _write(tmp_path / "mooncake.jsonl", MOONCAKE)
+    reqs = load_trace(path, ms_per_step=50.0, max_new_slack=1.5)
+    assert [r.rid for r in reqs] == [0, 1, 2, 3, 4]
+    assert [r.arrival for r in reqs] == [0, 0, 0, 3, 4]
+    assert [len(r.prompt) for r in reqs] == [1100, 600, 300, 1024, 700]
+    assert [r.output_len for r in reqs] == [20, 5, 7, 9, 3]
+    assert [r.max_new for r in reqs] == [30, 8, 11, 14, 5]
+    a, b, c, d, e = (r.prompt for r in reqs)
+    assert _common_prefix(a, b) == 512  # hash 0 shared, then 1 vs 3
+    assert _common_prefix(a, d) == 1024  # hashes 0, 1
+    assert _common_prefix(a, c) == 0 and _common_prefix(a, e) == 0
+    assert all(len(r.output) >= r.output_len for r in reqs)
+    assert load_trace(path, limit=2)[-1].arrival == 0 and len(load_trace(path, limit=2)) == 2
+
+
+def test_a_partial_block_is_the_start_of_the_same_hash(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [
+        {"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [7, 8]},
+        {"timestamp": 0, "input_length": 70, "output_length": 1, "hash_ids": [7, 8]},
+    ])
+    x, y = load_trace(path, block_tokens=50)
+    assert np.array_equal(x.prompt[:70], y.prompt)
+
+
+def test_same_timestamp_keeps_file_order_and_own_fields(tmp_path):
+    path = _write(tmp_path / "o.jsonl", [
+        {"timestamp": 100, "input_length": 10, "output_length": 2},
+        {"timestamp": 40, "input_length": 11, "output_length": 2},
+        {"timestamp": 40, "input_length": 12, "output_length": 2},
+        {"timestamp": 0, "arrival_step": 1, "input_length": 13, "output_length": 2, "rid": 9, "max_new": 6},
+    ])
+    reqs = load_trace(path, ms_per_step=50.0)
+    assert [len(r.prompt) for r in reqs] == [11, 12, 13, 10]
+    assert [r.arrival for r in reqs] == [0, 0, 1, 1]
+    assert [r.rid for r in reqs] == [0, 1, 9, 2]
+    assert reqs[2].max_new == 6
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", "bad JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"timestamp": 0, "output_length": 3}', "missing field 'input_length'"),
+    ('{"timestamp": 0, "input_length": 3}', "missing field 'output_length'"),
+    ('{"input_length": 3, "output_length": 3}', "missing field 'timestamp'"),
+    ('{"timestamp": -5, "input_length": 3, "output_length": 3}', "'timestamp' must be >= 0"),
+    ('{"timestamp": 0, "input_length": -3, "output_length": 3}', "'input_length' must be >= 0"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 3}', "'input_length' must be >= 1"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": -1}', "'output_length' must be >= 0"),
+    ('{"timestamp": 0, "input_length": 3.5, "output_length": 1}', "must be an integer"),
+    ('{"timestamp": "x", "input_length": 3, "output_length": 1}', "must be a number"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": 5}', "hash_ids"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [1, 2]}', "wrong block_tokens"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 4, "max_new": 2}', "below output_length"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 1, "rid": 0}', "rid 0 already used on line 1"),
+])
+def test_bad_traces_name_the_line(tmp_path, line, message):
+    good = '{"timestamp": 0, "input_length": 3, "output_length": 1, "rid": 0}'
+    path = _write(tmp_path / "bad.jsonl", [good, "", line])
+    with pytest.raises(InputError) as err:
+        load_trace(path)
+    text = str(err.value)
+    assert f"{path}:3:" in text and message in text and "\n" not in text
+
+
+def test_a_missing_trace_names_the_file(tmp_path):
+    with pytest.raises(InputError, match=r"missing\.jsonl"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+# -- through the real scheduler -------------------------------------------------------------------
+
+TINY = {
+    "chat": dict(prompt_median=20, output_median=6, max_len=120),
+    "multi_turn": dict(user_median=10, output_median=6, max_len=150, think_steps=5.0, prefill_per_step=64),
+    "long_doc_qa": dict(n_docs=2, doc_min=40, doc_max=80, question_median=6, output_median=6, max_len=150),
+    "agentic": dict(prefix_len=48, task_median=8, tool_median=10, output_median=5, max_len=150,
+                    prefill_per_step=64),
+}
+
+
+def _drain(requests, state=True):
+    pool = world(chain_kib=200, window=16, state=state, context=256)
+    sched = Scheduler(pool, max_batched_tokens=64, max_running=16, max_wait_steps=2_000)
+    sched.add(requests)
+    sched.run(max_steps=20_000)
+    assert sched.idle, "the workload did not drain"
+    pool.check_idle()
+    return sched
+
+
+def test_mixed_runs_through_the_scheduler():
+    reqs = workload_from_name("mixed", 60, 1, rate=0.3, params=TINY)
+    sched = _drain(reqs)
+    assert all(r.phase is Phase.FINISHED for r in reqs), [(r.rid, r.phase, r.reason) for r in reqs
+                                                          if r.phase is not Phase.FINISHED]
+    assert all(r.generated == r.output_len for r in reqs)
+    assert sched.stats.cached_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["multi_turn", "long_doc_qa", "agentic"])
+def test_sharing_workloads_hit_the_prefix_cache(name):
+    reqs = workload_from_name(name, 30, 2, rate=0.2, **TINY[name])
+    _drain(reqs)
+    assert all(r.phase is Phase.FINISHED for r in reqs)
+    hits = sum(r.cached for r in reqs)
+    assert hits > 0.2 * sum(len(r.prompt) for r in reqs), name
+    chat = workload_from_name("chat", 30, 2, rate=0.2, **TINY["chat"])
+    _drain(chat)
+    assert sum(r.cached for r in chat) == 0
+
+
+def test_primed_documents_let_a_window_model_reuse_them():
+    """A window-only model reuses a prefix only where a cached sequence ended: questions on a
+    document share nothing reusable until the document alone was a request (`prime_docs`)."""
+    plain = workload_from_name("long_doc_qa", 20, 3, rate=0.2, **TINY["long_doc_qa"])
+    _drain(plain, state=False)
+    primed = workload_from_name("long_doc_qa", 20, 3, rate=0.2, prime_docs="true", **TINY["long_doc_qa"])
+    docs = primed[:2]
+    assert all(r.arrival == 0 and r.output_len == 1 for r in docs)
+    assert all(r.arrival >= 2 for r in primed[2:])  # after the documents could be prefilled
+    _drain(primed, state=False)
+    plain_hits = sum(r.cached for r in plain) / sum(len(r.prompt) for r in plain)
+    primed_hits = sum(r.cached for r in primed[2:]) / sum(len(r.prompt) for r in primed[2:])
+    assert primed_hits >= 0.5 and primed_hits > plain_hits + 0.3, (plain_hits, primed_hits)
