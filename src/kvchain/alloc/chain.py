@@ -170,8 +170,10 @@ class ChainAllocator:
     @capacity_decision
     def admits(self, demand: KVDemand, reclaimable: Sequence[int] | None = None) -> bool:
         """Admission: owner virtual ids (ADM-4), free state slots (ADM-5), and a layout for the
-        demand once the prefix cache frees what it could evict per band (ADM-6)."""
-        if demand.virtual_pages > len(self.virtual_free):
+        demand once the prefix cache frees what it could evict per band (ADM-6). Every cached
+        virtual page has an owner page, so evicting the owner pages credited frees as many ids."""
+        evictable_ids = reclaimable[self.owner.pool.index] if reclaimable is not None else 0
+        if demand.virtual_pages > len(self.virtual_free) + evictable_ids:
             return False
         if demand.state_slots > len(self.slot_free):
             return False

@@ -154,10 +154,10 @@ class UnifiedRadixCache:
             child = node.children.get(self._page_key(tokens, page))
             if child is None:
                 break
-            k = 0
-            while k < child.n_pages and page + k < n_pages and np.array_equal(
-                    child.key[k * self.ps : (k + 1) * self.ps], tokens[(page + k) * self.ps : (page + k + 1) * self.ps]):
-                k += 1
+            m = min(child.n_pages, n_pages - page)
+            same = (child.key[: m * self.ps].reshape(m, self.ps)
+                    == tokens[page * self.ps : (page + m) * self.ps].reshape(m, self.ps)).all(axis=1)
+            k = m if same.all() else int(np.argmin(same))
             path.append((child, k))
             page += k
             if k < child.n_pages:
@@ -200,9 +200,8 @@ class UnifiedRadixCache:
             return empty
         vpages = np.concatenate([n.vpages[:k] for n, k in path])
         bound = [np.concatenate([np.arange(k) >= n.window_lo[w] for n, k in path]) for w in range(len(self.windows))]
-        for end_page, node_index in self._candidate_ends(path):
-            if not self._windows_cover(bound, end_page):
-                continue
+        covered = self._covered_ends(bound, len(vpages))
+        for end_page, node_index in self._candidate_ends(path, covered):
             node, k = path[node_index]
             if k < node.n_pages:
                 node = self._split(node, k)
@@ -218,25 +217,36 @@ class UnifiedRadixCache:
             return MatchResult(end_page * self.ps, vpages[:end_page].copy(), node, window_lo, state)
         return empty
 
-    def _candidate_ends(self, path: list[tuple[TreeNode, int]]) -> Iterator[tuple[int, int]]:
-        """(end page, index of the node it ends in), longest first."""
+    def _candidate_ends(self, path: list[tuple[TreeNode, int]], covered: np.ndarray) -> Iterator[tuple[int, int]]:
+        """(end page, index of the node it ends in) of the ends whose windows are covered, longest first."""
         offsets = np.cumsum([0] + [k for _n, k in path])
+        if self.state is None:
+            # any page end will do: the covered ones, longest first, each in the node holding it
+            ends = np.flatnonzero(covered[1:])[::-1] + 1
+            for end, i in zip(ends.tolist(), (np.searchsorted(offsets, ends, side="left") - 1).tolist()):
+                yield end, i
+            return
         for i in range(len(path) - 1, -1, -1):
             node, k = path[i]
-            if self.state is not None:
-                # state exists only at node ends that hold a slot, and only a fully matched node ends
-                if k == node.n_pages and node.state_slot >= 0:
-                    yield int(offsets[i + 1]), i
-                continue
-            for end in range(int(offsets[i + 1]), int(offsets[i]), -1):
-                yield end, i
+            # state exists only at node ends that hold a slot, and only a fully matched node ends
+            if k == node.n_pages and node.state_slot >= 0 and covered[offsets[i + 1]]:
+                yield int(offsets[i + 1]), i
 
-    def _windows_cover(self, bound: list[np.ndarray], end_page: int) -> bool:
+    def _covered_ends(self, bound: list[np.ndarray], n_pages: int) -> np.ndarray:
+        """covered[e]: every window has its rows bound for the `window` tokens before page end e, so
+        a match may end there; one pass per window over the path instead of one per candidate end."""
+        covered = np.ones(n_pages + 1, dtype=bool)
+        covered[0] = False
+        if not n_pages:
+            return covered
+        ends = np.arange(1, n_pages + 1)
         for w, pool in enumerate(self.windows):
-            need_from = max(0, end_page * self.ps - pool.window) // self.ps
-            if not bound[w][need_from:end_page].all():
-                return False
-        return True
+            # the last unbound page at or before each page; an end is covered when it lies before
+            # the first page the window needs
+            last_unbound = np.maximum.accumulate(np.where(bound[w], -1, np.arange(n_pages)))
+            need_from = np.maximum(0, ends * self.ps - pool.window) // self.ps
+            covered[1:] &= last_unbound < need_from
+        return covered
 
     def swa_retain_floor(self, length: int, shares_prefixes: bool = True) -> int | None:
         """The checkpoint behind which a request's windows are kept (WIN-11): the latest grid point at

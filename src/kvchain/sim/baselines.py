@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..build import build_kv_storage
+from ..cache.radix import CheckpointStrategy
 from ..decl import KVLayerDecl
 from ..layout.entry import PageEnvelope
 from ..memory.arena import arena_layout
@@ -49,6 +50,8 @@ class PoolConfig:
     max_running: int = 256
     prefix_cache: bool = True
     checkpoint_interval: int | None = None
+    #: how the prefix tree caches recurrent state; every pool uses the same one
+    strategy: CheckpointStrategy = CheckpointStrategy.NO_BUFFER
 
 
 def _sizing(plan: KVStoragePlan, cfg: PoolConfig) -> PlanSizing:
@@ -64,7 +67,8 @@ def _checkpoint(plan: KVStoragePlan, cfg: PoolConfig) -> int | None:
 def kvchain_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     plan = plan_kv_storage(decls, page_size=cfg.page_size)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, checkpoint_interval=_checkpoint(plan, cfg))
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy,
+                       checkpoint_interval=_checkpoint(plan, cfg))
     pool.name = "kvchain"
     return pool
 
@@ -103,7 +107,8 @@ def static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, split: StaticSpli
     storage = build_kv_storage(plan, sizing, "meta")
     chain_bytes = arena_layout(plan, sizing.arena_bytes).chain_bytes
     storage.allocator.caps = static_caps(plan, chain_bytes, split)
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, checkpoint_interval=_checkpoint(plan, cfg))
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy,
+                       checkpoint_interval=_checkpoint(plan, cfg))
     pool.name = name
     pool.split = split
     return pool
@@ -185,7 +190,7 @@ def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     plan, layout = uniform_plan(decls, cfg.page_size)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
     interval = layout.block_tokens if plan.state is not None else None
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, checkpoint_interval=interval)
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy, checkpoint_interval=interval)
     pool.name = "uniform-page"
     pool.uniform = layout
     return pool

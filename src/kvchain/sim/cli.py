@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..cache.radix import CheckpointStrategy
 from ..cli import _positive_int, add_model_args, command, load_model
 from ..errors import InputError
 
@@ -25,6 +26,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
     p.add_argument("--max-running", type=_positive_int, default=256)
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off in every pool")
+    p.add_argument("--mamba-radix-cache-strategy", dest="strategy", default="no_buffer",
+                   choices=[s.value for s in CheckpointStrategy],
+                   help="how every pool's prefix tree caches recurrent state (default no_buffer, the engines' default)")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None,
                    help="tokens between cached recurrent-state checkpoints (default: sized to the state's cost)")
     p.add_argument("--step-time", default=None,
@@ -65,7 +69,8 @@ def _run(args: argparse.Namespace) -> int:
     if not requests:
         raise InputError("the workload has no requests")
     cfg = PoolConfig(budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
-                     prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every)
+                     prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
+                     strategy=CheckpointStrategy(args.strategy))
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running,
                             StepTimeModel.parse(args.step_time) if args.step_time else None)
     console = Console(stderr=True)

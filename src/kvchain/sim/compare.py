@@ -70,11 +70,12 @@ def _run_one(args) -> tuple[PoolResult, list[StepRecord]]:
     return result, stats.history
 
 
-def _sweep_score(args) -> float:
+def _sweep_score(args) -> tuple[float, float, float]:
+    """Throughput at saturation, ties broken by whole-run throughput, then by the shorter queue."""
     split, decls, cfg, requests, sched = args
     pool = static_pool(decls, cfg, split, name="static-best")
     result, _ = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens, max_running=sched.max_running)
-    return result.throughput
+    return round(result.throughput, 6), round(result.throughput_overall, 6), -result.queue_delay
 
 
 def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[SimRequest], pools: Sequence[str] = POOLS,
@@ -98,7 +99,7 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[SimReq
             sample = requests[:SWEEP_REQUESTS]
             tasks = [(split, decls, cfg, sample, sched) for split in grid]
             scores = list(executor.map(_sweep_score, tasks)) if executor else [_sweep_score(t) for t in tasks]
-            sweep = {f"window {s.window_ratio} state {s.state_ratio}": v for s, v in zip(grid, scores)}
+            sweep = {f"window {s.window_ratio} state {s.state_ratio}": v[0] for s, v in zip(grid, scores)}
             best = grid[max(range(len(grid)), key=lambda i: scores[i])]
             if progress:
                 progress("static-best split chosen")

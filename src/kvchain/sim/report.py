@@ -29,7 +29,7 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     ratios = result.ratios()
     table = Table(title=f"{model.name} · {args.budget} · {args.trace or args.workload} · "
                         f"{result.results[0].requests} requests", title_justify="left")
-    cols = ["pool", "throughput (tok/step)", "vs kvchain", "mean running", "peak", "utilisation", "hit rate",
+    cols = ["pool", "tok/step", "vs kvchain", "running", "utilisation", "tok/step (run)", "peak", "hit rate",
             "queue delay", "preempted", "aborted", "rejected", "finished"]
     if result.results and result.results[0].seconds is not None:
         cols.insert(3, "tok/s (model)")
@@ -37,12 +37,15 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
         table.add_column(c, justify="left" if c == "pool" else "right")
     for r in result.results:
         row = [r.pool, f"{r.throughput:.1f}", f"{ratios.get(r.pool, float('nan')):.2f}x", f"{r.mean_concurrency:.1f}",
-               str(r.peak_running), f"{r.utilisation:.1%}", f"{r.hit_rate:.1%}", f"{r.queue_delay:.0f}",
+               f"{r.utilisation:.1%}", f"{r.throughput_overall:.1f}", str(r.peak_running), f"{r.hit_rate:.1%}",
+               f"{r.queue_delay:.0f}",
                str(r.preemptions), str(r.aborted), str(r.rejected), str(r.finished)]
         if r.seconds is not None:
             row.insert(3, f"{r.tokens_per_second:.0f}")
         table.add_row(*row)
     console.print(table)
+    console.print("tok/step, running and utilisation at saturation (steps that ended with requests waiting); "
+                  "tok/step (run) over the whole run, drain included")
     if result.static_best is not None:
         console.print(f"static-best split (oracle, swept on the trace): window ratio {result.static_best.window_ratio}, "
                       f"state ratio {result.static_best.state_ratio}")

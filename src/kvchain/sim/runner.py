@@ -1,10 +1,16 @@
 """Run a workload through one pool with the scheduler loop and summarise what it served.
 
-Metrics (per pool): output tokens per step (throughput), mean and peak running requests, memory
-utilisation (live bytes / budget; `utilisation` averages the steps where requests were waiting,
-i.e. at saturation), prefix-cache hit rate (prompt tokens the cache supplied / prompt tokens
+Metrics (per pool): output tokens per step, mean and peak running requests, memory utilisation
+(live bytes / budget), prefix-cache hit rate (prompt tokens the cache supplied / prompt tokens
 admitted), mean queueing delay in steps, preemptions, aborts and rejections. An optional step-time
-model turns steps into seconds (off by default)."""
+model turns steps into seconds (off by default).
+
+`throughput`, `mean_concurrency` and `utilisation` are measured at saturation: over the steps that
+ended with requests waiting, where what the pool holds, not what arrives, sets the pace. A finite
+trace ends with a drain (the last sessions' turns, the longest outputs) that every pool spends the
+same way, and over the whole run that tail would dilute the difference the memory layout makes;
+`throughput_overall` and `concurrency_overall` (whole run) are reported next to them. A pool that
+never saturated reports its whole-run figures."""
 
 from __future__ import annotations
 
@@ -54,11 +60,14 @@ class PoolResult:
     pool: str
     requests: int
     steps: int
-    throughput: float  # output tokens per step
-    mean_concurrency: float
+    throughput: float  # output tokens per step at saturation
+    mean_concurrency: float  # running requests at saturation
     peak_running: int
-    utilisation: float  # mean live bytes / budget over saturated steps
-    utilisation_mean: float
+    utilisation: float  # live bytes / budget at saturation
+    utilisation_mean: float  # over the whole run
+    throughput_overall: float
+    concurrency_overall: float
+    saturated_steps: int
     hit_rate: float
     queue_delay: float
     preemptions: int
@@ -90,18 +99,21 @@ def run_pool(pool: Pool, requests: list[SimRequest], *, max_batched_tokens: int 
             on_step(sched)
     stats = sched.stats
     hist = stats.history
-    saturated = [h.utilisation for h in hist if h.waiting > 0]
+    saturated = [h for h in hist if h.waiting > 0] or hist
     admitted = [r for r in reqs if r.admitted_step >= 0]
     prompt_tokens = sum(len(r.prompt) for r in admitted)
     result = PoolResult(
         pool=pool.name,
         requests=len(reqs),
         steps=stats.steps,
-        throughput=stats.output_tokens / max(stats.steps, 1),
-        mean_concurrency=float(np.mean([h.running for h in hist])) if hist else 0.0,
+        throughput=_mean([h.output_tokens for h in saturated]),
+        mean_concurrency=_mean([h.running for h in saturated]),
         peak_running=stats.peak_running,
-        utilisation=float(np.mean(saturated)) if saturated else float(np.mean([h.utilisation for h in hist] or [0])),
-        utilisation_mean=float(np.mean([h.utilisation for h in hist])) if hist else 0.0,
+        utilisation=_mean([h.utilisation for h in saturated]),
+        utilisation_mean=_mean([h.utilisation for h in hist]),
+        throughput_overall=stats.output_tokens / max(stats.steps, 1),
+        concurrency_overall=_mean([h.running for h in hist]),
+        saturated_steps=sum(h.waiting > 0 for h in hist),
         hit_rate=stats.cached_tokens / max(prompt_tokens, 1),
         queue_delay=float(np.mean([r.admitted_step - r.arrival for r in admitted])) if admitted else 0.0,
         preemptions=stats.preemptions,
@@ -113,3 +125,7 @@ def run_pool(pool: Pool, requests: list[SimRequest], *, max_batched_tokens: int 
         tokens_per_second=(stats.output_tokens / seconds) if seconds else None,
     )
     return result, stats
+
+
+def _mean(values: list) -> float:
+    return float(np.mean(values)) if values else 0.0

@@ -265,18 +265,37 @@ def agentic(n_requests: int, seed: int, *, rate: float = 0.5, prefix_len: int = 
                                prefill_per_step=prefill_per_step, max_len=max_len, slack=max_new_slack))
 
 
-def mixed(n_requests: int, seed: int, *, rate: float = 0.5, chat: float = 0.4, multi_turn: float = 0.3,
-          long_doc_qa: float = 0.15, agentic: float = 0.15,
+#: What `mixed` serves by default: long-context, reasoning-era traffic at saturation. Reasoning
+#: models think before they answer (outputs of thousands of tokens); documents are many and asked
+#: about a few times each; agent loops append long tool outputs to a few shared system prompts and
+#: multi-turn chats carry long histories, so contexts run to tens of thousands of tokens. Requests
+#: arrive faster than any pool serves them, so a comparison measures what each pool holds.
+MIXED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "chat": {"prompt_median": 4000.0, "output_median": 2000.0},
+    "multi_turn": {"system_len": 4000, "user_median": 2000.0, "output_median": 1500.0},
+    "long_doc_qa": {"n_docs": 256, "output_median": 500.0},
+    "agentic": {"prefix_len": 4096, "n_prefixes": 4, "tool_median": 3000.0, "output_median": 300.0,
+                "max_len": 32768},
+}
+MIXED_FRACTIONS = {"chat": 0.2, "multi_turn": 0.2, "long_doc_qa": 0.3, "agentic": 0.3}
+MIXED_RATE = 4.0
+
+
+def mixed(n_requests: int, seed: int, *, rate: float = MIXED_RATE, chat: float = MIXED_FRACTIONS["chat"],
+          multi_turn: float = MIXED_FRACTIONS["multi_turn"], long_doc_qa: float = MIXED_FRACTIONS["long_doc_qa"],
+          agentic: float = MIXED_FRACTIONS["agentic"],
           params: dict[str, dict[str, Any]] | None = None) -> list[SimRequest]:
-    """A mix of chat, multi_turn, long_doc_qa and agentic (fractions as parameters), interleaved by arrival."""
+    """A saturating mix of chat, multi_turn, long_doc_qa and agentic (fractions as parameters),
+    interleaved by arrival; each part's defaults are overridden by MIXED_DEFAULTS, then `params`."""
     rng = _rng(n_requests, seed)
     _positive(rate=rate)
     fractions = {"chat": chat, "multi_turn": multi_turn, "long_doc_qa": long_doc_qa, "agentic": agentic}
     _non_negative(**fractions)
     total = sum(fractions.values())
     _check(total > 0, "the mixed fractions must not all be zero")
-    params = dict(params or {})
-    unknown = sorted(set(params) - set(fractions))
+    given = dict(params or {})
+    params = {name: {**MIXED_DEFAULTS.get(name, {}), **given.get(name, {})} for name in set(MIXED_DEFAULTS) | set(given)}
+    unknown = sorted(set(given) - set(fractions))
     _check(not unknown, f"mixed params name unknown workloads: {', '.join(unknown)}")
     counts = _apportion(n_requests, [f / total for f in fractions.values()])
     seeds = rng.integers(0, 2**63 - 1, size=len(fractions))

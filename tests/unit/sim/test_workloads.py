@@ -26,7 +26,7 @@ from support.simworld import world
 # small lengths so the tests are fast; every generator gets the caps it takes
 SMALL = {
     "chat": dict(prompt_median=60, output_median=20, max_len=300),
-    "multi_turn": dict(user_median=30, output_median=20, max_len=400),
+    "multi_turn": dict(system_len=0, user_median=30, output_median=20, max_len=400),
     "long_doc_qa": dict(doc_min=100, doc_max=300, max_len=400),
     "agentic": dict(prefix_len=120, task_median=20, tool_median=30, max_len=600),
     "mixed": {},
@@ -132,7 +132,7 @@ def test_multi_turn_sessions_share_no_prefix_across_sessions():
     reqs = workload_from_name("multi_turn", 80, 4, **SMALL["multi_turn"])
     heads = [c[0] for c in _sessions(reqs)]
     assert len({int(r.prompt[0]) for r in heads}) == len(heads)
-    shared = workload_from_name("multi_turn", 40, 4, system_len=50, **SMALL["multi_turn"])
+    shared = workload_from_name("multi_turn", 40, 4, **{**SMALL["multi_turn"], "system_len": 50})
     assert all(np.array_equal(r.prompt[:50], shared[0].prompt[:50]) for r in shared)
 
 
@@ -313,7 +313,8 @@ def test_a_missing_trace_names_the_file(tmp_path):
 
 TINY = {
     "chat": dict(prompt_median=20, output_median=6, max_len=120),
-    "multi_turn": dict(user_median=10, output_median=6, max_len=150, think_steps=5.0, prefill_per_step=64),
+    "multi_turn": dict(system_len=0, user_median=10, output_median=6, max_len=150, think_steps=5.0,
+                       prefill_per_step=64),
     "long_doc_qa": dict(n_docs=2, doc_min=40, doc_max=80, question_median=6, output_median=6, max_len=150),
     "agentic": dict(prefix_len=48, task_median=8, tool_median=10, output_median=5, max_len=150,
                     prefill_per_step=64),
