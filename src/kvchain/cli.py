@@ -145,6 +145,7 @@ def _register_optional() -> None:
     """Subcommands that live with their subjects register themselves on import."""
     from . import bench  # noqa: F401
     from .sim import cli as _sim_cli  # noqa: F401
+    from .testing import stress_cli  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -537,7 +537,7 @@ class Band:
                 mask[use.pages] = True
         return mask
 
-    def flush(self, max_moves: int | None, urgent: bool = False) -> int:
+    def flush(self, max_moves: int | None, urgent: bool = False, hold_network: bool = False) -> int:
         """Move the live pages nearest the frontier into the holes nearest the band's base, then
         absorb the holes left at the frontier. Returns pages moved.
 
@@ -545,7 +545,8 @@ class Band:
         an unretired forward and stops at a source one writes, at a fixed or vacated page; it leaves
         alone a band holding receive rows or written by a speculative forward. Urgent (relief,
         COMP-6/8/11): settled first, uncapped, waits the writers of what it moves, and steps over
-        fixed pages, which never move."""
+        fixed pages, which never move, and over network-held rows when the relief plan kept them
+        in place (`hold_network`, ALLOC-14)."""
         if self.parked or self.span == 0 or not self.n_holes:
             return 0
         moved = 0
@@ -566,6 +567,9 @@ class Band:
                 # never wait an unretired forward: skip holes one may still read (COMP-5)
                 dst = dst[~self._forward_hazard(dst)]
             fixed = self.fixed_mask
+            if urgent and hold_network and (self.n_held or self.usage.uses):
+                fixed = fixed.copy()
+                fixed[self._network_held()] = True
             if urgent:
                 src = self._frontier_scan(k, lambda st, ids: (st == LIVE) & ~fixed[ids])
             else:
@@ -583,12 +587,12 @@ class Band:
         self.stats["flushes"] += 1
         return moved
 
-    def flush_for_allocation(self) -> int:
+    def flush_for_allocation(self, hold_network: bool = False) -> int:
         """Urgent flush for relief: settled first, uncapped, packs every movable page (COMP-8, COMP-13)."""
         invariants.geometry_ready(self)
         if self.n_pending:
             self.settle_pending()
-        return self.flush(max_moves=None, urgent=True)
+        return self.flush(max_moves=None, urgent=True, hold_network=hold_network)
 
     def _absorb_boundary_holes(self) -> None:
         """Retreat the frontier over trailing holes; never over a pending, live, fixed or vacated page.
@@ -638,7 +642,10 @@ class Band:
     def _vacate_sources(self, src: np.ndarray) -> None:
         net = self._network_used(src) if self.usage.uses else np.zeros(len(src), dtype=bool)
         if net.any():
+            # the destinations the move filled were counted as holes; a vacated source does not
+            # give one back
             self._vacate(src[net])
+            self.n_holes -= int(net.sum())
         holes = src[~net]
         self.state[holes] = HOLE
         self.holes.push(holes)
@@ -716,12 +723,12 @@ class FloatBand(Band):
         self.lo = self.hi = -1
         self.parked = True
 
-    def flush(self, max_moves: int | None, urgent: bool = False) -> int:
+    def flush(self, max_moves: int | None, urgent: bool = False, hold_network: bool = False) -> int:
         """Floats never compact: a flush only hands back boundary holes (COMP-21, COMP-22)."""
         self._absorb_span_boundary_holes()
         return 0
 
-    def flush_for_allocation(self) -> int:
+    def flush_for_allocation(self, hold_network: bool = False) -> int:
         return self.flush(None)
 
     def _absorb_span_boundary_holes(self) -> None:

@@ -245,40 +245,46 @@ class ChainAllocator:
 
     def _relieve(self, pages: tuple[int, ...]) -> LayoutPlan:
         self._urgent_recovery()
-        layout = self._relief_plan(pages)
+        layout, hold_network = self._relief_plan(pages)
         if layout is None:
             raise InvariantError("chain.relief", f"feasible said yes but no relief plan serves {pages}")
         self.log("relief", layout.step.name, [(r.band, r.lo, r.size) for r in layout.relocations])
-        self.realize(layout)
+        self.realize(layout, hold_network)
         return layout
 
-    def _urgent_recovery(self) -> None:
+    def _urgent_recovery(self, read_ahead: bool = True) -> None:
         """Read ahead, settle every pending batch of every band, then park floats left empty
-        (ALLOC-11/12/13)."""
-        for band in self.bands:
-            band.read_ahead_for_recovery()
+        (ALLOC-11/12/13). After a host wait in the same operation there is no read-ahead: a host
+        read after a stream wait is what the read-ahead exists to avoid (LIFE-41)."""
+        if read_ahead:
+            for band in self.bands:
+                band.read_ahead_for_recovery()
         for band in self.bands:
             band.settle_pending_for_recovery()
         for band in self.bands:
             if isinstance(band, FloatBand) and not band.parked and band.n_live + band.n_fixed + band.n_vacated == 0:
                 band.park()
 
-    def _relief_plan(self, pages: tuple[int, ...]) -> LayoutPlan | None:
+    def _relief_plan(self, pages: tuple[int, ...]) -> tuple[LayoutPlan | None, bool]:
         """First with every network-held row fixed in place (ALLOC-14, PD-6); only when no such
-        layout exists, with every byte, waiting on the host for the transfers (ALLOC-15, PD-7)."""
+        layout exists, with every byte, waiting on the host for the transfers (ALLOC-15, PD-7).
+        The wait releases pages into pending batches and may empty floats, so recovery runs again
+        before the second plan is priced. Returns the plan and whether it holds network rows."""
         layout = first_plan(self.pricing_snapshot(SnapshotMode.HOLD_NETWORK), pages)
         if layout is not None:
-            return layout
+            return layout, True
         held = self.network_transfers()
         if held:
             self.wait_transfers(held)
-        return first_plan(self.pricing_snapshot(SnapshotMode.TAKE), pages)
+            self._urgent_recovery(read_ahead=False)
+        return first_plan(self.pricing_snapshot(SnapshotMode.TAKE), pages), False
 
-    def realize(self, layout: LayoutPlan) -> None:
+    def realize(self, layout: LayoutPlan, hold_network: bool = False) -> None:
         """Compact the listed ends, relocate floats in move order, extend pinned floats (ALLOC-16/17).
-        The takes that follow run in chain order."""
+        The takes that follow run in chain order. A plan priced with network rows in place
+        (`hold_network`) compacts around them as around fixed pages."""
         for i in layout.compact_ends:
-            self.bands[i].flush_for_allocation()
+            self.bands[i].flush_for_allocation(hold_network)
         for r in layout.relocations:
             band = self.bands[r.band]
             assert isinstance(band, FloatBand)

@@ -66,9 +66,9 @@ def _churn_until(storage, steps, wanted, seed=0):
     seen = []
     realize = chain.realize
 
-    def record(layout):
+    def record(layout, hold_network=False):
         seen.append(layout.step)
-        realize(layout)
+        realize(layout, hold_network)
 
     chain.realize = record
     rng = np.random.default_rng(seed)

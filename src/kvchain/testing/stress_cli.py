@@ -1,0 +1,309 @@
+"""`kvchain stress` (HARN-15..17) and `kvchain trace` (TRACE-2/3): the commands over the page-safety
+harness and the allocator traces. They own the terminal (a rich progress bar, a summary table);
+the library modules they call never print."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..cli import _positive_int, command
+from ..errors import InputError
+
+
+def _seed_range(text: str) -> range:
+    """`A:B` (seeds A..B-1) or a single seed `A`."""
+    try:
+        if ":" in text:
+            a, b = (int(x) for x in text.split(":", 1))
+        else:
+            a = int(text)
+            b = a + 1
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be A:B or A, not {text!r}") from None
+    if a < 0 or b <= a:
+        raise argparse.ArgumentTypeError(f"empty or negative seed range {text!r}")
+    return range(a, b)
+
+
+def _page_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"page sizes must be integers like 1,16,64, not {text!r}") from None
+    if not sizes or any(s <= 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"page sizes must be positive, got {text!r}")
+    return sizes
+
+
+# ----------------------------------------------------------------------------------- stress
+
+
+def _configure_stress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=_seed_range, default=range(0, 20), help="seed range A:B (default 0:20)")
+    p.add_argument("--ops", type=_positive_int, default=400, help="operations per seed (default 400)")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
+    p.add_argument("--minimize", action="store_true", help="shrink each failing sequence to a minimal one")
+    p.add_argument("--out", type=Path, default=None, help="folder for failing cases (JSON)")
+    p.add_argument("--replay", type=Path, default=None, help="replay a saved case instead of seeds")
+    p.add_argument("--device", default="modeled",
+                   help="modeled (default: every check), threads (real CPU threads) or cuda (real streams, "
+                        "delayed kernels): threads and cuda check payloads, divergence and the ledger")
+    p.add_argument("--mutant", default=None, help="run with one named fault injected (see --list-mutants)")
+    p.add_argument("--list-mutants", action="store_true", help="list the mutants and the check each targets")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+@dataclass
+class _Job:
+    seed: int
+    ops: int
+    device: str
+    minimize: bool
+    out: str | None
+    until: str | None
+    mutant: str | None
+
+
+#: the mutant context a worker process entered for its whole life (kept so it stays referenced)
+_WORKER_MUTANT: list = []
+
+
+def _init_worker(mutant: str | None) -> None:
+    """Each worker injects the mutant once, for its whole life."""
+    import torch
+
+    from . import mutants
+
+    torch.set_num_threads(1)
+    context = mutants.applied(mutant)
+    context.__enter__()
+    _WORKER_MUTANT.append(context)
+
+
+def _run_seed(job: _Job) -> dict:
+    from .harness import minimize, run_case, seed_case
+
+    case = seed_case(job.seed, job.ops)
+    case.mutant = job.mutant
+    result = run_case(case, job.device, until=job.until)
+    out = {"seed": job.seed, "ops": result.ops_run, "seconds": result.seconds, "failure": None, "case": None}
+    if result.failure is not None:
+        failure = result.failure
+        out["failure"] = failure.to_json()
+        out["describe"] = failure.describe()
+        saved = case
+        if job.minimize:
+            saved = minimize(case, failure, job.device, check=job.until, until=job.until)
+            out["minimized_ops"] = len(saved.ops)
+        else:
+            saved.ops = saved.ops[: failure.op + 1]
+            saved.failure = failure.to_json()
+        if job.out:
+            path = Path(job.out) / f"seed{job.seed}-{failure.check}.json"
+            saved.save(path)
+            out["case"] = str(path)
+    return out
+
+
+def _list_mutants() -> int:
+    from .mutants import MUTANTS
+
+    for m in MUTANTS.values():
+        print(f"{m.name}  {m.target}  {m.description}")
+    return 0
+
+
+def _check_device(device: str) -> None:
+    if device not in ("modeled", "threads", "cuda"):
+        raise InputError(f"--device must be modeled, threads or cuda, not {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda: CUDA is not available on this machine")
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import mutants
+    from .harness import Case, run_case
+
+    case = Case.load(args.replay)
+    mutant = args.mutant or case.mutant
+    until = mutants.get(mutant).target if mutant else None
+    with mutants.applied(mutant):
+        case.mutant = mutant
+        result = run_case(case, args.device, until=until)
+    console = Console()
+    saved = case.failure
+    if result.failure is None:
+        console.print(f"replayed {len(case.ops)} ops: [green]no failure[/]"
+                      + (" (the saved case failed: it no longer reproduces)" if saved else ""))
+        return 0
+    same = saved is not None and saved.get("op") == result.failure.op and \
+        list(saved.get("checks", [])) == list(result.failure.checks)
+    console.print(f"replayed {len(case.ops)} ops: [red]{result.failure.describe()}[/]")
+    if saved is not None:
+        console.print("same failure as saved" if same else f"[yellow]differs from the saved failure[/]: {saved}")
+    return 1
+
+
+def _run_stress(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import checks, mutants
+
+    if args.list_mutants:
+        return _list_mutants()
+    _check_device(args.device)
+    until = mutants.get(args.mutant).target if args.mutant else None
+    if args.replay is not None:
+        return _replay(args)
+    if args.device == "cuda" and args.jobs > 1:
+        raise InputError("--device cuda runs one job (the ranks share one GPU)")
+    if args.device != "modeled" and args.minimize:
+        raise InputError("--minimize needs --device modeled (a real device does not replay the same timing)")
+    jobs = [_Job(s, args.ops, args.device, args.minimize, str(args.out) if args.out else None, until, args.mutant)
+            for s in args.seeds]
+    console = Console(stderr=True)
+    results: list[dict] = []
+    start = time.perf_counter()
+    with Progress(TextColumn("[bold]stress[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=args.json) as progress:
+        task = progress.add_task(f"{len(jobs)} seeds x {args.ops} ops", total=len(jobs), rate="")
+
+        def done(out: dict) -> None:
+            results.append(out)
+            ops = sum(r["ops"] for r in results)
+            failed = sum(1 for r in results if r["failure"])
+            progress.update(task, advance=1, rate=f"{ops / (time.perf_counter() - start):,.0f} ops/s"
+                            + (f"  [red]{failed} failed[/]" if failed else ""))
+
+        if args.jobs == 1:
+            with mutants.applied(args.mutant):
+                for job in jobs:
+                    done(_run_seed(job))
+        else:
+            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            with cf.ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=_init_worker,
+                                        initargs=(args.mutant,)) as pool:
+                for fut in cf.as_completed([pool.submit(_run_seed, job) for job in jobs]):
+                    done(fut.result())
+    elapsed = time.perf_counter() - start
+    results.sort(key=lambda r: r["seed"])
+    total_ops = sum(r["ops"] for r in results)
+    failed = [r for r in results if r["failure"]]
+    by_check = Counter(c for r in failed for c in r["failure"]["checks"])
+    summary = {
+        "seeds": len(results), "ops": total_ops, "seconds": round(elapsed, 2),
+        "ops_per_second": round(total_ops / elapsed, 1) if elapsed else None, "failed_seeds": len(failed),
+        "failures_by_check": {c: by_check.get(c, 0) for c in checks.ALL_CHECKS},
+        "mutant": args.mutant, "target": until, "device": args.device,
+        "failures": [{"seed": r["seed"], "describe": r["describe"], "case": r["case"],
+                      "minimized_ops": r.get("minimized_ops")} for r in failed],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 1 if failed else 0
+    table = Table(title="kvchain stress", show_header=False, title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("seeds", f"{args.seeds.start}:{args.seeds.stop} ({len(results)})")
+    table.add_row("operations", f"{total_ops:,}")
+    table.add_row("seconds", f"{elapsed:,.1f}")
+    table.add_row("[bold]operations per second[/]", f"[bold]{summary['ops_per_second']:,.0f}[/]")
+    if args.mutant:
+        table.add_row("mutant (target check)", f"{args.mutant} ({until})")
+    table.add_row("failed seeds", f"[{'red' if failed else 'green'}]{len(failed)}[/]")
+    for c in checks.ALL_CHECKS:
+        table.add_row(f"  {c}", str(by_check.get(c, 0)))
+    out = Console()
+    out.print(table)
+    for r in failed[:20]:
+        line = f"seed {r['seed']}: {r['describe']}"
+        if r.get("minimized_ops") is not None:
+            line += f" (minimal: {r['minimized_ops']} ops)"
+        if r["case"]:
+            line += f" -> {r['case']}"
+        out.print(line, overflow="fold", markup=False)
+    if len(failed) > 20:
+        out.print(f"... and {len(failed) - 20} more failed seeds")
+    return 1 if failed else 0
+
+
+command("stress", "page-safety stress harness: random scheduler operations on two modeled ranks, "
+        "checked after every operation")(_configure_stress)(_run_stress)
+
+
+# ----------------------------------------------------------------------------------- trace
+
+
+def _configure_trace(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="trace", required=True, parser_class=type(p))
+    rec = sub.add_parser("record", help="record allocator traces from the scenarios and seeds")
+    rec.add_argument("--page-sizes", type=_page_sizes, default=[1, 16, 64], help="e.g. 1,16,64 (default)")
+    rec.add_argument("--out", type=Path, required=True, help="the JSONL trace to write")
+    rec.add_argument("--seeds", type=_seed_range, default=range(0, 4), help="seeded runs per configuration (0:4)")
+    rec.add_argument("--steps", type=_positive_int, default=120, help="steps per seeded run (default 120)")
+    rec.add_argument("--scenarios", type=Path, default=None, help="scenario folder (default tests/scenarios)")
+    cmp = sub.add_parser("compare", help="replay a recorded trace against this checkout")
+    cmp.add_argument("--trace", type=Path, required=True, help="a JSONL trace from `kvchain trace record`")
+    cmp.add_argument("--json", action="store_true", help="print one JSON object per run")
+
+
+def _scenario_folder(path: Path | None) -> Path:
+    if path is not None:
+        if not path.is_dir():
+            raise InputError(f"--scenarios {path}: not a folder")
+        return path
+    for base in (Path.cwd(), *Path(__file__).resolve().parents):
+        folder = base / "tests" / "scenarios"
+        if folder.is_dir():
+            return folder
+    raise InputError("no tests/scenarios folder found; pass --scenarios")
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import trace
+
+    console = Console()
+    if args.trace == "record":
+        scenarios = trace.load_scenarios(_scenario_folder(args.scenarios))
+        n = trace.write_jsonl(trace.record_runs(args.page_sizes, scenarios, args.seeds, args.steps), args.out)
+        console.print(f"recorded {n} runs ({len(scenarios)} scenarios, seeds {args.seeds.start}:{args.seeds.stop}, "
+                      f"page sizes {','.join(map(str, args.page_sizes))}) -> {args.out}")
+        return 0
+    diverged = 0
+    runs = 0
+    for run in trace.read_jsonl(args.trace):
+        runs += 1
+        found = trace.replay(trace.StorageAdapter(run.config), run)
+        if found is not None:
+            diverged += 1
+        if args.json:
+            print(json.dumps({"run": run.name, "matches": found is None,
+                              "divergence": None if found is None else {"call": found.call, "what": found.what}}))
+        elif found is None:
+            console.print(f"{run.name}: [green]matches[/] ({len(run.calls)} calls)")
+        else:
+            console.print(found.describe(run.name), markup=False)
+    if not args.json:
+        console.print(f"{runs - diverged} of {runs} runs match" + (f", {diverged} diverge" if diverged else ""))
+    return 1 if diverged else 0
+
+
+command("trace", "record allocator traces and compare this checkout against them")(_configure_trace)(_run_trace)
