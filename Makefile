@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	@$(VENV)/bin/kvchain plan --model hymba-1.5b --budget 80GiB --context 8192
+	@$(VENV)/bin/kvchain simulate --model qwen3-next-80b --budget 80GiB --workload mixed --jobs $(JOBS)
 
 test: $(STAMP)
 	@$(VENV)/bin/ruff check src tests

@@ -16,6 +16,8 @@ from .alloc.demand import DEMAND_RULES, DemandPurpose, KVDemand, WindowRetiremen
 from .alloc.iteration_ids import IterationIds
 from .alloc.runner_ids import RunnerIds
 from .build import build_kv_storage
+from .cache.radix import CheckpointStrategy, UnifiedRadixCache
+from .capacity import evict_until_fits, reclaimable_pages
 from .decl import (
     MHA,
     MLA,
@@ -42,6 +44,12 @@ from .errors import (
 from .memory.arena import KVArena
 from .models import list_presets, load_config_file, model_from_config, model_from_preset
 from .plan import KVStoragePlan, SubPool, plan_kv_storage
+from .prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
+from .sim.baselines import PoolConfig
+from .sim.compare import Comparison, SchedulerConfig, compare
+from .sim.kvchain_pool import KVChainPool
+from .sim.scheduler import Scheduler
+from .sim.workloads import load_trace, save_trace, workload_from_name
 from .sizing import PlanSizing, check_bs1_floor, size_plan
 from .storage import KVStorage
 from .units import format_bytes, parse_bytes
@@ -52,9 +60,14 @@ __all__ = [
     "DEMAND_RULES",
     "MHA",
     "MLA",
+    "Admission",
     "BudgetError",
     "CapacityError",
     "ChainAllocator",
+    "ChainPrefillBudget",
+    "CheckpointStrategy",
+    "Comparison",
+    "Decision",
     "DeclarationError",
     "DemandPurpose",
     "Device",
@@ -65,6 +78,7 @@ __all__ = [
     "IterationIds",
     "KVArena",
     "KVChainError",
+    "KVChainPool",
     "KVDemand",
     "KVLayerDecl",
     "KVPart",
@@ -73,25 +87,36 @@ __all__ = [
     "ModeledDevice",
     "PlanError",
     "PlanSizing",
+    "PoolConfig",
     "RunnerIds",
+    "Scheduler",
+    "SchedulerConfig",
     "State",
     "StateLifetime",
     "StateTensor",
     "SubPool",
     "ThreadDevice",
     "TransferTimeoutError",
+    "UnifiedRadixCache",
     "WindowLifetime",
     "WindowRetirement",
     "build_kv_storage",
     "check_bs1_floor",
+    "compare",
+    "evict_until_fits",
     "format_bytes",
     "kv_layer_decls",
     "list_presets",
     "load_config_file",
+    "load_trace",
+    "mamba_prefill_chunk_grid",
     "model_from_config",
     "model_from_preset",
     "parse_bytes",
     "plan_kv_storage",
+    "reclaimable_pages",
     "request_demand",
+    "save_trace",
     "size_plan",
+    "workload_from_name",
 ]

@@ -7,13 +7,13 @@ import argparse
 import json
 
 from ..cache.radix import CheckpointStrategy
-from ..cli import _positive_int, add_model_args, command, load_model
+from ..cli import _byte_size, _positive_int, add_model_args, command, load_model
 from ..errors import InputError
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--budget", required=True, help="bytes for the KV pool, e.g. 80GiB")
+    p.add_argument("--budget", required=True, type=_byte_size, help="bytes for the KV pool, e.g. 80GiB")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default="mixed", help="a built-in workload (default mixed)")
     src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from ..units import parse_bytes
+    from ..units import format_bytes
     from .baselines import POOLS, PoolConfig
     from .compare import SchedulerConfig, compare
     from .report import comparison_json, plot_comparison, render_comparison
@@ -63,12 +63,11 @@ def _run(args: argparse.Namespace) -> int:
     unknown = [p for p in pools if p not in POOLS]
     if not pools or unknown:
         raise InputError(f"--pools: unknown pool(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(POOLS)})")
-    budget = parse_bytes(args.budget)
     model = load_model(args)
     requests = _requests(args)
     if not requests:
         raise InputError("the workload has no requests")
-    cfg = PoolConfig(budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
+    cfg = PoolConfig(args.budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
                      strategy=CheckpointStrategy(args.strategy))
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running,
@@ -80,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         result = compare(model.decls, cfg, requests, pools, sched, jobs=args.jobs,
                          progress=lambda _name: progress.advance(task))
     if args.plot:
-        plot_comparison(result, args.plot, title=f"{model.name}, {args.budget}, {args.trace or args.workload}")
+        plot_comparison(result, args.plot, title=f"{model.name}, {format_bytes(args.budget)}, {args.trace or args.workload}")
     if args.json:
         print(json.dumps(comparison_json(model, args, result), indent=2))
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from ..units import format_bytes
 from .compare import Comparison
 
 
@@ -12,7 +13,7 @@ def comparison_json(model, args, result: Comparison) -> dict:
     ratios = result.ratios()
     return {
         "model": model.name,
-        "budget": args.budget,
+        "budget_bytes": args.budget,
         "workload": args.trace or args.workload,
         "requests": result.results[0].requests if result.results else 0,
         "results": [{**r.to_dict(), "throughput_vs_kvchain": ratios.get(r.pool)} for r in result.results],
@@ -27,7 +28,7 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     if not console.is_terminal:
         console = Console(width=160)
     ratios = result.ratios()
-    table = Table(title=f"{model.name} · {args.budget} · {args.trace or args.workload} · "
+    table = Table(title=f"{model.name} · {format_bytes(args.budget)} · {args.trace or args.workload} · "
                         f"{result.results[0].requests} requests", title_justify="left")
     cols = ["pool", "tok/step", "vs kvchain", "running", "utilisation", "tok/step (run)", "peak", "hit rate",
             "queue delay", "preempted", "aborted", "rejected", "finished"]

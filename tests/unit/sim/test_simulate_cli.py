@@ -1,0 +1,58 @@
+"""`kvchain simulate`: the JSON a script reads, the plot, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvchain.cli import main
+
+SMALL = ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "30",
+         "--jobs", "1"]
+
+
+def test_json_has_every_pool_and_the_fields_scripts_read(capsys, tmp_path):
+    plot = tmp_path / "run.png"
+    assert main([*SMALL, "--json", "--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["pool"] for r in out["results"]] == ["kvchain", "static-default", "static-best", "uniform-page"]
+    for r in out["results"]:
+        for key in ("pool", "steps", "throughput", "mean_concurrency", "peak_running", "utilisation",
+                    "preemptions", "aborted", "throughput_overall", "throughput_vs_kvchain"):
+            assert key in r
+        assert r["finished"] == 30
+    assert out["static_best_split"] is not None and out["static_best_sweep"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_names_the_pools_and_the_split(capsys):
+    assert main([*SMALL, "--pools", "kvchain,static-best"]) == 0
+    out = capsys.readouterr().out
+    assert "kvchain" in out and "static-best" in out and "static-best split" in out
+
+
+def test_trace_replay(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 5000 * i, "input_length": 700, "output_length": 20,
+                                         "hash_ids": [0, 100 + i]}) + "\n" for i in range(12)))
+    assert main(["simulate", "--model", "llama-3.1-8b", "--budget", "2GiB", "--trace", str(trace), "--jobs", "1",
+                 "--pools", "kvchain,static-default", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(r["finished"] == 12 for r in out["results"])
+    assert out["results"][0]["hit_rate"] > 0.5  # a full-attention model reuses the shared first block
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--pools", "kvchain,nope"], "--pools"),
+    (["--workload", "nope"], "nope"),
+    (["--budget", "lots"], "--budget"),
+    (["--step-time", "warp=9"], "step-time"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    base = [a for a in SMALL if a not in ("--budget", "2GiB")] if "--budget" in argv else SMALL
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main([*base, *argv]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
