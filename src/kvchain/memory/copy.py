@@ -52,6 +52,37 @@ class PageCopier:
             label=label,
         )
 
+    def shift_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "shift") -> None:
+        """Copy pages `src` onto `dst` in the order given, where `src` and `dst` may overlap: as if
+        page by page in that order. The caller orders the pairs so that no copy overwrites a
+        source a later pair reads (a shift down in ascending order, a shift up in descending)."""
+        if not len(src):
+            return
+        words = self.words[band.index]
+        self.bytes_moved += len(src) * band.page_bytes
+        src, dst = src.copy(), dst.copy()
+        fn = None if self.meta else (lambda: self._copy_in_order(words, src, dst))
+        self.device.launch(
+            self.device.schedule_stream,
+            fn,
+            reads=(PageAccess(band.index, src),),
+            writes=(PageAccess(band.index, dst),),
+            label=label,
+        )
+
+    def _copy_in_order(self, words: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
+        """Chunks through the staging buffer in order, each gathered whole before it is scattered:
+        a chunk's writes land only on sources already read (its own, or earlier chunks')."""
+        per_page = words.shape[1]
+        rows = self.staging.numel() // per_page
+        stage = self.staging[: rows * per_page].view(rows, per_page)
+        for start in range(0, len(src), rows):
+            s = self._index(src[start : start + rows])
+            d = self._index(dst[start : start + rows])
+            k = len(s)
+            torch.index_select(words, 0, s, out=stage[:k])
+            words.index_copy_(0, d, stage[:k])
+
     def _copy(self, words: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
         """One pass per run of consecutive pages when runs are long or pages are large (contiguous
         copies at full bandwidth); otherwise gather into the staging buffer and scatter."""
