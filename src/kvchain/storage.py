@@ -123,9 +123,27 @@ class KVStorage:
         old_pages = (old_lens + ps - 1) // ps
         counts = (new_lens + ps - 1) // ps - old_pages
         n = int(counts.sum())
+        need_slot = rows[table.state_slot[rows] == NO_SLOT] if self.allocator.state_band is not None else rows[:0]
+        if n or len(need_slot):
+            if not n or counts.max() == 1:  # decode: one new page for some rows
+                grown = counts > 0
+                row_idx, col = rows[grown], old_pages[grown]
+            else:
+                starts = np.cumsum(counts) - counts
+                row_idx = np.repeat(rows, counts)
+                col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
+            self._take_rows_pages(row_idx, col, need_slot)
+        table.seq_lens[rows] = new_lens
+        return self._written_tokens(rows, old_lens, new_lens)
+
+    def _take_rows_pages(self, row_idx: np.ndarray, col: np.ndarray, need_slot: np.ndarray) -> None:
+        """One chain take: a page for each (row, page column) pair and a state slot for each row in
+        `need_slot`, bound and entered in the request table. Raises CapacityError with nothing
+        changed."""
+        table = self.table
         chain = self.allocator
         state = chain.state_band
-        need_slot = rows[table.state_slot[rows] == NO_SLOT] if state is not None else rows[:0]
+        n = len(row_idx)
         if n > len(chain.virtual_free):
             raise CapacityError(f"owner has {len(chain.virtual_free)} free virtual pages, {n} needed")
         if len(need_slot) > len(chain.slot_free):
@@ -138,20 +156,11 @@ class KVStorage:
             vpages = chain.virtual_free.pop(n)
             for band in chain.token_bands:
                 band.bind(vpages, physical[band.index])
-            if counts.max() == 1:  # decode: one new page for some rows
-                grown = counts > 0
-                row_idx, col = rows[grown], old_pages[grown]
-            else:
-                starts = np.cumsum(counts) - counts
-                row_idx = np.repeat(rows, counts)
-                col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
             table.page_table[row_idx, col] = vpages
         if len(need_slot):
             slots = chain.slot_free.pop(len(need_slot))
-            chain.state_band.bind(slots, physical[chain.state_band.index])
+            state.bind(slots, physical[state.index])
             table.state_slot[need_slot] = slots
-        table.seq_lens[rows] = new_lens
-        return self._written_tokens(rows, old_lens, new_lens)
 
     def _written_tokens(self, rows: np.ndarray, old_lens: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
         counts = new_lens - old_lens
@@ -167,9 +176,22 @@ class KVStorage:
 
     @_operation
     def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
-        """One more token for each row."""
-        rows = np.asarray(rows, dtype=np.int64)
-        return self.alloc_extend.__wrapped__(self, rows, self.table.seq_lens[rows] + 1)
+        """One more token for each row: `alloc_extend` by one, with the checks a one-token step
+        needs and no more (the hot path of every decode step)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        table = self.table
+        old_lens = table.seq_lens[rows]
+        if not table.active[rows].all() or (invariants.level() and len(rows) > 1 and np.bincount(rows).max() > 1):
+            raise InputError("alloc_decode needs distinct rows that are in use")
+        if len(rows) and old_lens.max() >= table.context_len:
+            raise InputError(f"a row is at the context length {table.context_len}")
+        ps = self.page_size
+        grown = old_lens % ps == 0  # the next token starts a page
+        need_slot = rows[table.state_slot[rows] == NO_SLOT] if self.allocator.state_band is not None else rows[:0]
+        if len(need_slot) or grown.any():
+            self._take_rows_pages(rows[grown], old_lens[grown] // ps, need_slot)
+        table.seq_lens[rows] = old_lens + 1
+        return table.page_table[rows, old_lens // ps] * ps + old_lens % ps
 
     @_operation
     def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
@@ -220,6 +242,7 @@ class KVStorage:
         band = self.allocator.bands[self.plan.by_name(sub_pool).index]
         band.bind(np.asarray(vpages, dtype=np.int64), np.asarray(physical, dtype=np.int64))
 
+    @_operation
     def free_rows(self, rows: np.ndarray) -> None:
         """End requests: windows release their rows first, then the owner, then state slots."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -437,7 +460,9 @@ class KVStorage:
     # -- maintenance and stats -------------------------------------------------------------------------
 
     @_operation
+    @_operation
     def flush_opportunistic(self) -> int:
+        """Close holes lazily, between steps (see `ChainAllocator.flush_opportunistic`)."""
         return self.allocator.flush_opportunistic()
 
     def stats(self) -> StorageStats:

@@ -391,7 +391,8 @@ class ChainAllocator:
             max_moves = self.max_moves_per_call
         moved = 0
         for band in self.bands:
-            moved += band.flush(max_moves if self._under_pressure(band) else 0)
+            if band.n_holes:  # a band without holes has nothing to close or absorb
+                moved += band.flush(max_moves if self._under_pressure(band) else 0)
         if self.log_compaction_stats:
             for band in self.bands:
                 log.info("compaction %s: %s", band.name, band.stats)
