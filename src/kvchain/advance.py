@@ -34,20 +34,24 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, checkpoints: np.nda
         return 0
     ps = storage.page_size
     seq = table.seq_lens[rows]
-    last_page = np.maximum((seq + ps - 1) // ps - 1, 0)
+    last_page = (seq - 1) // ps  # the page of the last token (-1 for an empty row: it retires nothing)
+    shared = table.shared_pages[rows]
     freed = 0
     for k, band in enumerate(chain.window_bands):
         keep = window_keep_from(seq, band.pool.window, band.pool.lifetime.chunked)
         if checkpoints is not None:
             keep = np.minimum(keep, np.maximum(checkpoints - band.pool.window, 0))
         new_lo = np.minimum(keep // ps, last_page)
-        old_lo = np.maximum(table.window_lo[rows, k], table.shared_pages[rows])
-        counts = np.maximum(new_lo - old_lo, 0)
-        n = int(counts.sum())
-        if not n:
-            table.window_lo[rows, k] = np.maximum(table.window_lo[rows, k], new_lo)
+        window_lo = table.window_lo[:, k]  # a column view: a 1-D gather is 3x faster than a 2-D one
+        lo = window_lo[rows]
+        old_lo = np.maximum(lo, shared)
+        counts = new_lo - old_lo
+        if counts.max(initial=0) <= 0:  # the common step: nothing left a window
+            window_lo[rows] = np.maximum(lo, new_lo)
             continue
-        if counts.max() == 1:  # the common step: some rows retire one page each
+        np.maximum(counts, 0, out=counts)
+        n = int(counts.sum())
+        if counts.max() == 1:  # some rows retire one page each
             moved = counts > 0
             vpages = table.page_table[rows[moved], old_lo[moved]]
         else:
@@ -56,5 +60,5 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, checkpoints: np.nda
             vpages = table.page_table[np.repeat(rows, counts), col]
         band.free_virtual(vpages)
         freed += n
-        table.window_lo[rows, k] = np.maximum(old_lo, new_lo)
+        window_lo[rows] = np.maximum(old_lo, new_lo)
     return freed

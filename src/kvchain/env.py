@@ -97,11 +97,14 @@ _LEVELS = {str(int(v)): v for v in InvariantCheckLevel}
 
 
 def invariant_level() -> InvariantCheckLevel:
-    """The effective check level: unset means off, or strict when the older assert switch is set."""
-    raw = os.environ.get("KVCHAIN_INVARIANT_CHECK")
+    """The effective check level: unset means off, or strict when the older assert switch is set.
+    Read at the start of every allocator operation, so it stays cheap: two lookups, no parsing
+    unless a value is set."""
+    environ = os.environ
+    raw = environ.get("KVCHAIN_INVARIANT_CHECK")
     if raw:
         level = _LEVELS.get(raw.strip())
         return level if level is not None else _level(raw)
-    if get("KVCHAIN_ENABLE_ASYNC_ASSERT"):
+    if environ.get("KVCHAIN_ENABLE_ASYNC_ASSERT") and get("KVCHAIN_ENABLE_ASYNC_ASSERT"):
         return InvariantCheckLevel.STRICT
     return InvariantCheckLevel.OFF

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .alloc import invariants
-from .alloc.band import allocator_operation
 from .alloc.chain import ChainAllocator
 from .alloc.forward_steps import LaunchRecord
 from .alloc.id_space import UNBOUND
@@ -50,8 +49,11 @@ def _operation(fn):
     """Run a KVStorage method as one allocator operation."""
 
     def wrapper(self, *args, **kwargs):
-        with allocator_operation():
+        pinned = invariants.begin_operation()  # `allocator_operation`, inlined: this wraps the hot path
+        try:
             return fn(self, *args, **kwargs)
+        finally:
+            invariants.end_operation(pinned)
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
@@ -186,12 +188,17 @@ class KVStorage:
         if len(rows) and old_lens.max() >= table.context_len:
             raise InputError(f"a row is at the context length {table.context_len}")
         ps = self.page_size
-        grown = old_lens % ps == 0  # the next token starts a page
+        col = old_lens // ps
+        offset = old_lens - col * ps
+        grown = offset == 0  # the next token starts a page
         need_slot = rows[table.state_slot[rows] == NO_SLOT] if self.allocator.state_band is not None else rows[:0]
         if len(need_slot) or grown.any():
-            self._take_rows_pages(rows[grown], old_lens[grown] // ps, need_slot)
+            self._take_rows_pages(rows[grown], col[grown], need_slot)
         table.seq_lens[rows] = old_lens + 1
-        return table.page_table[rows, old_lens // ps] * ps + old_lens % ps
+        written = table.page_table[rows, col]
+        written *= ps
+        written += offset
+        return written
 
     @_operation
     def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:

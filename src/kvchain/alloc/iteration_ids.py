@@ -24,7 +24,10 @@ class IterationIds:
         virtual_tokens = np.asarray(virtual_tokens, dtype=np.int64)
         vpages = virtual_tokens // ps
         offsets = virtual_tokens - vpages * ps
-        locs = {band.name: band.translate(vpages) * ps + offsets for band in chain.token_bands}
+        every = np.take(chain.token_read_maps, vpages, axis=0)  # [tokens, token bands]
+        every *= ps
+        every += offsets[:, None]
+        locs = {band.name: every[:, k] for k, band in enumerate(chain.token_bands)}
         slots = None
         if virtual_slots is not None and chain.state_band is not None:
             slots = chain.state_band.ids.read_map[np.asarray(virtual_slots, dtype=np.int64)]

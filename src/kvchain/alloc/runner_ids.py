@@ -2,7 +2,8 @@
 
 Per attention sub-pool, a physical page table `[batch, pages]` over each row's virtual pages: a
 page the sub-pool does not bind (a retired window row, the null page) reads as that sub-pool's
-sink, never a tombstone. For the state sub-pool, each row's physical slot (-1 for none)."""
+sink, never a tombstone. For the state sub-pool, each row's physical slot (-1 for none).
+The token bands' tables come from one gather, as strided views of one array."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ class RunnerIds:
     def translate(cls, chain, table, rows: np.ndarray) -> RunnerIds:
         rows = np.asarray(rows, dtype=np.int64)
         ps = table.page_size
-        n_pages = int(((table.seq_lens[rows] + ps - 1) // ps).max()) if len(rows) else 0
+        n_pages = (int(table.seq_lens[rows].max()) + ps - 1) // ps if len(rows) else 0
         vpages = table.page_table[rows, :n_pages]
-        tables = {band.name: band.translate(vpages) for band in chain.token_bands}
+        every = np.take(chain.token_read_maps, vpages, axis=0)  # [batch, pages, token bands]
+        tables = {band.name: every[..., k] for k, band in enumerate(chain.token_bands)}
         slots = None
         if chain.state_band is not None:
             slots = chain.state_band.ids.read_map[table.state_slot[rows]]  # no slot (-1) reads -1
