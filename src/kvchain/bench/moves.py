@@ -31,7 +31,7 @@ def _sync(device: str) -> None:
 
 
 def run_moves_bench(page_size: int = 64, heads: int = 8, layers: int = 18, budget: int = 2**30,
-                    repeats: int = 3, device: str = "cpu") -> dict:
+                    repeats: int = 7, device: str = "cpu") -> dict:
     """Default geometry: gpt-oss-120b's full-attention band (18 layers, 8 KV heads x 64), 64-token
     pages of 2.25 MiB."""
     best_move = best_copy = float("inf")
