@@ -37,6 +37,9 @@ class CheckpointStrategy(enum.Enum):
     NO_BUFFER = "no_buffer"  # the state at the sequence end only
 
 
+_node_seq = itertools.count()
+
+
 class TreeNode:
     __slots__ = (
         "children",
@@ -45,6 +48,7 @@ class TreeNode:
         "last_access",
         "lock_ref",
         "parent",
+        "seq",
         "start",
         "state_slot",
         "vpages",
@@ -65,6 +69,7 @@ class TreeNode:
         self.last_access = 0
         self.hits = 0  # matches that ended at or below this node: proven reuse
         self.start = start  # tokens from the root to this node's start
+        self.seq = next(_node_seq)  # creation order: breaks eviction ties the same way every run
 
     @property
     def n_pages(self) -> int:
@@ -478,14 +483,15 @@ class UnifiedRadixCache:
         away), ('window', n) window rows no request reads, ('state', n) state slots. Nothing is
         freed while planning."""
         nodes = list(self._nodes())
-        heap = [(min(n.hits, 1), n.last_access, id(n), n) for n in nodes]
+        heap = [(min(n.hits, 1), n.last_access, n.seq, n) for n in nodes]
         heapq.heapify(heap)
         children = {id(n): len(n.children) for n in nodes}
         window_done: set[int] = set()
         state_done: set[int] = set()
         gone: set[int] = set()
         while heap:
-            _h, _t, key, node = heapq.heappop(heap)
+            *_, node = heapq.heappop(heap)
+            key = id(node)
             if key in gone:
                 continue
             if node.lock_ref == 0 and children[key] == 0:
@@ -497,7 +503,7 @@ class UnifiedRadixCache:
                 if parent is not None and parent is not self.root:
                     children[id(parent)] -= 1
                     if children[id(parent)] == 0 and parent.lock_ref == 0:
-                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, id(parent), parent))
+                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, parent))
                 continue
             if key not in window_done and node.window_lock == 0 and (node.window_lo < node.n_pages).any():
                 window_done.add(key)

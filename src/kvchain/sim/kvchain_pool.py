@@ -236,6 +236,10 @@ class KVChainPool:
                     self.checkpoint_into_tree(req, grid)
                     req.pool_state["checkpoint"] = grid  # taken or abandoned: never waited for
                 checkpoints[i] = req.pool_state["checkpoint"]
+        elif self.tree is not None and not self.has_state:
+            for req in reqs:
+                if req.computed == req.input_len and req.generated <= 1:  # its prompt's prefill just ended
+                    self.cache_prefill(req)
         storage.advance(rows, checkpoints)
         if self.tree is not None:
             for req in reqs:
@@ -248,9 +252,7 @@ class KVChainPool:
         """Hand the state at grid point `at` to the tree with the prefix behind it (WIN-14), if a
         slot can be had; otherwise abandon this checkpoint (the exact retention bound)."""
         storage = self.storage
-        table = storage.table
         st = req.pool_state
-        row = req.row
         if self.strategy is CheckpointStrategy.EXTRA_BUFFER:
             slot = st["tracking"]
             try:
@@ -267,17 +269,41 @@ class KVChainPool:
                 self.stats_counters["checkpoint_stalls"] += 1
                 return
             replacement = -1
-        n = at // self.page_size
-        vpages = table.page_table[row, :n].copy()
-        tokens = req.tokens(at)
-        if self.tree.holds_other_pages(tokens, vpages):
+        if not self._hand_prefix_to_tree(req, at, slot):
             # another request cached this prefix with its own pages first: keep ours, skip this one
             storage.free_state_slots(np.array([slot if replacement < 0 else replacement]))
             self.stats_counters["checkpoint_stalls"] += 1
             return
+        if replacement >= 0:
+            st["tracking"] = replacement
+        self.stats_counters["checkpoints"] += 1
+
+    def cache_prefill(self, req: SimRequest) -> None:
+        """Once a prompt is prefilled (a model without recurrent state), hand its whole pages to the
+        tree, as engines cache an unfinished request: requests that arrive while it decodes match
+        its prompt (a model with state matches only where the tree holds a state). Once per
+        request, not after every chunk: each insert walks the prefix from the root."""
+        at = (req.computed // self.page_size) * self.page_size
+        if at > int(self.storage.table.shared_pages[req.row]) * self.page_size:
+            self._hand_prefix_to_tree(req, at, -1)
+
+    def _hand_prefix_to_tree(self, req: SimRequest, at: int, slot: int) -> bool:
+        """Insert the row's first `at` tokens (whole pages) with state `slot` (-1: none), hand their
+        pages to the tree and move the row's locks there. False, with nothing changed, when the tree
+        already holds part of that prefix under other pages."""
+        storage = self.storage
+        table = storage.table
+        st = req.pool_state
+        row = req.row
+        n = at // self.page_size
+        vpages = table.page_table[row, :n].copy()
+        tokens = req.tokens(at)
+        if self.tree.holds_other_pages(tokens, vpages):
+            return False
         result = self.tree.insert(tokens, vpages, table.window_lo[row], slot)
-        assert result.state_taken and not len(result.duplicates)
-        storage.copy_state(table.state_slot[[row]], np.array([slot]))  # the state at the grid point
+        assert (slot < 0 or result.state_taken) and not len(result.duplicates)
+        if slot >= 0:
+            storage.copy_state(table.state_slot[[row]], np.array([slot]))  # the state at the grid point
         storage.release_to_tree(row, n)
         self.tree.lock(result.node)
         if st["node"] is not None:
@@ -287,9 +313,7 @@ class KVChainPool:
             self.tree.unlock_window(st["window_locks"])
         st["window_locks"] = self.tree.lock_window(result.node, at)
         st["lock_until"] = at + self.window_reach
-        if replacement >= 0:
-            st["tracking"] = replacement
-        self.stats_counters["checkpoints"] += 1
+        return True
 
     # -- the end of a request --------------------------------------------------------------------------
 

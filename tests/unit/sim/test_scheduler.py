@@ -187,3 +187,17 @@ def test_state_matches_land_on_checkpoints(strategy):
         assert b.cached == 0  # a's sequence end is not b's prefix
     else:
         assert b.cached == 48  # the last grid point (16) at or before the shared 50 tokens
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_a_running_prompt_is_shared_with_requests_that_arrive_while_it_runs(window):
+    """Prompt pages go to the tree once the prompt is prefilled (a model without state), so a
+    request that arrives while the first still decodes matches its prompt; the tree never hands out freed pages."""
+    pool = world(chain_kib=100, window=window, state=False, context=512)
+    prefix = np.arange(1, 161)
+    first = SimRequest(0, 0, np.concatenate([prefix, [7001]]), max_new=30, output_len=30)
+    second = SimRequest(1, 4, np.concatenate([prefix, [7002, 7003]]), max_new=5, output_len=5)
+    sched = _run(pool, [first, second], budget=64)
+    assert second.admitted_step < first.finished_step  # it ran while the first one did
+    assert second.cached >= 128, second.cached
+    assert sched.stats.finished == 2

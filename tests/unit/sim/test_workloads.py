@@ -352,9 +352,10 @@ def test_sharing_workloads_hit_the_prefix_cache(name):
     assert sum(r.cached for r in chat) == 0
 
 
-def test_primed_documents_let_a_window_model_reuse_them():
-    """A window-only model reuses a prefix only where a cached sequence ended: questions on a
-    document share nothing reusable until the document alone was a request (`prime_docs`)."""
+def test_a_window_model_reuses_documents_primed_or_not():
+    """The pool caches a running request's prompt pages once it is prefilled, window rows
+    included, so questions on a document reuse it on a window-only model; priming
+    (`prime_docs`: each document alone first) makes even each document's first question a hit."""
     plain = workload_from_name("long_doc_qa", 20, 3, rate=0.2, **TINY["long_doc_qa"])
     _drain(plain, state=False)
     primed = workload_from_name("long_doc_qa", 20, 3, rate=0.2, prime_docs="true", **TINY["long_doc_qa"])
@@ -364,4 +365,4 @@ def test_primed_documents_let_a_window_model_reuse_them():
     _drain(primed, state=False)
     plain_hits = sum(r.cached for r in plain) / sum(len(r.prompt) for r in plain)
     primed_hits = sum(r.cached for r in primed[2:]) / sum(len(r.prompt) for r in primed[2:])
-    assert primed_hits >= 0.5 and primed_hits > plain_hits + 0.3, (plain_hits, primed_hits)
+    assert plain_hits >= 0.5 and primed_hits >= plain_hits, (plain_hits, primed_hits)
