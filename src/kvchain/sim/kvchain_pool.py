@@ -300,6 +300,11 @@ class KVChainPool:
         tokens = req.tokens(at)
         if self.tree.holds_other_pages(tokens, vpages):
             return False
+        split = (at - self.window_reach) // self.page_size if self.window_reach else 0
+        if split > int(table.shared_pages[row]):
+            # end a node where the window the row still reads begins: its window lock then covers
+            # that node alone, and the rows before it stay reclaimable
+            self.tree.insert(tokens[: split * self.page_size], vpages[:split], table.window_lo[row], -1)
         result = self.tree.insert(tokens, vpages, table.window_lo[row], slot)
         assert (slot < 0 or result.state_taken) and not len(result.duplicates)
         if slot >= 0:

@@ -168,7 +168,7 @@ def test_waits_while_running_work_will_free_memory():
     and is admitted once they finish."""
     pool = world(chain_kib=10, window=8, state=True)
     hog = SimRequest(0, 0, np.arange(1, 150), max_new=20, output_len=20)
-    late = SimRequest(1, 1, np.arange(300, 420), max_new=4, output_len=4)
+    late = SimRequest(1, 1, np.arange(300, 460), max_new=4, output_len=4)
     _run(pool, [hog, late], budget=256)
     assert hog.phase is Phase.FINISHED and late.phase is Phase.FINISHED
     assert late.admitted_step > late.arrival  # it waited for the running request, not aborted
