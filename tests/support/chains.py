@@ -23,8 +23,9 @@ from kvchain.sizing import size_plan
 from kvchain.storage import KVStorage
 
 
-def hybrid_decls(windows=(32, 8), state=True, heads=(1, 2, 1), mla=False, head_dim=8):
-    """Layers: full attention (+ state on layer 0), then one layer per window length."""
+def hybrid_decls(windows=(32, 8), state=True, heads=(1, 2, 1), mla=False, head_dim=8, chunked=False):
+    """Layers: full attention (+ state on layer 0), then one layer per window length (chunked
+    attention when `chunked`)."""
     full_geom = MLA(16, 8) if mla else MHA(heads[0], head_dim)
     layers = []
     first = [KVPart(full_geom, FullLifetime())]
@@ -33,13 +34,13 @@ def hybrid_decls(windows=(32, 8), state=True, heads=(1, 2, 1), mla=False, head_d
                             StateLifetime()))
     layers.append(first)
     for k, w in enumerate(windows):
-        layers.append(KVPart(MHA(heads[(k + 1) % len(heads)], head_dim), WindowLifetime(w)))
+        layers.append(KVPart(MHA(heads[(k + 1) % len(heads)], head_dim), WindowLifetime(w, chunked=chunked)))
     return kv_layer_decls(layers)
 
 
 def small_storage(page_size=2, chain_kib=24, windows=(32, 8), state=True, context=128, rows=8,
-                  heads=(1, 2, 1), mla=False, backend=None, device="cpu") -> KVStorage:
-    plan = plan_kv_storage(hybrid_decls(windows, state, heads, mla), page_size=page_size)
+                  heads=(1, 2, 1), mla=False, backend=None, device="cpu", chunked=False) -> KVStorage:
+    plan = plan_kv_storage(hybrid_decls(windows, state, heads, mla, chunked=chunked), page_size=page_size)
     probe = size_plan(plan, 64 * 2**20, context_len=context, max_running_requests=rows, state_slots=rows)
     budget = probe.fixed.total + chain_kib * 1024
     sizing = size_plan(plan, budget, context_len=context, max_running_requests=rows, state_slots=rows)

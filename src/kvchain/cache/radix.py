@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..advance import window_keep_from
 from ..errors import InputError
 from ..plan import PoolKind
 from ..storage import KVStorage
@@ -80,6 +81,16 @@ class TreeNode:
                 f"state={self.state_slot}, lock={self.lock_ref}/{self.window_lock})")
 
 
+@dataclass
+class WindowLock:
+    """A request's hold on the tree's window rows: every node from `node` (where its match or
+    insert ended) up to token `floor` (a node boundary: where its widest window begins)."""
+
+    node: TreeNode
+    floor: int
+    recheck: int  # the length at which the floor may next have moved a whole release step
+
+
 @dataclass(frozen=True)
 class MatchResult:
     """A usable prefix: `length` tokens (whole pages), their owner virtual pages, the node that ends
@@ -117,6 +128,8 @@ class UnifiedRadixCache:
         self.plan = storage.plan
         self.ps = storage.page_size
         self.windows = [p for p in self.plan.sub_pools if p.kind is PoolKind.WINDOW]
+        reach = max((w.window for w in self.windows), default=0)
+        self._release_step = -(-max(self.ps, reach // 8) // self.ps) * self.ps  # whole pages
         self.state = self.plan.state
         self.strategy = strategy
         if self.state is not None and strategy is not CheckpointStrategy.NO_BUFFER and (
@@ -249,7 +262,7 @@ class UnifiedRadixCache:
             # the last unbound page at or before each page; an end is covered when it lies before
             # the first page the window needs
             last_unbound = np.maximum.accumulate(np.where(bound[w], -1, np.arange(n_pages)))
-            need_from = np.maximum(0, ends * self.ps - pool.window) // self.ps
+            need_from = window_keep_from(ends * self.ps, pool.window, pool.lifetime.chunked) // self.ps
             covered[1:] &= last_unbound < need_from
         return covered
 
@@ -304,26 +317,75 @@ class UnifiedRadixCache:
             self._account(node, 1)
             node = node.parent
 
-    def lock_window(self, node: TreeNode, length: int) -> list[TreeNode]:
-        """Lock the window rows behind a match of `length` tokens ending at `node`, for as long as the
-        request may still read them. Returns the nodes locked (to unlock later)."""
-        reach = max((w.window for w in self.windows), default=0)
-        locked = []
-        walker = node
-        while walker is not None and walker is not self.root and walker.start + walker.n_pages * self.ps > length - reach:
-            self._account(walker, -1)
-            walker.window_lock += 1
-            self._account(walker, 1)
-            locked.append(walker)
-            walker = walker.parent
-        return locked
+    def lock_window(self, node: TreeNode, length: int) -> WindowLock | None:
+        """Lock the window rows a request at `length` tokens (a match ending at `node`) still reads:
+        the pages from where its widest window begins. The node straddling that point is split
+        first, so the rows before it stay reclaimable. None when the request reads none of them."""
+        floor = self._window_floor(length)
+        if node is self.root or node.start + node.n_pages * self.ps <= floor:
+            return None
+        self._split_at(node, floor)
+        lock = WindowLock(node, floor, self._release_length(floor))
+        self._add_window_lock(lock, 1)
+        return lock
 
-    def unlock_window(self, nodes: list[TreeNode]) -> None:
-        for node in nodes:
-            self._account(node, -1)
-            node.window_lock -= 1
-            assert node.window_lock >= 0, "unbalanced window lock"
-            self._account(node, 1)
+    def advance_window(self, lock: WindowLock | None, length: int) -> WindowLock | None:
+        """The request holding `lock` now stands at `length` tokens: give back the rows its windows
+        have left behind, in steps of about an eighth of the widest window (each step splits at most
+        one node; between steps this is one comparison). Returns the lock that remains (None once
+        the request reads none of the tree's rows)."""
+        if lock is None or length < lock.recheck:
+            return lock
+        floor = self._window_floor(length)
+        node = lock.node
+        if node.start + node.n_pages * self.ps <= floor:
+            self.unlock_window(lock)
+            return None
+        self._split_at(node, floor)
+        rest = WindowLock(node, floor, self._release_length(floor))
+        self.unlock_window(lock)
+        self._add_window_lock(rest, 1)
+        return rest
+
+    def unlock_window(self, lock: WindowLock | None) -> None:
+        self._add_window_lock(lock, -1)
+
+    def _window_floor(self, length: int) -> int:
+        """The first token (rounded down to a page) any window of a request at `length` reads: the
+        same point its own row retires window rows up to (a chunked window reads from its chunk's
+        start, not `window` tokens back)."""
+        if not self.windows:
+            return length // self.ps * self.ps
+        keep = min(int(window_keep_from(length, w.window, w.lifetime.chunked)) for w in self.windows)
+        return keep // self.ps * self.ps
+
+    def _release_length(self, floor: int) -> int:
+        """The first length at which every window reads nothing before `floor` plus a release step."""
+        target = floor + self._release_step
+        return max(-(-target // w.window) * w.window if w.lifetime.chunked else target + w.window
+                   for w in self.windows)
+
+    def _split_at(self, node: TreeNode, floor: int) -> None:
+        """Split the node on the path to `node` that straddles token `floor`, if any."""
+        walker = node
+        while walker is not self.root and walker.start > floor:
+            walker = walker.parent
+        if walker is not self.root and walker.start < floor:
+            self._split(walker, (floor - walker.start) // self.ps)
+
+    def _add_window_lock(self, lock: WindowLock | None, sign: int) -> None:
+        """Walk the nodes from `lock.node` up to its floor. Splits since the lock was taken copied
+        its count to both halves, and both lie on this walk, so the walk always finds exactly the
+        nodes that carry it."""
+        if lock is None:
+            return
+        walker = lock.node
+        while walker is not self.root and walker.start >= lock.floor:
+            self._account(walker, -1)
+            walker.window_lock += sign
+            assert walker.window_lock >= 0, "unbalanced window lock"
+            self._account(walker, 1)
+            walker = walker.parent
 
     # -- inserting ------------------------------------------------------------------------------------
 

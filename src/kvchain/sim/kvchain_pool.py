@@ -47,7 +47,6 @@ class KVChainPool:
         self.shares = prefix_cache
         self.new_token_ratio = new_token_ratio
         self.tracking = self.has_state and prefix_cache and strategy is CheckpointStrategy.EXTRA_BUFFER
-        self.window_reach = max((w.window for w in self.plan.windows), default=0)
         self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0}
 
     # -- demand ----------------------------------------------------------------------------------------
@@ -146,7 +145,7 @@ class KVChainPool:
         table = storage.table
         if not table.free_rows:
             return Admission(Decision.WAIT, reason="no free request row")
-        state = {"node": None, "window_locks": [], "lock_until": 0, "tracking": -1, "checkpoint": 0}
+        state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0}
         match = None
         cached = 0
         if self.tree is not None:
@@ -156,8 +155,7 @@ class KVChainPool:
                 # lock what the match found at once: making room for this request must not evict it
                 self.tree.lock(match.node)
                 state["node"] = match.node
-                state["window_locks"] = self.tree.lock_window(match.node, cached)
-                state["lock_until"] = cached + self.window_reach
+                state["window_lock"] = self.tree.lock_window(match.node, cached)
                 state["checkpoint"] = cached
         if cached:  # what the match just locked is no longer reclaimable
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
@@ -205,7 +203,7 @@ class KVChainPool:
             return Admission(Decision.ABORT, reason=f"unschedulable: the first {a.chunk_len} tokens do not fit "
                                                    "an emptied pool")
         row = storage.alloc_row()
-        state.update(checkpoint=0, lock_until=0)
+        state.update(checkpoint=0)
         try:
             storage.alloc_extend(np.array([row]), np.array([a.chunk_len]))
             if self.tracking:
@@ -244,9 +242,8 @@ class KVChainPool:
         if self.tree is not None:
             for req in reqs:
                 st = req.pool_state
-                if st["window_locks"] and req.computed >= st["lock_until"]:
-                    self.tree.unlock_window(st["window_locks"])
-                    st["window_locks"] = []
+                if st["window_lock"] is not None:
+                    st["window_lock"] = self.tree.advance_window(st["window_lock"], req.computed)
 
     def checkpoint_into_tree(self, req: SimRequest, at: int) -> None:
         """Hand the state at grid point `at` to the tree with the prefix behind it (WIN-14), if a
@@ -300,11 +297,6 @@ class KVChainPool:
         tokens = req.tokens(at)
         if self.tree.holds_other_pages(tokens, vpages):
             return False
-        split = (at - self.window_reach) // self.page_size if self.window_reach else 0
-        if split > int(table.shared_pages[row]):
-            # end a node where the window the row still reads begins: its window lock then covers
-            # that node alone, and the rows before it stay reclaimable
-            self.tree.insert(tokens[: split * self.page_size], vpages[:split], table.window_lo[row], -1)
         result = self.tree.insert(tokens, vpages, table.window_lo[row], slot)
         assert (slot < 0 or result.state_taken) and not len(result.duplicates)
         if slot >= 0:
@@ -314,10 +306,8 @@ class KVChainPool:
         if st["node"] is not None:
             self.tree.unlock(st["node"])
         st["node"] = result.node
-        if st["window_locks"]:
-            self.tree.unlock_window(st["window_locks"])
-        st["window_locks"] = self.tree.lock_window(result.node, at)
-        st["lock_until"] = at + self.window_reach
+        self.tree.unlock_window(st["window_lock"])
+        st["window_lock"] = self.tree.lock_window(result.node, at)
         return True
 
     # -- the end of a request --------------------------------------------------------------------------
@@ -349,11 +339,10 @@ class KVChainPool:
 
     def _unlock(self, st: dict) -> None:
         if self.tree is not None:
-            if st["window_locks"]:
-                self.tree.unlock_window(st["window_locks"])
+            self.tree.unlock_window(st["window_lock"])
             if st["node"] is not None:
                 self.tree.unlock(st["node"])
-        st.update(node=None, window_locks=[])
+        st.update(node=None, window_lock=None)
 
     def _release(self, row: int, st: dict) -> None:
         self._unlock(st)
