@@ -53,6 +53,7 @@ class TreeNode:
         "start",
         "state_slot",
         "vpages",
+        "window_held",
         "window_lo",
         "window_lock",
     )
@@ -67,6 +68,7 @@ class TreeNode:
         self.state_slot = -1
         self.lock_ref = 0
         self.window_lock = 0
+        self.window_held = 0  # window rows bound, all windows together (kept by `_account`)
         self.last_access = 0
         self.hits = 0  # matches that ended at or below this node: proven reuse
         self.start = start  # tokens from the root to this node's start
@@ -291,11 +293,15 @@ class UnifiedRadixCache:
         if node.lock_ref > 0:
             locked[self._owner_i] += sign * n
         protect = node.lock_ref > 0 and node.window_lock > 0
+        rows = 0
         for w, index in enumerate(self._window_i):
             bound = n - int(node.window_lo[w])
+            rows += bound
             held[index] += sign * bound
             if protect:
                 locked[index] += sign * bound
+        if sign > 0:
+            node.window_held = rows
         if node.state_slot >= 0:
             held[self._state_i] += sign
 
@@ -526,6 +532,8 @@ class UnifiedRadixCache:
                 problems.append(f"{node}: state slot unbound")
             if node.lock_ref < 0 or node.window_lock < 0:
                 problems.append(f"{node}: negative lock")
+            if node.window_held != int((node.n_pages - node.window_lo).sum()):
+                problems.append(f"{node}: window rows miscounted ({node.window_held})")
         held, reclaimable = self._recount()
         if held != self.held_pages() or reclaimable != self.reclaimable():
             problems.append(f"counters drifted: held {self.held_pages()} vs {held}, "
@@ -544,10 +552,13 @@ class UnifiedRadixCache:
         unlocked leaves whole (a parent becomes a candidate once all its children are planned
         away), ('window', n) window rows no request reads, ('state', n) state slots. Nothing is
         freed while planning."""
-        nodes = list(self._nodes())
-        heap = [(min(n.hits, 1), n.last_access, n.seq, n) for n in nodes]
+        # only nodes that can give something now start in the heap (a running request's nodes
+        # mostly cannot); an unlocked parent joins once its children are planned away
+        heap = [(min(n.hits, 1), n.last_access, n.seq, n) for n in self._nodes()
+                if (n.lock_ref == 0 and not n.children) or n.state_slot >= 0
+                or (n.window_lock == 0 and n.window_held)]
         heapq.heapify(heap)
-        children = {id(n): len(n.children) for n in nodes}
+        planned_away: dict[int, int] = {}  # children planned away, per parent
         window_done: set[int] = set()
         state_done: set[int] = set()
         gone: set[int] = set()
@@ -556,18 +567,18 @@ class UnifiedRadixCache:
             key = id(node)
             if key in gone:
                 continue
-            if node.lock_ref == 0 and children[key] == 0:
+            if node.lock_ref == 0 and len(node.children) == planned_away.get(key, 0):
                 gone.add(key)
                 yield "leaf", node
                 window_done.add(key)
                 state_done.add(key)
                 parent = node.parent
                 if parent is not None and parent is not self.root:
-                    children[id(parent)] -= 1
-                    if children[id(parent)] == 0 and parent.lock_ref == 0:
+                    up = planned_away[id(parent)] = planned_away.get(id(parent), 0) + 1
+                    if up == len(parent.children) and parent.lock_ref == 0:
                         heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, parent))
                 continue
-            if key not in window_done and node.window_lock == 0 and (node.window_lo < node.n_pages).any():
+            if key not in window_done and node.window_lock == 0 and node.window_held:
                 window_done.add(key)
                 yield "window", node
             if key not in state_done and node.state_slot >= 0:

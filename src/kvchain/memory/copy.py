@@ -38,30 +38,23 @@ class PageCopier:
 
     def move_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "move") -> None:
         """Copy pages `src` onto pages `dst` of one band's grid (the two sets must be disjoint)."""
-        if not len(src):
-            return
-        words = self.words[band.index]
-        self.bytes_moved += len(src) * band.page_bytes
-        src, dst = src.copy(), dst.copy()
-        fn = None if self.meta else (lambda: self._copy(words, src, dst))
-        self.device.launch(
-            self.device.schedule_stream,
-            fn,
-            reads=(PageAccess(band.index, src),),
-            writes=(PageAccess(band.index, dst),),
-            label=label,
-        )
+        self._launch_copy(band, src, dst, label, self._copy)
 
     def shift_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "shift") -> None:
         """Copy pages `src` onto `dst` in the order given, where `src` and `dst` may overlap: as if
         page by page in that order. The caller orders the pairs so that no copy overwrites a
         source a later pair reads (a shift down in ascending order, a shift up in descending)."""
+        self._launch_copy(band, src, dst, label, self._copy_in_order)
+
+    def _launch_copy(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str, copy) -> None:
+        """Launch `copy(words, src, dst)` on the schedule stream, declaring what it reads and writes
+        (a meta arena launches the declaration alone)."""
         if not len(src):
             return
         words = self.words[band.index]
         self.bytes_moved += len(src) * band.page_bytes
         src, dst = src.copy(), dst.copy()
-        fn = None if self.meta else (lambda: self._copy_in_order(words, src, dst))
+        fn = None if self.meta else (lambda: copy(words, src, dst))
         self.device.launch(
             self.device.schedule_stream,
             fn,
