@@ -114,6 +114,22 @@ class RequestTable:
         pos = np.arange(max_len)
         return self.page_table[rows][:, pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def check_lengths(self) -> list[str]:
+        """Request-length bounds of the active rows (CHK-18): each length within the context, the
+        tree-shared prefix and every window's first bound page within the pages the length spans."""
+        rows = np.flatnonzero(self.active)
+        lens = self.seq_lens[rows]
+        pages = (lens + self.page_size - 1) // self.page_size
+        problems = []
+        if ((lens < 0) | (lens > self.context_len)).any():
+            problems.append(f"request rows {rows[(lens < 0) | (lens > self.context_len)].tolist()} have lengths "
+                            f"outside 0..{self.context_len}")
+        if (self.shared_pages[rows] > pages).any():
+            problems.append("a request row shares more pages with the tree than its length spans")
+        if (self.window_lo[rows] > pages[:, None]).any():
+            problems.append("a request row's window starts past its length")
+        return problems
+
     def check_rows(self) -> list[str]:
         """Row-state problems (idle check): inactive rows hold nothing, active rows stay in bounds."""
         problems = []

@@ -18,6 +18,7 @@ from kvchain.decl import (
     WindowLifetime,
     kv_layer_decls,
 )
+from kvchain.errors import CapacityError
 from kvchain.plan import PoolKind, plan_kv_storage
 from kvchain.sizing import size_plan
 from kvchain.storage import KVStorage
@@ -144,3 +145,37 @@ class Payloads:
             want = self._value(pool.index, vt[valid]).to(t.dtype).float().numpy()
             np.testing.assert_array_equal(got, want, err_msg=f"{pool.name}: bytes lost")
             valid = valid_all
+
+
+# -- random churn: one step of a request's life, for loops that drive a chain at random -------------
+
+
+def admit_random(storage, rng, rows: list, most: int, payloads=None) -> None:
+    """Admit a request of 2..most-1 tokens when a row and its pages are free (its row joins
+    `rows`); otherwise nothing changes."""
+    if not storage.table.free_rows:
+        return
+    row = storage.alloc_row()
+    try:
+        vtok = storage.alloc_extend(np.array([row]), np.array([int(rng.integers(2, most))]))
+    except CapacityError:
+        storage.table.free_row(row)
+        return
+    if payloads is not None:
+        payloads.write_tokens(np.array([row]), vtok)
+        payloads.write_slots(np.array([row]))
+    rows.append(row)
+
+
+def grow_random(storage, rng, rows: list, most: int, payloads=None) -> None:
+    """Grow a random running request by 1..most-1 tokens (raises CapacityError when it cannot)."""
+    row = rows[int(rng.integers(len(rows)))]
+    new = min(storage.table.context_len, int(storage.table.seq_lens[row]) + int(rng.integers(1, most)))
+    vtok = storage.alloc_extend(np.array([row]), np.array([new]))
+    if payloads is not None:
+        payloads.write_tokens(np.array([row]), vtok)
+
+
+def finish_random(storage, rng, rows: list) -> None:
+    """Free a random running request."""
+    storage.free_rows(np.array([rows.pop(int(rng.integers(len(rows))))]))

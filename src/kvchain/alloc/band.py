@@ -262,6 +262,12 @@ class Band:
             self._apply(Clear.HOST_WAIT if use.hazard is Hazard.NETWORK else Clear.STREAM_WAIT, use, waited,
                         Consumer.SCHEDULE_COPY)
 
+    def clear_for_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Order a schedule-stream copy of live pages `src` onto live pages `dst` (a state copy)
+        after everything the ledger says may still touch them (LEDG-14..17)."""
+        self._wait_writers(src)
+        self._drain_pending_reuse(Consumer.SCHEDULE_COPY, dst)
+
     # -- taking -----------------------------------------------------------------------------
 
     def _acquire(self, n: int, after: BandSnap | None = None, consumer: Consumer = Consumer.ZERO) -> np.ndarray:

@@ -624,8 +624,7 @@ class UnifiedRadixCache:
             for w, pool in enumerate(self.windows):
                 lo = int(node.window_lo[w])
                 if lo < node.n_pages:
-                    band = storage.allocator.bands[pool.index]
-                    with_ops(storage, band.free_virtual, node.vpages[lo:])
+                    storage.free_window_rows(pool.name, node.vpages[lo:])
                     self.stats["evicted_window_pages"] += node.n_pages - lo
                     freed.add(pool.name, node.n_pages - lo)
                     node.window_lo[w] = node.n_pages
@@ -658,9 +657,3 @@ def _first_bound_of_suffix(flags: np.ndarray) -> int:
     false = np.flatnonzero(~flags)
     return int(false[-1]) + 1 if len(false) else 0
 
-
-def with_ops(storage: KVStorage, fn, *args):
-    from ..alloc.band import allocator_operation
-
-    with allocator_operation():
-        return fn(*args)

@@ -47,7 +47,8 @@ def test_levels(monkeypatch):
 
 @pytest.mark.parametrize("level", ["1", "2"])
 def test_double_free_is_fatal_at_both_levels(monkeypatch, level):
-    """CHK-4, CHK-5: `band.free_of_bound_page` fails a double free at level 1 and 2."""
+    """CHK-3, CHK-4, CHK-5: from level 1 on the pool runs its checks, and `band.free_of_bound_page`
+    fails a double free at level 1 and 2."""
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", level)
     storage = small_storage()
     _one_request(storage)

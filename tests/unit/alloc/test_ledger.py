@@ -63,8 +63,9 @@ def _base_and_frontier(storage, rows):
 
 
 def test_backup_does_not_hold_a_move_but_fences_its_source():
-    """HIC-3, COMP-19: a move of a page a backup reads does not wait it; the vacated source stays
-    a hole its next writer waits the copy for."""
+    """HIC-3, COMP-19, LEDG-3, LEDG-5: a move of a page a backup reads does not wait it; the
+    vacated source stays a hole its next writer waits the copy for, fenced until the backup's
+    record ends."""
     storage, dev = modeled_storage(chain_kib=16)
     chain = storage.allocator
     chain.decisions = []
@@ -269,7 +270,8 @@ def test_host_read_after_a_stream_wait_is_flagged(monkeypatch):
 
 
 def test_ledger_is_empty_at_quiescence():
-    """HARN-12's condition on a full cycle of uses: forwards retire, transfers end."""
+    """HARN-12's condition on a full cycle of uses, LEDG-3/4: forwards retire, a host copy's record
+    ends with `end_host_transfer`, a network transfer's with `end_network_transfer`."""
     storage, dev = modeled_storage()
     row, vtok = request(storage, 8)
     rec = launch_forward(storage, np.array([row]), vtok)

@@ -11,8 +11,8 @@ from support.modeled import launch_forward, modeled_storage, process, request
 
 
 def test_free_under_a_forward_pends_and_is_released_when_processed():
-    """LIFE-24, LIFE-26, LIFE-27: a page freed under a recorded forward pends, counts as free, and
-    returns to the holes when that forward is processed."""
+    """LIFE-23, LIFE-24, LIFE-26, LIFE-27: a page freed under a recorded forward pends, counts as
+    free, and returns to the holes when that forward is processed."""
     storage, _dev = modeled_storage()
     row, vtok = request(storage, 12)
     owner = storage.allocator.owner

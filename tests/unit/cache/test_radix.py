@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvchain.cache.radix import CheckpointStrategy, UnifiedRadixCache
 from kvchain.errors import CapacityError
 from support.chains import small_storage
+from support.tree import cache_sequence
 
 
 def _reads_from(pool, length):
@@ -40,19 +41,6 @@ def test_covered_ends_match_a_per_end_check(data):
     assert np.array_equal(tree._covered_ends(bound, n), _naive_covered(tree, bound, n))
 
 
-def _cache_sequence(storage, tree, tokens):
-    """Prefill `tokens` in a row and hand its whole pages to the tree, as a finished request does."""
-    row = storage.alloc_row()
-    storage.alloc_extend(np.array([row]), np.array([len(tokens)]))
-    n = len(tokens) // storage.page_size
-    table = storage.table
-    result = tree.insert(tokens[: n * storage.page_size], table.page_table[row, :n].copy(), table.window_lo[row], -1)
-    if len(result.duplicates):
-        storage.free_virtual_pages(result.duplicates)
-    storage.release_to_tree(row, n)
-    storage.free_rows(np.array([row]))
-
-
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_match_finds_the_longest_cached_page_prefix(data):
@@ -67,7 +55,7 @@ def test_match_finds_the_longest_cached_page_prefix(data):
         tail = np.array(data.draw(st.lists(st.integers(4, 6), min_size=0, max_size=20)), dtype=np.int32)
         seq = np.concatenate([base[:cut], tail])
         if len(seq) >= ps:
-            _cache_sequence(storage, tree, seq)
+            cache_sequence(storage, tree, seq)
             cached.append(seq[: (len(seq) // ps) * ps])
     query = np.concatenate([base[: data.draw(st.integers(0, 40))],
                             np.array(data.draw(st.lists(st.integers(1, 6), max_size=10)), dtype=np.int32)])
@@ -101,7 +89,7 @@ def test_a_window_lock_survives_a_split_under_it():
     tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
     ps = storage.page_size
     tokens = np.arange(1, 8 * ps + 1, dtype=np.int32)
-    _cache_sequence(storage, tree, tokens)
+    cache_sequence(storage, tree, tokens)
     match = tree.match_prefix(tokens[: 8 * ps - 1])
     tree.lock(match.node)
     lock = tree.lock_window(match.node, match.length)
@@ -123,7 +111,7 @@ def test_a_window_lock_gives_back_what_the_request_has_left_behind():
     tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
     ps = storage.page_size
     tokens = np.arange(1, 20 * ps + 1, dtype=np.int32)
-    _cache_sequence(storage, tree, tokens)
+    cache_sequence(storage, tree, tokens)
     match = tree.match_prefix(tokens[: 20 * ps - 1])  # 19 pages = 38 tokens
     tree.lock(match.node)
     lock = tree.lock_window(match.node, match.length)
@@ -147,7 +135,7 @@ def test_a_chunked_window_lock_holds_only_the_current_chunk():
     tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
     ps = storage.page_size
     tokens = np.arange(1, 20 * ps + 1, dtype=np.int32)
-    _cache_sequence(storage, tree, tokens)
+    cache_sequence(storage, tree, tokens)
     match = tree.match_prefix(tokens[: 20 * ps - 1])  # 38 tokens: its chunk began at 32
     tree.lock(match.node)
     lock = tree.lock_window(match.node, match.length)
@@ -196,7 +184,7 @@ def test_window_locks_protect_exactly_what_running_requests_read(data):
             tail = np.array(data.draw(st.lists(st.integers(3, 4), max_size=12)), dtype=np.int32)
             seq = np.concatenate([base[:cut], tail])
             try:
-                _cache_sequence(storage, tree, seq)
+                cache_sequence(storage, tree, seq)
             except CapacityError:
                 pytest.fail("the test's arena is too small for what it caches")
         elif op == "run":

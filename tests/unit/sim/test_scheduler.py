@@ -49,7 +49,7 @@ def _check_window_bound(pool, sched):
        chain_kib=st.integers(10, 40), strategy=st.sampled_from(list(CheckpointStrategy)),
        budget=st.sampled_from([16, 64, 256]))
 def test_every_admitted_request_finishes_and_nothing_leaks(seed, window, state, chain_kib, strategy, budget):
-    """ADM-9..11, WIN-1..16, CHK-15: over random workloads with shared prefixes, every request ends
+    """ADM-9..11, CHK-15: over random workloads with shared prefixes, every request ends
     finished, aborted or rejected (none waits forever); every request that was admitted finishes;
     the tree never returns freed pages; at idle nothing leaks and byte accounting is exact."""
     pool = world(chain_kib=chain_kib, window=window, state=state, strategy=strategy)
