@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .requests import expand_runs
+
 if TYPE_CHECKING:
     from .storage import KVStorage
 
@@ -51,13 +53,7 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, checkpoints: np.nda
             continue
         np.maximum(counts, 0, out=counts)
         n = int(counts.sum())
-        if counts.max() == 1:  # some rows retire one page each
-            moved = counts > 0
-            vpages = table.page_table[rows[moved], old_lo[moved]]
-        else:
-            starts = np.cumsum(counts) - counts
-            col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
-            vpages = table.page_table[np.repeat(rows, counts), col]
+        vpages = table.page_table[expand_runs(rows, old_lo, counts)]
         band.free_virtual(vpages)
         freed += n
         window_lo[rows] = np.maximum(old_lo, new_lo)

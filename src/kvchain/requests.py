@@ -14,6 +14,17 @@ from .sizing import pages_for
 NO_SLOT = -1
 
 
+def expand_runs(rows: np.ndarray, first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (row, position) of per-row runs: positions `first[i]` to `first[i] + counts[i] - 1` of
+    `rows[i]`, in order, in one vectorised pass; runs of at most one skip the expansion. `counts`
+    must be non-negative."""
+    if counts.max(initial=0) <= 1:
+        kept = counts > 0
+        return rows[kept], first[kept]
+    starts = np.cumsum(counts) - counts
+    offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+    return np.repeat(rows, counts), np.repeat(first, counts) + offsets
+
 class RowResets:
     """Rows handed out since the last forward. Request-scoped device state is not reset when a row
     is handed out (that would race the previous owner's last forward); the next forward resets the

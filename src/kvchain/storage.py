@@ -26,7 +26,7 @@ from .errors import CapacityError, InputError, InvariantError
 from .layout.views import SubPoolView
 from .memory.arena import KVArena
 from .plan import KVStoragePlan, PoolKind
-from .requests import NO_SLOT, RequestTable
+from .requests import NO_SLOT, RequestTable, expand_runs
 from .routed_cache import RoutedKVCache
 from .sizing import PlanSizing, pages_for
 
@@ -131,13 +131,7 @@ class KVStorage:
         n = int(counts.sum())
         need_slot = rows[table.state_slot[rows] == NO_SLOT] if self.allocator.state_band is not None else rows[:0]
         if n or len(need_slot):
-            if not n or counts.max() == 1:  # decode: one new page for some rows
-                grown = counts > 0
-                row_idx, col = rows[grown], old_pages[grown]
-            else:
-                starts = np.cumsum(counts) - counts
-                row_idx = np.repeat(rows, counts)
-                col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
+            row_idx, col = expand_runs(rows, old_pages, counts)
             self._take_rows_pages(row_idx, col, need_slot)
         table.seq_lens[rows] = new_lens
         return self._written_tokens(rows, old_lens, new_lens)
@@ -173,11 +167,7 @@ class KVStorage:
         ps = self.page_size
         if (counts == 1).all():  # decode
             return self.table.page_table[rows, old_lens // ps] * ps + old_lens % ps
-        total = int(counts.sum())
-        starts = np.cumsum(counts) - counts
-        pos = np.repeat(old_lens, counts) + (np.arange(total) - np.repeat(starts, counts))
-        row_idx = np.repeat(rows, counts)
-        ps = self.page_size
+        row_idx, pos = expand_runs(rows, old_lens, counts)
         return self.table.page_table[row_idx, pos // ps] * ps + pos % ps
 
     @_operation

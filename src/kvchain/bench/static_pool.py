@@ -13,6 +13,7 @@ from ..advance import window_keep_from
 from ..alloc.id_space import IdStack
 from ..errors import CapacityError
 from ..plan import KVStoragePlan, PoolKind
+from ..requests import expand_runs
 from ..sizing import PlanSizing
 
 
@@ -49,13 +50,7 @@ class StaticPagedPool:
             need = len(fresh) if p["pool"].kind is PoolKind.STATE else n
             if need > len(p["free"]):
                 raise CapacityError(f"static pool {p['pool'].name} is out of pages")
-        if counts.max() == 1:
-            grown = counts > 0
-            row_idx, col = rows[grown], old_pages[grown]
-        else:
-            starts = np.cumsum(counts) - counts
-            row_idx = np.repeat(rows, counts)
-            col = np.repeat(old_pages, counts) + (np.arange(n) - np.repeat(starts, counts))
+        row_idx, col = expand_runs(rows, old_pages, counts)
         for p in self.pools:
             if p["pool"].kind is PoolKind.STATE:
                 p["table"][fresh, 0] = p["free"].pop(len(fresh))
@@ -94,13 +89,7 @@ class StaticPagedPool:
             counts = np.maximum(new_lo - old_lo, 0)
             n = int(counts.sum())
             if n:
-                if counts.max() == 1:
-                    moved = counts > 0
-                    ridx, col = rows[moved], old_lo[moved]
-                else:
-                    starts = np.cumsum(counts) - counts
-                    col = np.repeat(old_lo, counts) + (np.arange(n) - np.repeat(starts, counts))
-                    ridx = np.repeat(rows, counts)
+                ridx, col = expand_runs(rows, old_lo, counts)
                 p["free"].push(p["table"][ridx, col])
                 p["table"][ridx, col] = 0
             p["lo"][rows] = np.maximum(old_lo, new_lo)

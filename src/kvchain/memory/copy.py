@@ -88,14 +88,7 @@ class PageCopier:
                 s0, d0, k = int(src[a]), int(dst[a]), b - a
                 words[d0 : d0 + k].copy_(words[s0 : s0 + k])
             return
-        rows = self.staging.numel() // per_page
-        stage = self.staging[: rows * per_page].view(rows, per_page)
-        for start in range(0, len(src), rows):
-            s = self._index(src[start : start + rows])
-            d = self._index(dst[start : start + rows])
-            k = len(s)
-            torch.index_select(words, 0, s, out=stage[:k])
-            words.index_copy_(0, d, stage[:k])
+        self._copy_in_order(words, src, dst)  # disjoint pages: the in-order staging pass is exact too
 
     def zero_pages(self, band: Band, ids: np.ndarray) -> None:
         if self.meta or not len(ids):  # a meta arena holds no bytes to zero

@@ -10,10 +10,10 @@ from .parts import (
     FamilyLayers,
     Kind,
     attention_geometry,
-    attention_lifetime,
     conv_kernel,
     kinds_subset,
     mamba1_state,
+    optional_window_lifetime,
 )
 
 _PERIOD_DEFAULT = 8  # JambaConfig's defaults
@@ -37,11 +37,7 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
     attention = None
     if Kind.FULL in kinds:
         # Jamba's attention honours sliding_window when a config sets one (published ones: null).
-        window = fields.optional_integer("sliding_window")
-        kind = Kind.WINDOW if window is not None else Kind.FULL
-        attention = KVPart(
-            attention_geometry(fields, ctx), attention_lifetime(kind, window, fields, "sliding_window")
-        )
+        attention = KVPart(attention_geometry(fields, ctx), optional_window_lifetime(fields))
     state = None
     if Kind.RECURRENT in kinds:
         state = mamba1_state(

@@ -11,9 +11,9 @@ from .parts import (
     FamilyLayers,
     Kind,
     attention_geometry,
-    attention_lifetime,
     conv_kernel,
     mamba2_state,
+    optional_window_lifetime,
 )
 
 _PATTERN_KINDS = {"M": Kind.RECURRENT, "*": Kind.FULL, "-": Kind.NONE, "E": Kind.NONE}
@@ -29,10 +29,8 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
 
     attention = None
     if Kind.FULL in kinds:
-        window = fields.optional_integer("sliding_window")
-        kind = Kind.WINDOW if window is not None else Kind.FULL
         geometry = attention_geometry(fields, ctx, head_dim_names=("head_dim", "attention_head_dim"))
-        attention = KVPart(geometry, attention_lifetime(kind, window, fields, "sliding_window"))
+        attention = KVPart(geometry, optional_window_lifetime(fields))
     state = None
     if Kind.RECURRENT in kinds:
         state = mamba2_state(

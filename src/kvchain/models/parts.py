@@ -98,6 +98,13 @@ def attention_lifetime(kind: Kind, window: int | None, fields: Fields, window_fi
     return WindowLifetime(window, chunked=kind is Kind.CHUNKED)
 
 
+def optional_window_lifetime(fields: Fields) -> Lifetime:
+    """Attention that slides when the config sets `sliding_window` and is full when it is null
+    (the hybrids whose published configs leave it null)."""
+    window = fields.optional_integer("sliding_window")
+    return attention_lifetime(Kind.WINDOW if window is not None else Kind.FULL, window, fields, "sliding_window")
+
+
 # ---------------------------------------------------------------- recurrent state
 
 
