@@ -79,3 +79,26 @@ def test_console_script_runs():
     done = subprocess.run([sys.executable, "-m", "kvchain.cli", "plan", "--model", "no-such", "--budget", "1GiB"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown preset" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_module_run_sees_the_subcommands_of_the_table():
+    """`python -m kvchain.cli` runs cli.py as __main__: the table, not registration on import, lists
+    the subcommands, so `simulate` is one of them there too."""
+    done = subprocess.run([sys.executable, "-m", "kvchain.cli", "simulate", "--model", "no-such", "--budget", "1GiB"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("kvchain simulate: error: unknown preset") and done.stderr.count("\n") == 1
+
+
+def test_help_lists_every_row_of_the_table_in_order(capsys):
+    from kvchain.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    names = [c.name for c in COMMANDS]
+    assert names == ["plan", "models", "bench", "simulate", "stress", "trace"]
+    assert "{" + ",".join(names) + "}" in out
+    for c in COMMANDS:
+        assert c.help.split(":")[0] in " ".join(out.split())

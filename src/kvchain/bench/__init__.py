@@ -6,38 +6,36 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli import _positive_int, command
+from ..cli_common import positive_int, progress
 
 
-def _configure(p: argparse.ArgumentParser) -> None:
+def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     alloc = sub.add_parser("alloc", help="host us per decode iteration: chain allocator vs a static pool")
-    alloc.add_argument("--iters", type=_positive_int, default=2000)
-    alloc.add_argument("--batch", type=_positive_int, default=256)
-    alloc.add_argument("--page-size", type=_positive_int, default=64)
+    alloc.add_argument("--iters", type=positive_int, default=2000)
+    alloc.add_argument("--batch", type=positive_int, default=256)
+    alloc.add_argument("--page-size", type=positive_int, default=64)
     alloc.add_argument("--seed", type=int, default=0)
     alloc.add_argument("--json", action="store_true")
     moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_")
-    moves.add_argument("--page-size", type=_positive_int, default=64)
+    moves.add_argument("--page-size", type=positive_int, default=64)
     moves.add_argument("--device", default="cpu", help="cpu or cuda")
     moves.add_argument("--json", action="store_true")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from ..errors import InputError
 
-    console = Console(stderr=True)
     if args.bench == "alloc":
         from .alloc import run_alloc_bench
 
-        with Progress(console=console, transient=True, disable=args.json) as progress:
-            task = progress.add_task("bench alloc", total=args.iters)
+        with progress(disable=args.json) as bar:
+            task = bar.add_task("bench alloc", total=args.iters)
             result = run_alloc_bench(iters=args.iters, batch=args.batch, page_size=args.page_size,
-                                     seed=args.seed, progress=lambda n: progress.advance(task, n))
+                                     seed=args.seed, progress=lambda n: bar.advance(task, n))
         rows = [("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", "static_us_per_iter"),
                 ("ratio (kvchain / static)", "ratio")]
     else:
@@ -66,5 +64,3 @@ def _run(args: argparse.Namespace) -> int:
     Console().print(table)
     return 0
 
-
-command("bench", "benchmarks that print a ratio against a baseline from the same run")(_configure)(_run)

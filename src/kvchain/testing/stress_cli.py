@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import _positive_int, command
+from ..cli_common import positive_int, progress
 from ..errors import InputError
 
 
@@ -46,10 +46,10 @@ def _page_sizes(text: str) -> list[int]:
 # ----------------------------------------------------------------------------------- stress
 
 
-def _configure_stress(p: argparse.ArgumentParser) -> None:
+def configure_stress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=_seed_range, default=range(0, 20), help="seed range A:B (default 0:20)")
-    p.add_argument("--ops", type=_positive_int, default=400, help="operations per seed (default 400)")
-    p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
+    p.add_argument("--ops", type=positive_int, default=400, help="operations per seed (default 400)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--minimize", action="store_true", help="shrink each failing sequence to a minimal one")
     p.add_argument("--out", type=Path, default=None, help="folder for failing cases (JSON)")
     p.add_argument("--replay", type=Path, default=None, help="replay a saved case instead of seeds")
@@ -157,9 +157,9 @@ def _replay(args: argparse.Namespace) -> int:
     return 1
 
 
-def _run_stress(args: argparse.Namespace) -> int:
+def run_stress(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from . import checks, mutants
@@ -176,19 +176,17 @@ def _run_stress(args: argparse.Namespace) -> int:
         raise InputError("--minimize needs --device modeled (a real device does not replay the same timing)")
     jobs = [_Job(s, args.ops, args.device, args.minimize, str(args.out) if args.out else None, until, args.mutant)
             for s in args.seeds]
-    console = Console(stderr=True)
     results: list[dict] = []
     start = time.perf_counter()
-    with Progress(TextColumn("[bold]stress[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, transient=True,
-                  disable=args.json) as progress:
-        task = progress.add_task(f"{len(jobs)} seeds x {args.ops} ops", total=len(jobs), rate="")
+    with progress(TextColumn("[bold]stress[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), disable=args.json) as bar:
+        task = bar.add_task(f"{len(jobs)} seeds x {args.ops} ops", total=len(jobs), rate="")
 
         def done(out: dict) -> None:
             results.append(out)
             ops = sum(r["ops"] for r in results)
             failed = sum(1 for r in results if r["failure"])
-            progress.update(task, advance=1, rate=f"{ops / (time.perf_counter() - start):,.0f} ops/s"
+            bar.update(task, advance=1, rate=f"{ops / (time.perf_counter() - start):,.0f} ops/s"
                             + (f"  [red]{failed} failed[/]" if failed else ""))
 
         if args.jobs == 1:
@@ -243,20 +241,17 @@ def _run_stress(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-command("stress", "page-safety stress harness: random scheduler operations on two modeled ranks, "
-        "checked after every operation")(_configure_stress)(_run_stress)
-
 
 # ----------------------------------------------------------------------------------- trace
 
 
-def _configure_trace(p: argparse.ArgumentParser) -> None:
+def configure_trace(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="trace", required=True, parser_class=type(p))
     rec = sub.add_parser("record", help="record allocator traces from the scenarios and seeds")
     rec.add_argument("--page-sizes", type=_page_sizes, default=[1, 16, 64], help="e.g. 1,16,64 (default)")
     rec.add_argument("--out", type=Path, required=True, help="the JSONL trace to write")
     rec.add_argument("--seeds", type=_seed_range, default=range(0, 4), help="seeded runs per configuration (0:4)")
-    rec.add_argument("--steps", type=_positive_int, default=120, help="steps per seeded run (default 120)")
+    rec.add_argument("--steps", type=positive_int, default=120, help="steps per seeded run (default 120)")
     rec.add_argument("--scenarios", type=Path, default=None, help="scenario folder (default tests/scenarios)")
     cmp = sub.add_parser("compare", help="replay a recorded trace against this checkout")
     cmp.add_argument("--trace", type=Path, required=True, help="a JSONL trace from `kvchain trace record`")
@@ -275,7 +270,7 @@ def _scenario_folder(path: Path | None) -> Path:
     raise InputError("no tests/scenarios folder found; pass --scenarios")
 
 
-def _run_trace(args: argparse.Namespace) -> int:
+def run_trace(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from . import trace
@@ -305,5 +300,3 @@ def _run_trace(args: argparse.Namespace) -> int:
         console.print(f"{runs - diverged} of {runs} runs match" + (f", {diverged} diverge" if diverged else ""))
     return 1 if diverged else 0
 
-
-command("trace", "record allocator traces and compare this checkout against them")(_configure_trace)(_run_trace)
