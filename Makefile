@@ -20,10 +20,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	@$(VENV)/bin/ruff check src tests
+	@$(VENV)/bin/lint-imports --no-cache --no-logo
 	@$(PY) -m pytest -q -n $(JOBS)
 
 lint: $(STAMP)
 	@$(VENV)/bin/ruff check src tests
+	@$(VENV)/bin/lint-imports --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
