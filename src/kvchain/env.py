@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import EnvVarError
+
 
 class InvariantCheckLevel(enum.IntEnum):
     """`KVCHAIN_INVARIANT_CHECK`: 0 off, 1 warn (fatal checks still raise), 2 strict."""
@@ -32,9 +34,12 @@ def _bool(text: str) -> bool:
 
 
 def _level(text: str) -> InvariantCheckLevel:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
     if value not in (0, 1, 2):
-        raise ValueError(f"KVCHAIN_INVARIANT_CHECK must be 0, 1 or 2, not {text!r}")
+        raise EnvVarError(f"KVCHAIN_INVARIANT_CHECK must be 0, 1 or 2, not {text!r}")
     return InvariantCheckLevel(value)
 
 
@@ -86,11 +91,19 @@ VARIABLES: dict[str, EnvVar] = {
 
 def get(name: str) -> object:
     """The parsed value of a declared variable (its default when unset; None when it has none)."""
-    var = VARIABLES[name]
+    var = VARIABLES.get(name)
+    if var is None:
+        raise EnvVarError(f"{name} is not a declared variable ({len(VARIABLES)} are: see kvchain.env.VARIABLES)")
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return None if var.default is None else var.parse(var.default)
-    return var.parse(raw)
+    try:
+        return var.parse(raw)
+    except EnvVarError:
+        raise
+    except ValueError:
+        kind = getattr(var.parse, "__name__", "value").lstrip("_")
+        raise EnvVarError(f"{name}={raw!r} is not a {kind} (default {var.default!r})") from None
 
 
 _LEVELS = {str(int(v)): v for v in InvariantCheckLevel}

@@ -16,6 +16,14 @@ class DeclarationError(InputError):
     """A layer declaration that cannot describe real KV state (bad geometry or lifetime)."""
 
 
+class EnvVarError(InputError):
+    """A `KVCHAIN_*` environment variable set to a value it cannot take, or a name never declared."""
+
+
+class LayoutError(KVChainError, LookupError):
+    """A layer, component or kind of state that a sub-pool's page layout does not hold."""
+
+
 class PlanError(KVChainError):
     """A set of layer declarations that cannot form a chain (no owner, two geometries in a sub-pool)."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import LayoutError
 from .layout.views import SubPoolView
 from .plan import KVStoragePlan, PoolKind
 
@@ -29,21 +30,25 @@ class RoutedKVCache:
         self.routes = {lid: LayerRoute(lid, r["attention"], r["state"]) for lid, r in sorted(routes.items())}
 
     def route(self, layer_id: int) -> LayerRoute:
-        return self.routes[layer_id]
+        try:
+            return self.routes[layer_id]
+        except KeyError:
+            raise LayoutError(f"layer {layer_id} is in no sub-pool of the plan "
+                              f"(layers {min(self.routes)}..{max(self.routes)})") from None
 
     def attention(self, layer_id: int) -> tuple[str, dict[str, torch.Tensor]]:
         """(sub-pool name, {component: [n_pages, page_size, ...] tensor}) for the layer's attention."""
-        name = self.routes[layer_id].attention
+        name = self.route(layer_id).attention
         if name is None:
-            raise KeyError(f"layer {layer_id} has no attention part")
+            raise LayoutError(f"layer {layer_id} has no attention part (its state is in {self.route(layer_id).state!r})")
         view = self.views[name]
         comps = {c.name: view.tensor(layer_id, c.name) for c in view.pool.envelope.components if c.layer_id == layer_id}
         return name, comps
 
     def state(self, layer_id: int) -> tuple[str, dict[str, torch.Tensor]]:
-        name = self.routes[layer_id].state
+        name = self.route(layer_id).state
         if name is None:
-            raise KeyError(f"layer {layer_id} has no state part")
+            raise LayoutError(f"layer {layer_id} has no state part (its attention is in {self.route(layer_id).attention!r})")
         view = self.views[name]
         comps = {c.name: view.tensor(layer_id, c.name) for c in view.pool.envelope.components if c.layer_id == layer_id}
         return name, comps

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..decl import MHA, MLA, Geometry, State
+from ..errors import DeclarationError, LayoutError
 from ..units import dtype_size
 
 #: Components start on this many bytes, and page envelopes are a multiple of it, so every typed
@@ -45,7 +46,10 @@ class PageEnvelope:
         for c in self.components:
             if c.layer_id == layer_id and c.name == name:
                 return c
-        raise KeyError(f"no component {name!r} for layer {layer_id}")
+        layers = sorted({c.layer_id for c in self.components})
+        names = sorted({c.name for c in self.components})
+        raise LayoutError(f"no component {name!r} for layer {layer_id} in this page envelope "
+                          f"(layers {layers}, components {names})")
 
 
 def _align(n: int, a: int = ENVELOPE_ALIGN) -> int:
@@ -62,7 +66,8 @@ def _layer_tensors(geometry: Geometry, tokens: int) -> list[tuple[str, str, tupl
         return [("kv", geometry.dtype, (tokens, geometry.kv_lora_rank + geometry.rope_dim))]
     if isinstance(geometry, State):
         return [(t.name, t.dtype, t.shape) for t in geometry.tensors]
-    raise TypeError(f"unknown geometry {geometry!r}")
+    raise DeclarationError(f"unknown geometry {type(geometry).__name__} {geometry!r} "
+                           "(a layer part is MHA, MLA or State)")
 
 
 def page_envelope(geometry: Geometry, layer_ids: Sequence[int], page_size: int) -> PageEnvelope:

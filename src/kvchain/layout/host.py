@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from ..plan import KVStoragePlan, Placement, PoolKind, SubPool
 from .entry import PageEnvelope
 
@@ -36,7 +37,7 @@ class HostLayout:
 
 def host_layout(pool: SubPool, n_pages: int) -> HostLayout:
     if n_pages < 0:
-        raise ValueError(f"host pages must be >= 0, got {n_pages}")
+        raise InputError(f"host pages for sub-pool {pool.name!r} must be >= 0, got {n_pages}")
     return HostLayout((pool.name,), pool.envelope, n_pages)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError, LayoutError
 from ..plan import PoolKind, SubPool
 from ..units import torch_dtype
 
@@ -16,7 +17,8 @@ class SubPoolView:
 
     def __init__(self, pool: SubPool, pages: torch.Tensor) -> None:
         if pages.dim() != 2 or pages.shape[1] != pool.page_bytes or pages.dtype != torch.uint8:
-            raise ValueError(f"expected a [n, {pool.page_bytes}] uint8 page view, got {tuple(pages.shape)}")
+            raise InputError(f"sub-pool {pool.name!r} needs a [n, {pool.page_bytes}] uint8 page view, "
+                             f"got {tuple(pages.shape)} {pages.dtype}")
         self.pool = pool
         self.pages = pages
         self._tensors: dict[tuple[int, str], torch.Tensor] = {}
@@ -35,7 +37,7 @@ class SubPoolView:
             return self._tensors[(layer_id, name)]
         except KeyError:
             names = sorted({n for (_l, n) in self._tensors})
-            raise KeyError(
+            raise LayoutError(
                 f"sub-pool {self.pool.name!r} has no {name!r} for layer {layer_id} "
                 f"(layers {list(self.pool.layer_ids)}, components {names})"
             ) from None
@@ -52,5 +54,6 @@ class SubPoolView:
 
     def state(self, layer_id: int, name: str) -> torch.Tensor:
         if self.pool.kind is not PoolKind.STATE:
-            raise KeyError(f"sub-pool {self.pool.name!r} holds no recurrent state")
+            raise LayoutError(f"sub-pool {self.pool.name!r} holds {self.pool.kind.value} pages, no recurrent "
+                              f"state (asked for {name!r} of layer {layer_id})")
         return self.tensor(layer_id, name)
