@@ -7,35 +7,37 @@ import argparse
 import json
 
 from ..cache.radix import CheckpointStrategy
-from ..cli_common import add_model_args, byte_size, load_model, positive_int
+from ..cli_common import add_model_args, load_model
+from ..cli_common import byte_size as _byte_size
+from ..cli_common import positive_int as _positive_int
 from ..errors import InputError
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--budget", required=True, type=byte_size, help="bytes for the KV pool, e.g. 80GiB")
+    p.add_argument("--budget", required=True, type=_byte_size, help="bytes for the KV pool, e.g. 80GiB")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default="mixed", help="a built-in workload (default mixed)")
     src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--requests", type=positive_int, default=2000, help="requests to generate or replay (default 2000)")
+    p.add_argument("--requests", type=_positive_int, default=2000, help="requests to generate or replay (default 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pools", default="kvchain,static-default,static-best,uniform-page",
                    help="comma-separated pools to compare")
-    p.add_argument("--page-size", type=positive_int, default=64)
-    p.add_argument("--context", type=positive_int, default=32768, help="context length (default 32768)")
-    p.add_argument("--max-batched-tokens", type=positive_int, default=8192)
-    p.add_argument("--max-running", type=positive_int, default=256)
+    p.add_argument("--page-size", type=_positive_int, default=64)
+    p.add_argument("--context", type=_positive_int, default=32768, help="context length (default 32768)")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--max-running", type=_positive_int, default=256)
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off in every pool")
     p.add_argument("--mamba-radix-cache-strategy", dest="strategy", default="no_buffer",
                    choices=[s.value for s in CheckpointStrategy],
                    help="how every pool's prefix tree caches recurrent state (default no_buffer, the engines' default)")
-    p.add_argument("--checkpoint-every", type=positive_int, default=None,
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None,
                    help="tokens between cached recurrent-state checkpoints (default: sized to the state's cost)")
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
     p.add_argument("--ms-per-step", type=float, default=50.0, help="trace timestamps to steps (default 50 ms)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per step for generated workloads")
-    p.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default: the cores)")
+    p.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: the cores)")
     p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
