@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from importlinter import api as importlinter_api
 
 import kvchain
-
-tomllib = pytest.importorskip("tomllib")
-pytest.importorskip("importlinter")
 
 PACKAGE = Path(kvchain.__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +32,8 @@ def _lint(root: Path, src: Path) -> subprocess.CompletedProcess:
 
 
 def _contracts() -> dict[str, dict]:
-    config = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
-    return {c["id"]: c for c in config["contracts"]}
+    config = importlinter_api.read_configuration(str(PYPROJECT))
+    return {c["id"]: c for c in config["contracts_options"]}
 
 
 @pytest.fixture
