@@ -103,7 +103,7 @@ def get(name: str) -> object:
         raise
     except ValueError:
         kind = getattr(var.parse, "__name__", "value").lstrip("_")
-        raise EnvVarError(f"{name}={raw!r} is not a {kind} (default {var.default!r})") from None
+        raise EnvVarError(f"{name}={raw!r} does not parse as {kind} (default {var.default!r})") from None
 
 
 _LEVELS = {str(int(v)): v for v in InvariantCheckLevel}

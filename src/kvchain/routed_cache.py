@@ -38,17 +38,19 @@ class RoutedKVCache:
 
     def attention(self, layer_id: int) -> tuple[str, dict[str, torch.Tensor]]:
         """(sub-pool name, {component: [n_pages, page_size, ...] tensor}) for the layer's attention."""
-        name = self.route(layer_id).attention
+        route = self.route(layer_id)
+        name = route.attention
         if name is None:
-            raise LayoutError(f"layer {layer_id} has no attention part (its state is in {self.route(layer_id).state!r})")
+            raise LayoutError(f"layer {layer_id} has no attention part (its state is in {route.state!r})")
         view = self.views[name]
         comps = {c.name: view.tensor(layer_id, c.name) for c in view.pool.envelope.components if c.layer_id == layer_id}
         return name, comps
 
     def state(self, layer_id: int) -> tuple[str, dict[str, torch.Tensor]]:
-        name = self.route(layer_id).state
+        route = self.route(layer_id)
+        name = route.state
         if name is None:
-            raise LayoutError(f"layer {layer_id} has no state part (its attention is in {self.route(layer_id).attention!r})")
+            raise LayoutError(f"layer {layer_id} has no state part (its attention is in {route.attention!r})")
         view = self.views[name]
         comps = {c.name: view.tensor(layer_id, c.name) for c in view.pool.envelope.components if c.layer_id == layer_id}
         return name, comps

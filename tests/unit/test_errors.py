@@ -105,7 +105,7 @@ def test_a_bad_check_level_names_the_value(monkeypatch, raw):
 
 def test_a_variable_that_does_not_parse_names_it_its_value_and_its_default(monkeypatch):
     monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "many")
-    with pytest.raises(EnvVarError, match=r"KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL='many' is not a int \(default '64'\)"):
+    with pytest.raises(EnvVarError, match=r"KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL='many' does not parse as int \(default '64'\)"):
         env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL")
     monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "8")
     assert env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL") == 8
