@@ -2,7 +2,7 @@
 
 It answers every capacity question (one layout search on a host-only snapshot) and performs every
 chain allocation. A take plans in place first; when that is short and some layout serves the
-demand, it relieves: urgent recovery (settle every pending batch, park empty floats), the least
+demand, it relieves: recovery (settle every pending batch, park empty floats), the least
 rearrangement planned, realized (compact the ends, relocate floats in `move_order`), then each
 band's pages taken in chain order. When no layout serves the demand it refuses before anything moves.
 
@@ -247,7 +247,8 @@ class ChainAllocator:
             prev_top, next_bottom = self.neighbour_bounds(i)
             after = take_layout(bands[i].snapshot(), pages[i], prev_top, next_bottom)
             if after is not None:
-                return [self.take_from(band, n, after if j == i else None) for j, (band, n) in enumerate(zip(bands, pages))]
+                return [self.take_from(band, n, after if j == i else None)
+                        for j, (band, n) in enumerate(zip(bands, pages))]
         in_place = plan(self.pricing_snapshot(SnapshotMode.TAKE), pages, Step.NO_MOVE)
         if in_place is None:
             if not feasible(self.pricing_snapshot(), pages):
@@ -258,7 +259,8 @@ class ChainAllocator:
         # hand its per-band result to the take instead of computing it again
         return [self.take_from(band, n, after) for band, n, after in zip(self.bands, pages, in_place.after)]
 
-    def take_from(self, band: Band, n: int, after: BandSnap | None = None, consumer: Consumer = Consumer.ZERO) -> np.ndarray:
+    def take_from(self, band: Band, n: int, after: BandSnap | None = None,
+                  consumer: Consumer = Consumer.ZERO) -> np.ndarray:
         """Hand out `n` writable pages of one band: holes, then settled pending batches, then
         frontier growth, then clear what the ledger and the fences record on them and zero them.
 
@@ -324,9 +326,10 @@ class ChainAllocator:
         return layout
 
     def _recover_for_relief(self, read_ahead: bool = True) -> None:
-        """Urgent recovery: read ahead, settle every pending batch of every band, then park floats
-        left empty (ALLOC-11/12/13). After a host wait in the same operation there is no read-ahead:
-        a host read after a stream wait is what the read-ahead exists to avoid (LIFE-41)."""
+        """Relief's recovery (the spec's urgent recovery): read ahead, settle every pending batch of
+        every band, then park floats left empty (ALLOC-11/12/13). After a host wait in the same
+        operation there is no read-ahead: a host read after a stream wait is what the read-ahead
+        exists to avoid (LIFE-41)."""
         settle_first = faults.ACTIVE and faults.active(faults.READ_AFTER_SETTLE)
         if read_ahead and not settle_first:
             self._read_ahead()
@@ -339,7 +342,7 @@ class ChainAllocator:
                 self._add_fences(band.park())
 
     def _read_ahead(self) -> None:
-        """Urgent recovery's first half (ALLOC-11): read on the host everything the layout will read
+        """Recovery's first half (ALLOC-11): read on the host everything the layout will read
         (free lists, pending pages, in-flight write sets, transfer pages) before any stream wait."""
         for band in self.bands:
             for observe in self.host_read_observers:
@@ -516,8 +519,9 @@ class ChainAllocator:
         return gap < self.compaction_gap_fraction * self.layout.chain_bytes
 
     def relief_flush(self, band: Band, hold_network: bool = False) -> int:
-        """The urgent flush, entered only from relief (COMP-4): settled first, uncapped, packs every
-        movable page (COMP-8, COMP-13); floats only hand back boundary holes. Returns pages moved."""
+        """The relief flush (the spec's urgent flush), entered only from relief (COMP-4): settled
+        first, uncapped, packs every movable page (COMP-8, COMP-13); floats only hand back boundary
+        holes. Returns pages moved."""
         if band.placement is Placement.FLOAT:
             return self.flush(band, None)
         geometry_ready(band)
@@ -566,7 +570,8 @@ class ChainAllocator:
         self.wait_fences(band, reloc.fresh)
         self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, reloc.reused))
         key = self.forward_steps.newest_unprocessed()
-        if key is not None and reloc.over_live and not (faults.ACTIVE and faults.active(faults.SKIP_FENCE_WAITS)):
+        skip = faults.ACTIVE and faults.active(faults.SKIP_FENCE_WAITS)
+        if key is not None and reloc.over_live and not skip:
             # the new block overlaps live pages a forward in flight may still read: wait it first
             self._clear(band, forward_reads(key.event, key.step, f"relocation over pages step {key.step} may read"))
         if len(reloc.live):

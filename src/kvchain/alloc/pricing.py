@@ -3,7 +3,8 @@
 A snapshot records each band's counts and byte frontiers, never hole positions, so pricing never
 touches the device. `take_layout` is the one definition of how a band takes pages (holes, then
 pending pages, then frontier growth; a float toward its larger gap; a parked float in the middle of
-its region): the take (`ChainAllocator.take_from`, `Band.hand_out`) calls it too, so pricing and the take cannot disagree.
+its region): the take (`ChainAllocator.take_from`, `Band.hand_out`) calls it too, so pricing and the
+take cannot disagree.
 
 `plan` asks whether a demand (pages per band, chain order) is served under one rearrangement step:
 `NO_MOVE` (bands in place), `FLUSH_ENDS` (the ends compacted) or `RELAYOUT` (floats relocated
@@ -196,7 +197,7 @@ def _packed_pages(b: BandSnap) -> int:
 
 
 def _flushed_end(b: BandSnap) -> BandSnap:
-    """An end after urgent recovery and an urgent flush: pending settled, live pages packed toward
+    """An end after relief's recovery and flush: pending settled, live pages packed toward
     its base around fixed pages, which never move."""
     packed = _packed_pages(b)
     holes = packed - b.live - b.fixed
@@ -206,7 +207,7 @@ def _flushed_end(b: BandSnap) -> BandSnap:
 
 
 def _recovered_float(b: BandSnap) -> BandSnap:
-    """A float after urgent recovery: pending settled into holes; parked when left empty."""
+    """A float after relief's recovery: pending settled into holes; parked when left empty."""
     if b.parked:
         return b
     if b.live + b.fixed == 0:

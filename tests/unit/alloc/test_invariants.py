@@ -10,7 +10,6 @@ import pytest
 from kvchain.alloc import band as band_module
 from kvchain.alloc import invariants
 from kvchain.alloc.band import HOLE
-from kvchain.capacity import capacity_decision
 from kvchain.env import InvariantCheckLevel, invariant_level
 from kvchain.errors import InvariantError
 from support.chains import small_storage
@@ -127,27 +126,6 @@ def test_geometry_ready_warns_at_1_and_raises_at_2(monkeypatch, caplog):
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "2")
     with pytest.raises(InvariantError, match=r"band\.geometry_ready"):
         band_module.geometry_ready(owner)
-
-
-def test_observe_only_read(monkeypatch, caplog):
-    """CAP-13, CHK-13: an estimate read inside a capacity decision raises at 2, logs once at 1,
-    and is free outside decisions."""
-    storage = small_storage()
-    chain = storage.allocator
-    monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "2")
-    chain.available_size()  # outside a decision: fine
-    decide = capacity_decision(lambda: chain.usage())
-    with pytest.raises(InvariantError, match=r"capacity\.observe_only_read"):
-        decide()
-    monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "1")
-    with caplog.at_level(logging.WARNING, logger="kvchain.invariants"):
-        decide()
-        decide()
-    assert caplog.text.count("'usage'") == 1
-    # the real decision paths read no estimate
-    monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "2")
-    assert chain.units_fit([1] * len(chain.bands))
-    assert chain.ensure_capacity([1] * len(chain.bands))
 
 
 def test_idle_leak_check(strict):

@@ -413,31 +413,3 @@ def test_live_unit_counts_are_exact_so_leak_checks_are_exact():
     window.ids.bind(np.array([chain.n_virtual - 1]), leaked)
     storage.allocator.free(window, leaked)
     storage.check_idle()
-
-
-def test_capacity_decision_paths_are_marked():
-    """CAP-15: every capacity decision (`units_fit`, `admits`, `fits_after_frees`,
-    `ensure_capacity`, the memory clip, and `evict_until_fits` through them) prices inside a
-    `capacity_decision` mark, so an estimate read there is flagged (CHK-13)."""
-    storage = small_storage(page_size=2, chain_kib=8)
-    chain = storage.allocator
-    marks = []
-
-    def spy(original):
-        def feasible(snapshot, demand):
-            marks.append(capacity.in_capacity_decision())
-            return original(snapshot, demand)
-        return feasible
-
-    d = [0] * len(chain.bands)
-    d[chain.owner.index] = 3
-    with patched(chain_module, "feasible", spy):
-        chain.units_fit(d)
-        chain.admits(KVDemand(tuple(d), 3, 0))
-        chain.fits_after_frees(d, [1] * len(d))
-        chain.ensure_capacity([x + 10**5 for x in d])
-        chain.max_new_tokens_for_memory(8, 32)
-        capacity.evict_until_fits(storage, None, d)
-    assert len(marks) >= 6 and all(marks)
-    assert not capacity.in_capacity_decision()
-
