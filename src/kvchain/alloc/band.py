@@ -252,7 +252,7 @@ class Band:
     # -- hand-out -----------------------------------------------------------------------------
 
     def hand_out(self, n: int, after: BandSnap | None,
-                 fired: Callable[[Event], bool] | None = None) -> tuple[np.ndarray, np.ndarray | None, list[Wait]]:
+                 fired: Callable[[Event], bool] | None = None) -> tuple[np.ndarray, np.ndarray | None, Sequence[Wait]]:
         """Make `n` pages live: holes, then settled pending batches, then growth to `after` (this
         band's layout after the take, from `take_layout`; needed only when the band grows). Returns
         the pages, those grown over (None when none), and the waits the settled batches need.
@@ -262,7 +262,7 @@ class Band:
         holes, pending = self.n_holes, self.n_pending
         grow = n - holes - pending if n > holes + pending else 0
         from_pending = min(max(0, n - holes), pending)
-        waits: list[Wait] = []
+        waits: Sequence[Wait] = ()
         if from_pending:
             # settled pages are taken at once: a float must not park in between
             waits, _ = self.settle_pending(self.pending.oldest_covering(from_pending), park=False)
@@ -355,7 +355,14 @@ class Band:
             if net.any():
                 self._vacate(ids[net])
                 ids = ids[~net]
-        self._release(ids, key)
+        if key is not None:
+            self.state[ids] = PENDING
+            self.pending.add(key.step, key.event, ids)
+            self.n_pending += len(ids)
+        else:
+            self.state[ids] = HOLE
+            self.holes.push(ids)
+            self.n_holes += len(ids)
         return self._after_free()
 
     def _release(self, ids: np.ndarray, key: LaunchRecord | None) -> None:

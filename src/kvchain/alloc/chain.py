@@ -370,13 +370,16 @@ class ChainAllocator:
         for i in layout.compact_ends:
             self.relief_flush(self.bands[i], hold_network)
         for r in layout.relocations:
-            band = self.bands[r.band]
-            assert isinstance(band, FloatBand)
-            self._relocate(band, r.lo, r.size)
+            self._relocate(self._float(r.band), r.lo, r.size)
         for e in layout.extensions:
-            band = self.bands[e.band]
-            assert isinstance(band, FloatBand)
+            band = self._float(e.band)
             self.wait_fences(band, band.extend(e.side, e.pages))
+
+    def _float(self, index: int) -> FloatBand:
+        band = self.bands[index]
+        if not isinstance(band, FloatBand):
+            raise InvariantError("chain.relief", f"the plan moves {band.name}, which is not a float")
+        return band
 
     def _shortfall_message(self, pages: tuple[int, ...]) -> str:
         parts = [f"{b.name} {n} pages ({b.n_live} live)" for b, n in zip(self.bands, pages) if n]
@@ -533,16 +536,21 @@ class ChainAllocator:
         """One flush of one band: the moves `plan_flush` plans, then the frontier absorbs the holes
         left at it (a float only absorbs; COMP-21, COMP-22). Returns pages moved."""
         if band.placement is Placement.FLOAT:
-            self._add_fences(band.absorb_boundary_holes())
+            fences = band.absorb_boundary_holes()
+            if fences:
+                self.fences += fences
             return 0
         if band.parked or band.span == 0 or not band.n_holes:
             return 0
-        moves = plan_flush(band, max_moves, relief, hold_network)
         moved = 0
-        if moves is not None:
-            self._move(band, moves.src, moves.dst)
-            moved = len(moves.src)
-        self._add_fences(band.absorb_boundary_holes())
+        if max_moves != 0:
+            moves = plan_flush(band, max_moves, relief, hold_network)
+            if moves is not None:
+                self._move(band, moves.src, moves.dst)
+                moved = len(moves.src)
+        fences = band.absorb_boundary_holes()
+        if fences:
+            self.fences += fences
         band.stats["flushes"] += 1
         return moved
 
@@ -605,7 +613,9 @@ class ChainAllocator:
         steps.assert_no_open_launch("free", band.name, len(ids))
         if not len(ids):
             return
-        self._add_fences(band.free(ids, key))
+        fences = band.free(ids, key)
+        if fences:
+            self.fences += fences
 
     def _faulty_free_key(self, key: LaunchRecord) -> LaunchRecord | None:
         """Faults `free_to_holes` and `free_on_fired_event`: a free that ignores the running forward
