@@ -54,7 +54,7 @@ def retire_window_rows(storage: KVStorage, rows: np.ndarray, checkpoints: np.nda
         np.maximum(counts, 0, out=counts)
         n = int(counts.sum())
         vpages = table.page_table[expand_runs(rows, old_lo, counts)]
-        band.free_virtual(vpages)
+        chain.free_virtual(band, vpages)
         freed += n
         window_lo[rows] = np.maximum(old_lo, new_lo)
     return freed

@@ -1,60 +1,14 @@
-"""Capacity entry points: decisions versus estimates.
+"""Capacity entry points above the allocator: the prefix cache's eviction combined with the
+allocator's answer.
 
-Every capacity decision asks whether a concrete demand fits (`ChainAllocator.admits`, `units_fit`,
-`ensure_capacity`, `fits_after_frees`). The scalar estimates (`available_size` and friends) ignore
-alignment, fixed and pending pages and serve stats, logs and error text only. Decision paths are
-marked with `capacity_decision`; an estimate read inside one is flagged by `observe_only_read`
-(it raises at KVCHAIN_INVARIANT_CHECK=2 and logs once per estimate at 1)."""
+The decision/estimate split itself (`capacity_decision`, `observe_only_read`) lives with the
+allocator in `alloc/decisions.py`; it is re-exported here for callers above the allocator."""
 
 from __future__ import annotations
 
-import functools
-import logging
-import threading
-from collections.abc import Callable
-from typing import TypeVar
+from .alloc.decisions import capacity_decision, in_capacity_decision, observe_only_read
 
-from .env import InvariantCheckLevel
-
-log = logging.getLogger("kvchain.capacity")
-F = TypeVar("F", bound=Callable)
-
-_state = threading.local()
-_logged: set[str] = set()
-
-
-def in_capacity_decision() -> bool:
-    return getattr(_state, "depth", 0) > 0
-
-
-def capacity_decision(fn: F) -> F:
-    """Mark a function as a capacity decision path (CAP-15)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        _state.depth = getattr(_state, "depth", 0) + 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _state.depth -= 1
-
-    return wrapper  # type: ignore[return-value]
-
-
-def observe_only_read(estimate: str) -> None:
-    """Called by every availability estimate: flags a read inside a capacity decision (CHK-13)."""
-    if not in_capacity_decision():
-        return
-    from .alloc.invariants import fail, level
-
-    lvl = level()
-    if lvl is InvariantCheckLevel.OFF:
-        return
-    if lvl is InvariantCheckLevel.WARN:
-        if estimate in _logged:
-            return
-        _logged.add(estimate)
-    fail("capacity.observe_only_read", f"estimate {estimate!r} read inside a capacity decision")
+__all__ = ["capacity_decision", "evict_until_fits", "in_capacity_decision", "observe_only_read", "reclaimable_pages"]
 
 
 def evict_until_fits(storage, tree, pages) -> bool:

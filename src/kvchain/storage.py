@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import env
+from . import env, faults
 from .alloc import invariants
 from .alloc.chain import ChainAllocator
 from .alloc.forward_steps import LaunchRecord
@@ -268,9 +268,9 @@ class KVStorage:
             return
         for band in chain.window_bands:
             bound = vpages[band.ids.v2p[vpages] != UNBOUND]
-            band.free_virtual(bound)
+            chain.free_virtual(band, bound)
         check_windows_released(chain, vpages)
-        chain.owner.free_virtual(vpages)
+        chain.free_virtual(chain.owner, vpages)
         chain.virtual_free.push(vpages)
 
     @_operation
@@ -278,7 +278,7 @@ class KVStorage:
         """Free one window's rows of owner pages the caller keeps (the prefix tree evicting a
         node's window rows alone, WIN-5); the owner pages stay bound."""
         band = self.allocator.bands[self.plan.by_name(sub_pool).index]
-        band.free_virtual(np.asarray(vpages, dtype=np.int64))
+        self.allocator.free_virtual(band, np.asarray(vpages, dtype=np.int64))
 
     # -- state slots ---------------------------------------------------------------------------------
 
@@ -305,7 +305,7 @@ class KVStorage:
         chain = self.allocator
         if not len(slots):
             return
-        chain.state_band.free_virtual(slots)
+        chain.free_virtual(chain.state_band, slots)
         chain.slot_free.push(slots)
 
     @_operation
@@ -318,8 +318,7 @@ class KVStorage:
         dst = band.ids.v2p[np.asarray(dst_slots, dtype=np.int64)]
         if (src < 0).any() or (dst < 0).any():
             raise InvariantError("band.free_of_bound_page", "state copy names an unbound slot")
-        band.clear_for_copy(src, dst)
-        self.allocator.copier.move_pages(band, src, dst, label="state_copy")
+        self.allocator.copy_state(src, dst)
 
     # -- translation -----------------------------------------------------------------------------------
 
@@ -379,6 +378,8 @@ class KVStorage:
         """`Scheduler._apply_war_barrier` (LIFE-4/5/6): after each launch and before the previous
         result is processed, the schedule stream waits the running forward's shared-read end, or
         the whole forward stream when it declared none."""
+        if faults.ACTIVE and faults.active(faults.SKIP_WAR_BARRIER):
+            return
         device = self.device
         running = self.allocator.forward_steps.newest_unprocessed()
         event = getattr(running, "shared_read_done", None) if running is not None else None
@@ -390,7 +391,7 @@ class KVStorage:
     def forward_processed(self, record: LaunchRecord) -> None:
         """`Scheduler._on_step_processed` (LIFE-23), after the result processor synchronized a
         completion that covers the forward (LIFE-28)."""
-        self.allocator.forward_steps.forward_processed(record)
+        self.allocator.forward_processed(record)
 
     def reset_new_rows(self) -> np.ndarray:
         """Rows handed out since the last forward: the next forward resets their request state on
@@ -412,7 +413,7 @@ class KVStorage:
         """Physical pages for a host-tier load into `sub_pool`, fixed under a load reservation
         (HIC-4/5). Returns the pages and the reservation to end."""
         band = self.allocator.bands[self.plan.by_name(sub_pool).index]
-        return band.alloc_physical(n)
+        return self.allocator.take_for_load(band, n)
 
     @_operation
     def end_load_reservations(self, sub_pool: str, reservation: PageUse) -> None:
@@ -512,7 +513,7 @@ class KVStorage:
         """Idle checks (CHK-15): no page pending without a forward, no leaked page per sub-pool beyond
         what rows and `held` (e.g. the prefix tree) account for, row states, byte conservation."""
         chain = self.allocator
-        chain.forward_steps.check_idle()
+        chain.check_idle()
         expected = self.expected_live_pages()
         problems = []
         for band in chain.bands:

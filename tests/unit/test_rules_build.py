@@ -111,8 +111,8 @@ def test_every_sub_pool_may_take_bytes_beyond_its_boot_target():
 # -- one allocator, one interface ----------------------------------------------------------------------
 
 
-_ALLOCATOR_CHANGES = ((ChainAllocator, "take"), (Band, "_acquire"), (Band, "bind"), (Band, "free"),
-              (Band, "free_virtual"))
+_ALLOCATOR_CHANGES = ((ChainAllocator, "take"), (Band, "hand_out"), (Band, "bind"), (Band, "free"),
+              (ChainAllocator, "free_virtual"))
 
 
 class _Watch:
@@ -144,7 +144,7 @@ class _Watch:
         def wrapper(*args, **kwargs):
             if self.depth == 0:
                 self.outside.append(name)
-            if name == "_acquire" and self.take_depth == 0:
+            if name == "hand_out" and self.take_depth == 0:
                 self.acquired_outside_take.append(name)
             if name == "take":
                 self.take_depth += 1
@@ -174,7 +174,7 @@ def test_one_chain_allocator_spans_every_band_and_performs_every_take(monkeypatc
     pool = world()
     chain = pool.storage.allocator
     assert [b.pool for b in chain.bands] == list(pool.plan.sub_pools)
-    assert all(b.chain is chain for b in chain.bands)
+    assert all(b.epoch is chain.epoch for b in chain.bands)
     watch = _Watch(monkeypatch)
     _run_workload(pool)
     assert not watch.acquired_outside_take, "pages were handed out outside ChainAllocator.take"
@@ -187,7 +187,7 @@ def test_scheduler_and_prefix_tree_allocate_through_kvstorage(monkeypatch):
     assert pool.tree.storage is pool.storage
     watch = _Watch(monkeypatch)
     _run_workload(pool)
-    assert not [m for m in watch.outside if m in ("take", "_acquire", "bind")], watch.outside
+    assert not [m for m in watch.outside if m in ("take", "hand_out", "bind")], watch.outside
 
 
 def test_prefix_tree_frees_through_kvstorage(monkeypatch):

@@ -1,32 +1,52 @@
-"""`ChainAllocator`: one allocator over every band of the arena.
+"""`ChainAllocator`: one allocator over every band of the arena, and the one executor.
 
 It answers every capacity question (one layout search on a host-only snapshot) and performs every
 chain allocation. A take plans in place first; when that is short and some layout serves the
-demand, it enters urgent recovery (settle every pending batch, park empty floats), plans the least
-rearrangement, realizes it (compact the ends, relocate floats in `move_order`), then takes each
-band's pages in chain order. When no layout serves the demand it refuses before anything moves."""
+demand, it relieves: recovery (settle every pending batch, park empty floats), the least
+rearrangement planned, realized (compact the ends, relocate floats in `move_order`), then each
+band's pages taken in chain order. When no layout serves the demand it refuses before anything moves.
+
+Bands are passive stores (`alloc/band.py`) and compaction plans moves without doing them
+(`alloc/compaction.py`): everything that touches the device, the page copier or the forward steps
+happens here. Every wait goes through `_clear`, and every wait it performs is a `Wait` that
+`page_usage.clearance`, the one reader of `CLEARANCE`, returned."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .. import env
-from ..capacity import capacity_decision, observe_only_read
-from ..device.base import Device
-from ..errors import CapacityError, InvariantError
+from .. import env, faults
+from ..device.base import Device, Event
+from ..errors import CapacityError, InputError, InvariantError
 from ..memory.arena import KVArena
 from ..memory.copy import PageCopier
 from ..plan import KVStoragePlan, Placement, PoolKind
-from .band import HOLE, LIVE, OUT, PENDING, SINK, VACATED, Band, CapacityEpoch, FloatBand, SnapshotMode
+from . import invariants
+from .band import (
+    HOLE,
+    LIVE,
+    OUT,
+    PENDING,
+    SINK,
+    VACATED,
+    Band,
+    FloatBand,
+    SnapshotMode,
+    check_virtual_bound,
+    geometry_ready,
+)
+from .compaction import plan_flush, plan_relocation
+from .decisions import capacity_decision, observe_only_read
 from .demand import DemandPurpose, KVDemand, request_demand
-from .forward_steps import ForwardSteps
+from .forward_steps import ForwardSteps, LaunchRecord
 from .id_space import UNBOUND, IdStack
-from .page_usage import CLEARANCE, Clear, Consumer, Hazard, PageUse
+from .page_usage import Clear, Consumer, Fence, Hazard, PageUse, Wait, clearance, forward_reads
 from .pricing import (
+    BandSnap,
+    CapacityEpoch,
     ChainSnapshot,
     LayoutPlan,
     Step,
@@ -44,16 +64,6 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False
 
 
-@dataclass(eq=False)
-class Fence:
-    """Bytes that left a band while a use of them was unfinished: whichever band next writes them
-    clears the use first (COMP-20)."""
-
-    lo: int
-    hi: int
-    use: PageUse
-
-
 class ChainAllocator:
     """Every band of one arena, in chain order (up end, floats, down end = full-attention owner)."""
 
@@ -63,7 +73,7 @@ class ChainAllocator:
         self.device = device
         self.layout = arena.layout
         self.epoch = CapacityEpoch()
-        self.forward_steps = ForwardSteps(self)
+        self.forward_steps = ForwardSteps(self.epoch)
         self.move_epoch = 0
         self.copier = PageCopier(arena, device, scratch_bytes)
         owner_grid = self.layout.grids[plan.owner.index]
@@ -72,7 +82,7 @@ class ChainAllocator:
         for pool, grid in zip(plan.sub_pools, self.layout.grids):
             cls = FloatBand if pool.placement is Placement.FLOAT else Band
             n_virtual = grid.n_grid if pool.kind is PoolKind.STATE else self.n_virtual
-            self.bands.append(cls(pool, grid, self, n_virtual))
+            self.bands.append(cls(pool, grid, self.epoch, n_virtual))
         self.owner = self.bands[-1]
         self.window_bands = [b for b in self.bands if b.pool.kind is PoolKind.WINDOW]
         self.token_bands = [b for b in self.bands if b.pool.kind is not PoolKind.STATE]
@@ -94,6 +104,9 @@ class ChainAllocator:
         self.waiter = NetworkTransferWaiter(device)
         #: when a list, every decision (pages chosen, frontiers, moves, waits) is appended to it
         self.decisions: list | None = None
+        #: called with what is read whenever the allocator reads device-side state on the host
+        #: (relief's read-ahead): a checker that orders host reads against waits listens here
+        self.host_read_observers: list[Callable[[str], None]] = []
         #: read once at construction, like the rest of the pool's configuration
         self.max_moves_per_call = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
         self.log_compaction_stats = bool(env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"))
@@ -156,7 +169,7 @@ class ChainAllocator:
     def _check_demand(self, pages: Sequence[int]) -> tuple[int, ...]:
         pages = tuple(int(p) for p in pages)
         if len(pages) != len(self.bands) or any(p < 0 for p in pages):
-            raise ValueError(f"demand must be {len(self.bands)} non-negative page counts, got {pages}")
+            raise InputError(f"demand must be {len(self.bands)} non-negative page counts, got {pages}")
         return pages
 
     def _within_caps(self, pages: Sequence[int], freed: Sequence[int] | None = None) -> bool:
@@ -211,10 +224,6 @@ class ChainAllocator:
         self._relieve(pages)
         return True
 
-    def lay_out_for(self, pages: Sequence[int]) -> bool:
-        """The relief a lone short band (`Band.relieve`) runs: same path as a chain take's."""
-        return self.ensure_capacity(pages)
-
     # -- takes ------------------------------------------------------------------------------------
 
     def take(self, pages: Sequence[int]) -> list[np.ndarray]:
@@ -230,7 +239,7 @@ class ChainAllocator:
         if not growers:
             # every band serves its share from holes and pending pages: the in-place plan holds
             # with no growth, so there is nothing to price
-            return [band._acquire(n) if n else _NO_PAGES for band, n in zip(bands, pages)]
+            return [self.take_from(band, n) if n else _NO_PAGES for band, n in zip(bands, pages)]
         if len(growers) == 1:
             # one band grows and no other band's span changes, so its in-place layout against its
             # neighbours as they stand is the in-place plan's answer for it
@@ -238,19 +247,77 @@ class ChainAllocator:
             prev_top, next_bottom = self.neighbour_bounds(i)
             after = take_layout(bands[i].snapshot(), pages[i], prev_top, next_bottom)
             if after is not None:
-                return [band._acquire(n, after if j == i else None) for j, (band, n) in enumerate(zip(bands, pages))]
+                return [self.take_from(band, n, after if j == i else None)
+                        for j, (band, n) in enumerate(zip(bands, pages))]
         in_place = plan(self.pricing_snapshot(SnapshotMode.TAKE), pages, Step.NO_MOVE)
         if in_place is None:
             if not feasible(self.pricing_snapshot(), pages):
                 raise CapacityError(self._shortfall_message(pages))
             self._relieve(pages)
-            return [band._acquire(n) for band, n in zip(self.bands, pages)]
+            return [self.take_from(band, n) for band, n in zip(self.bands, pages)]
         # the in-place plan ran take_layout on each band in chain order on the current state:
         # hand its per-band result to the take instead of computing it again
-        return [band._acquire(n, after) for band, n, after in zip(self.bands, pages, in_place.after)]
+        return [self.take_from(band, n, after) for band, n, after in zip(self.bands, pages, in_place.after)]
+
+    def take_from(self, band: Band, n: int, after: BandSnap | None = None,
+                  consumer: Consumer = Consumer.ZERO) -> np.ndarray:
+        """Hand out `n` writable pages of one band: holes, then settled pending batches, then
+        frontier growth, then clear what the ledger and the fences record on them and zero them.
+
+        `after` is the band's layout after the take when the caller already computed it with
+        `take_layout` on the current state (a chain take's in-place plan). Every failure check
+        runs before anything settles, so a refused take changes nothing (ALLOC-7)."""
+        self.forward_steps.assert_no_open_launch("take", band.name, n)
+        if n <= 0:
+            return _NO_PAGES
+        if after is None and n > band.n_holes + band.n_pending:
+            prev_top, next_bottom = self.neighbour_bounds(band.index)
+            after = take_layout(band.snapshot(), n, prev_top, next_bottom)
+            if after is None:
+                raise CapacityError(
+                    f"{band.name}: cannot take {n} pages (holes {band.n_holes}, pending {band.n_pending}, "
+                    f"span {band.span}, growth room exhausted)"
+                )
+        fired = self.device.query if faults.ACTIVE and faults.active(faults.HOLES_BY_FIRED_EVENT) else None
+        ids, grown, settled = band.hand_out(n, after, fired)
+        if settled:
+            self._settle_waits(band, settled)
+        if grown is not None:
+            self.wait_fences(band, grown)
+        if band.usage.uses or band.usage.unknown_writer is not None:
+            # what the pages need is read only now, after they were chosen (LEDG-9, LEDG-32)
+            self._clear(band, band.usage.clearance(consumer, ids))
+        self._zero(band, ids, grown)
+        self.log("take", band.name, ids)
+        return ids
+
+    def _zero(self, band: Band, ids: np.ndarray, grown: np.ndarray | None) -> None:
+        """MHA and MLA pages are zeroed on hand-out (ALLOC-20): kernels load whole pages, and a stale
+        NaN or a neighbour's FP32 state bytes read as BF16 would still reach the output."""
+        if not band.zero_on_handout:
+            return
+        if faults.ACTIVE:
+            if faults.active(faults.SKIP_ZEROING):
+                return
+            if grown is not None and faults.active(faults.UNZEROED_GROWTH):
+                ids = ids[~np.isin(ids, grown)]
+        if not len(ids):
+            return
+        band.stats["zeroed_pages"] += len(ids)
+        self.copier.zero_pages(band.grid, ids)
+
+    def take_alone(self, band: Band, n: int, consumer: Consumer = Consumer.ZERO) -> np.ndarray:
+        """A lone band's take (a host-tier load's, ALLOC-19): when it falls short it runs the same
+        relief as a chain take's, then takes. Raises CapacityError, with nothing changed, when no
+        layout of the arena serves it."""
+        demand = [0] * len(self.bands)
+        demand[band.index] = n
+        if not self.ensure_capacity(demand):
+            raise CapacityError(f"{band.name}: no layout of the arena serves {n} more pages ({band.n_live} live)")
+        return self.take_from(band, n, consumer=consumer)
 
     def _relieve(self, pages: tuple[int, ...]) -> LayoutPlan:
-        self._urgent_recovery()
+        self._recover_for_relief()
         layout, hold_network = self._relief_plan(pages)
         if layout is None:
             raise InvariantError("chain.relief", f"feasible said yes but no relief plan serves {pages}")
@@ -258,18 +325,29 @@ class ChainAllocator:
         self.realize(layout, hold_network)
         return layout
 
-    def _urgent_recovery(self, read_ahead: bool = True) -> None:
-        """Read ahead, settle every pending batch of every band, then park floats left empty
-        (ALLOC-11/12/13). After a host wait in the same operation there is no read-ahead: a host
-        read after a stream wait is what the read-ahead exists to avoid (LIFE-41)."""
-        if read_ahead:
-            for band in self.bands:
-                band.read_ahead_for_recovery()
+    def _recover_for_relief(self, read_ahead: bool = True) -> None:
+        """Relief's recovery (the spec's urgent recovery): read ahead, settle every pending batch of
+        every band, then park floats left empty (ALLOC-11/12/13). After a host wait in the same
+        operation there is no read-ahead: a host read after a stream wait is what the read-ahead
+        exists to avoid (LIFE-41)."""
+        settle_first = faults.ACTIVE and faults.active(faults.READ_AFTER_SETTLE)
+        if read_ahead and not settle_first:
+            self._read_ahead()
         for band in self.bands:
-            band.settle_pending_for_recovery()
+            self._settle(band, park=False)
+        if read_ahead and settle_first:
+            self._read_ahead()
         for band in self.bands:
             if isinstance(band, FloatBand) and not band.parked and band.n_live + band.n_fixed + band.n_vacated == 0:
-                band.park()
+                self._add_fences(band.park())
+
+    def _read_ahead(self) -> None:
+        """Recovery's first half (ALLOC-11): read on the host everything the layout will read
+        (free lists, pending pages, in-flight write sets, transfer pages) before any stream wait."""
+        for band in self.bands:
+            for observe in self.host_read_observers:
+                observe(f"{band.name}'s recovery read-ahead")
+            invariants.check_host_read(band.name, "the recovery read-ahead")
 
     def _relief_plan(self, pages: tuple[int, ...]) -> tuple[LayoutPlan | None, bool]:
         """First with every network-held row fixed in place (ALLOC-14, PD-6); only when no such
@@ -282,7 +360,7 @@ class ChainAllocator:
         held = self.network_transfers()
         if held:
             self.wait_transfers(held)
-            self._urgent_recovery(read_ahead=False)
+            self._recover_for_relief(read_ahead=False)
         return first_plan(self.pricing_snapshot(SnapshotMode.TAKE), pages), False
 
     def realize(self, layout: LayoutPlan, hold_network: bool = False) -> None:
@@ -290,22 +368,71 @@ class ChainAllocator:
         The takes that follow run in chain order. A plan priced with network rows in place
         (`hold_network`) compacts around them as around fixed pages."""
         for i in layout.compact_ends:
-            self.bands[i].flush_for_allocation(hold_network)
+            self.relief_flush(self.bands[i], hold_network)
         for r in layout.relocations:
-            band = self.bands[r.band]
-            assert isinstance(band, FloatBand)
-            band.relocate_into(r.lo, r.size)
+            self._relocate(self._float(r.band), r.lo, r.size)
         for e in layout.extensions:
-            band = self.bands[e.band]
-            assert isinstance(band, FloatBand)
-            band.extend(e.side, e.pages)
+            band = self._float(e.band)
+            self.wait_fences(band, band.extend(e.side, e.pages))
+
+    def _float(self, index: int) -> FloatBand:
+        band = self.bands[index]
+        if not isinstance(band, FloatBand):
+            raise InvariantError("chain.relief", f"the plan moves {band.name}, which is not a float")
+        return band
 
     def _shortfall_message(self, pages: tuple[int, ...]) -> str:
         parts = [f"{b.name} {n} pages ({b.n_live} live)" for b, n in zip(self.bands, pages) if n]
         return (f"no layout of the arena serves {', '.join(parts)}; "
                 f"about {self.available_bytes_estimate()} bytes free in all")
 
-    # -- compaction -------------------------------------------------------------------------------
+    # -- waits: the one dispatch ------------------------------------------------------------------
+
+    def _clear(self, band: Band, waits: Sequence[Wait], waited: set[int] | None = None) -> None:
+        """Perform what `page_usage.clearance` said must happen before `band` writes: stream waits
+        on the schedule stream (each event once), host waits for transfers, and the checks that a
+        page needing a retired forward or excluded from the consumer was not chosen."""
+        if waited is None:
+            waited = set()
+        for wait in waits:
+            use = wait.use
+            clear = wait.clear
+            if clear is Clear.STREAM_WAIT:
+                if use.event is not None and use.event.seq not in waited:
+                    waited.add(use.event.seq)
+                    self._stream_wait(band, use.event, wait.why)
+            elif clear is Clear.HOST_WAIT:
+                self.wait_transfers([use.transfer])
+            elif clear is Clear.AFTER_RETIRE:
+                if use.step is not None and use.step > self.forward_steps.processed_through:
+                    raise InvariantError("page_usage.after_retire",
+                                         f"{band.name}: {wait.why}: chose pages an unretired forward uses")
+            elif clear is Clear.EXCLUDED:
+                raise InvariantError("page_usage.excluded", f"{band.name}: {wait.why}: chose {use}")
+
+    def _stream_wait(self, band: Band, event: Event, why: str) -> None:
+        """Queue a wait on the schedule stream: the host never blocks (LIFE-29)."""
+        invariants.before_wait()
+        device = self.device
+        device.stream_wait(device.schedule_stream, event)
+        band.stats["stream_waits"] += 1
+        self.log("stream_wait", band.name, why, event.label)
+
+    def _settle(self, band: Band, n_batches: int | None = None, park: bool = True) -> None:
+        """Settle pending batches of one band (`Band.settle_pending`) and queue their waits."""
+        waits, fences = band.settle_pending(n_batches, park)
+        if waits:
+            self._settle_waits(band, waits)
+        self._add_fences(fences)
+
+    def _settle_waits(self, band: Band, waits: Sequence[Wait]) -> None:
+        if faults.ACTIVE and faults.active(faults.SKIP_SETTLE_WAIT):
+            return
+        self._clear(band, waits)
+
+    def _add_fences(self, fences: Sequence[Fence]) -> None:
+        if fences:
+            self.fences += fences
 
     # -- the ledger across bands ------------------------------------------------------------------
 
@@ -339,31 +466,12 @@ class ChainAllocator:
             transfer.released = True
         else:
             transfer.ended = True
+        key = self.forward_steps.newest_unprocessed()
         for band in self.bands:
             if band.usage.end_transfer(transfer):
                 band.epoch.bump()
-            band.take_ready_vacated()
+            self._add_fences(band.take_ready_vacated(key))
         self.fences = [f for f in self.fences if f.use.transfer is not transfer]
-
-    def fence_pages(self, band: Band, ids: np.ndarray) -> None:
-        """Pages leaving `band`: every unfinished use on them becomes a fence over their bytes."""
-        if not band.usage.uses or not len(ids) or not band.usage.count[ids].any():
-            return
-        leaving = np.zeros(band.grid.n_grid, dtype=bool)
-        leaving[ids] = True
-        for use in list(band.usage.uses):
-            if use.hazard is Hazard.FIXED:
-                continue
-            out = leaving[use.pages]
-            if not out.any():
-                continue
-            lo, hi = band.byte_ranges(use.pages[out])
-            self.fences += [Fence(int(a), int(b), use) for a, b in zip(lo, hi)]
-            band.usage.end(use)
-            if not out.all():
-                rest = PageUse(use.hazard, use.pages[~out], use.writes, use.event, use.step, use.transfer,
-                               use.vacated, use.label)
-                band.usage.record(rest)
 
     def wait_fences(self, band: Band, ids: np.ndarray) -> None:
         """Before `band` writes bytes that left another band (or itself), clear their fences on the
@@ -374,17 +482,17 @@ class ChainAllocator:
         a, b = int(lo.min()), int(hi.max())
         keep = []
         waited: set[int] = set()
-        rules = CLEARANCE[Consumer.SCHEDULE_COPY]
+        skip_streams = faults.ACTIVE and faults.active(faults.SKIP_FENCE_WAITS)
+        # a host wait below may end a transfer whose pages park a float, which appends fences to
+        # this very list: they are visited too
         for fence in self.fences:
             if fence.hi <= a or fence.lo >= b or not ((lo < fence.hi) & (hi > fence.lo)).any():
                 keep.append(fence)
                 continue
-            clear = rules[fence.use.hazard]
-            if clear is Clear.HOST_WAIT:
-                self.wait_transfers([fence.use.transfer])
-            elif clear is Clear.STREAM_WAIT and fence.use.event is not None and fence.use.event.seq not in waited:
-                waited.add(fence.use.event.seq)
-                band._stream_wait(fence.use.event, f"fence left by {fence.use.label}")
+            waits = clearance(Consumer.SCHEDULE_COPY, (fence.use,), f"fence left by {fence.use.label}")
+            if skip_streams:
+                waits = [w for w in waits if w.clear is not Clear.STREAM_WAIT]
+            self._clear(band, [w for w in waits if w.clear in (Clear.STREAM_WAIT, Clear.HOST_WAIT)], waited)
         self.fences = keep
 
     # -- compaction -------------------------------------------------------------------------------
@@ -398,7 +506,7 @@ class ChainAllocator:
         moved = 0
         for band in self.bands:
             if band.n_holes:  # a band without holes has nothing to close or absorb
-                moved += band.flush(max_moves if self._under_pressure(band) else 0)
+                moved += self.flush(band, max_moves if self._under_pressure(band) else 0)
         if self.log_compaction_stats:
             for band in self.bands:
                 log.info("compaction %s: %s", band.name, band.stats)
@@ -413,20 +521,161 @@ class ChainAllocator:
         gap = band.bottom - prev_top if band.placement is Placement.DOWN_END else next_bottom - band.top
         return gap < self.compaction_gap_fraction * self.layout.chain_bytes
 
+    def relief_flush(self, band: Band, hold_network: bool = False) -> int:
+        """The relief flush (the spec's urgent flush), entered only from relief (COMP-4): settled
+        first, uncapped, packs every movable page (COMP-8, COMP-13); floats only hand back boundary
+        holes. Returns pages moved."""
+        if band.placement is Placement.FLOAT:
+            return self.flush(band, None)
+        geometry_ready(band)
+        if band.n_pending:
+            self._settle(band)
+        return self.flush(band, None, relief=True, hold_network=hold_network)
+
+    def flush(self, band: Band, max_moves: int | None, relief: bool = False, hold_network: bool = False) -> int:
+        """One flush of one band: the moves `plan_flush` plans, then the frontier absorbs the holes
+        left at it (a float only absorbs; COMP-21, COMP-22). Returns pages moved."""
+        if band.placement is Placement.FLOAT:
+            fences = band.absorb_boundary_holes()
+            if fences:
+                self.fences += fences
+            return 0
+        if band.parked or band.span == 0 or not band.n_holes:
+            return 0
+        moved = 0
+        if max_moves != 0:
+            moves = plan_flush(band, max_moves, relief, hold_network)
+            if moves is not None:
+                self._move(band, moves.src, moves.dst)
+                moved = len(moves.src)
+        fences = band.absorb_boundary_holes()
+        if fences:
+            self.fences += fences
+        band.stats["flushes"] += 1
+        return moved
+
+    def _move(self, band: Band, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy live pages `src` into holes `dst` and rebind their virtual ids (COMP-16). The copy
+        first waits every writer of the sources (COMP-17), clears the destinations and their
+        fences; a source the forward in flight may still read keeps that hazard (COMP-18)."""
+        self._clear(band, band.usage.writers_clearance(src))
+        self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, dst))
+        self.wait_fences(band, dst)
+        self.copier.move_pages(band.grid, src, dst)
+        band.commit_moves(src, dst, self.forward_steps.newest_unprocessed())
+        self.move_epoch += 1
+        self.log("move", band.name, src, dst)
+
+    def _relocate(self, band: FloatBand, lo: int, size: int) -> None:
+        """Copy every live page of a float, in order, to `[lo, lo + live)` and make the span
+        `[lo, lo + size)`, the rest holes (COMP-23). Pending pages settle first
+        (`band.geometry_ready`); the old block's pages that leave the span keep their unfinished
+        uses as fences in the arena."""
+        geometry_ready(band)
+        if band.n_pending:
+            self._settle(band, park=False)
+        reloc = plan_relocation(band, lo, size)
+        self.wait_fences(band, reloc.fresh)
+        self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, reloc.reused))
+        key = self.forward_steps.newest_unprocessed()
+        skip = faults.ACTIVE and faults.active(faults.SKIP_FENCE_WAITS)
+        if key is not None and reloc.over_live and not skip:
+            # the new block overlaps live pages a forward in flight may still read: wait it first
+            self._clear(band, forward_reads(key.event, key.step, f"relocation over pages step {key.step} may read"))
+        if len(reloc.live):
+            self._clear(band, band.usage.writers_clearance(reloc.live))
+            for src, dst in reloc.shifts:
+                self.copier.shift_pages(band.grid, src, dst, label="relocate")
+        self._add_fences(band.relocate(reloc.live, reloc.dst, lo, size, key))
+        self.move_epoch += 1
+        self.log("relocate", band.name, lo, size)
+
     def prewarm_compaction(self) -> None:
+        """Run the page-copy path once at startup (COMP-25) so the first serving-time move neither
+        compiles kernels nor allocates memory outside the pools: copy each band's sink (or base
+        page) onto itself."""
         for band in self.bands:
-            band.prewarm_compaction()
+            grid = band.grid
+            page = grid.sink_id if grid.sink_id is not None else grid.first_id
+            if page < grid.n_grid:
+                ids = np.array([page], dtype=np.int64)
+                self.copier.move_pages(grid, ids, ids, label="prewarm")
 
-    # -- forward retirement -----------------------------------------------------------------------
+    # -- frees ------------------------------------------------------------------------------------
 
-    def on_forward_retired(self, step: int) -> None:
+    def free(self, band: Band, ids: np.ndarray) -> None:
+        """Logical free of live pages of one band (LIFE-2, LIFE-3, `Band.free`): pending under the
+        newest recorded, unprocessed forward, else holes, with no stream wait."""
+        steps = self.forward_steps
+        key = steps.newest_unprocessed()
+        if faults.ACTIVE and key is not None:
+            key = self._faulty_free_key(key)
+        steps.assert_no_open_launch("free", band.name, len(ids))
+        if not len(ids):
+            return
+        fences = band.free(ids, key)
+        if fences:
+            self.fences += fences
+
+    def _faulty_free_key(self, key: LaunchRecord) -> LaunchRecord | None:
+        """Faults `free_to_holes` and `free_on_fired_event`: a free that ignores the running forward
+        (always, or when its event fired: a decision that would differ by rank)."""
+        if faults.active(faults.FREE_TO_HOLES):
+            return None
+        if faults.active(faults.FREE_ON_FIRED_EVENT) and self.device.query(key.event):
+            return None
+        return key
+
+    def free_virtual(self, band: Band, virtual: np.ndarray) -> np.ndarray:
+        """Unbind virtual ids of one band and free the pages behind them; returns the physical ids."""
+        if not len(virtual):
+            return virtual
+        if invariants.level():
+            check_virtual_bound(band, virtual)
+        physical = band.ids.v2p[virtual]
+        self.free(band, physical)
+        return physical
+
+    # -- forward steps ----------------------------------------------------------------------------
+
+    def forward_processed(self, record: LaunchRecord) -> None:
+        """The oldest step is processed (`ForwardSteps.forward_processed`); a forward retires with it."""
+        step = self.forward_steps.forward_processed(record)
+        if step is not None:
+            self._retire(step)
+
+    def _retire(self, step: int) -> None:
         """A forward is processed (with every earlier one): release its pending pages and end its
         uses in every band's ledger and in the fences (LIFE-23, LEDG-7)."""
         for band in self.bands:
-            band.release_pending_through(step)
+            self._add_fences(band.release_pending_through(step))
             band.retire_forwards_through(step)
-        self.fences = [f for f in self.fences if f.use.step is None or f.use.step > step]
+        if not (faults.ACTIVE and faults.active(faults.KEEP_FENCES)):
+            self.fences = [f for f in self.fences if f.use.step is None or f.use.step > step]
         self.epoch.bump()
+
+    def check_idle(self) -> None:
+        """With no recorded forward in flight, no band holds a pending page."""
+        self.forward_steps.check_idle({b.name: b.pending.count for b in self.bands})
+
+    # -- host-tier loads and state copies ---------------------------------------------------------
+
+    def take_for_load(self, band: Band, n: int) -> tuple[np.ndarray, PageUse]:
+        """Pages for a host-tier load, fixed under a load reservation until the tree names them
+        (HIC-4). Settles first when the band has pending pages and its holes do not cover the load
+        (HIC-5); a short band relieves like a chain take (ALLOC-19)."""
+        ids = self.take_alone(band, n, Consumer.HOST_LOAD)
+        return ids, band.fix(ids, "load reservation")
+
+    def copy_state(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """A schedule-stream copy of live state pages `src` onto live state pages `dst`, ordered
+        after everything the ledger says may still touch them (LEDG-14..17)."""
+        band = self.state_band
+        if band is None:
+            raise InputError("the plan has no state sub-pool to copy slots of")
+        self._clear(band, band.usage.writers_clearance(src))
+        self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, dst))
+        self.copier.move_pages(band.grid, src, dst, label="state_copy")
 
     # -- the memory clip --------------------------------------------------------------------------
 

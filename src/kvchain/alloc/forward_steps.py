@@ -4,22 +4,22 @@ Under an overlap scheduler, forward N+1 is launched before forward N is processe
 while a recorded forward is unprocessed joins its band's pending batches, keyed by the newest
 such forward and its event. It counts as free in capacity, and returns to the holes when that
 forward is processed (`Band.release_pending_through`) or when a take settles its batch (the stream
-waits the event; the host never does)."""
+waits the event; the host never does).
+
+`ForwardSteps` only keeps the order of the steps: `forward_processed` returns the step it retired
+and the chain (`ChainAllocator.forward_processed`) retires it in every band."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..device.base import Event
 from ..errors import InvariantError
-
-if TYPE_CHECKING:
-    from .chain import ChainAllocator
+from .pricing import CapacityEpoch
 
 
 @dataclass
@@ -103,8 +103,8 @@ class ForwardSteps:
     * recorded forwards are processed in launch order, each with a fresh event;
     * with no recorded forward in flight, no page is pending (`check_idle`)."""
 
-    def __init__(self, chain: ChainAllocator) -> None:
-        self.chain = chain
+    def __init__(self, epoch: CapacityEpoch) -> None:
+        self.epoch = epoch
         self.next_step = 1
         self.in_flight: deque[LaunchRecord] = deque()
         self.processed_through = 0  # every forward with step <= this is processed (retired)
@@ -134,9 +134,11 @@ class ForwardSteps:
         record.recorded = True
         record.writes_known = writes_known
         self._open = None
-        self.chain.epoch.bump()  # frees now pend: capacity answers may change
+        self.epoch.bump()  # frees now pend: capacity answers may change
 
-    def forward_processed(self, record: LaunchRecord) -> None:
+    def forward_processed(self, record: LaunchRecord) -> int | None:
+        """Mark the oldest step processed; returns its step when it had a forward (which the chain
+        then retires), else None."""
         if not self.in_flight or self.in_flight[0] is not record:
             head = self.in_flight[0].step if self.in_flight else None
             raise InvariantError(
@@ -146,9 +148,10 @@ class ForwardSteps:
             raise InvariantError("forward_steps.unrecorded", f"step {record.step} processed before it was recorded")
         self.in_flight.popleft()
         record.processed = True
-        if record.has_forward:
-            self.processed_through = record.step
-            self.chain.on_forward_retired(record.step)
+        if not record.has_forward:
+            return None
+        self.processed_through = record.step
+        return record.step
 
     def assert_no_open_launch(self, what: str, band: str, n: int) -> None:
         """Called by every take and free of a managed page (LIFE-31)."""
@@ -166,14 +169,12 @@ class ForwardSteps:
                 return record
         return None
 
-    def unprocessed(self) -> list[LaunchRecord]:
-        return [r for r in self.in_flight if r.recorded]
-
-    def check_idle(self) -> None:
+    def check_idle(self, pending: dict[str, int]) -> None:
+        """With no recorded forward in flight, no band (name: pending pages) holds a pending page."""
         if self.newest_unprocessed() is None:
-            for band in self.chain.bands:
-                if band.pending.count:
+            for name, count in pending.items():
+                if count:
                     raise InvariantError(
                         "forward_steps.idle_pending",
-                        f"{band.name}: {band.pending.count} pages pending with no recorded forward in flight",
+                        f"{name}: {count} pages pending with no recorded forward in flight",
                     )

@@ -3,15 +3,18 @@
 A band records one `PageUse` per use of its pages that is not over yet: a forward's writes, a
 host-tier copy, a network transfer, vacated move sources, fixed pages. The next writer of a page
 (a `Consumer`) must clear every `Hazard` recorded on it, as `CLEARANCE` says: a stream wait, a
-host wait, after the forward retires, or never (the page is excluded)."""
+host wait, after the forward retires, or never (the page is excluded). `clearance` is the one
+reader of that table: every wait the allocator queues is a `Wait` it returned."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from .. import faults
 from ..device.base import Event
 from .signals import HostTransfer, NetworkTransfer
 
@@ -42,7 +45,7 @@ class Clear(enum.Enum):
 
 _COPY = {Hazard.COPY_READ: Clear.STREAM_WAIT, Hazard.COPY_WRITE: Clear.STREAM_WAIT}
 
-#: Who waits for what (LEDG-9..29): read by `PageUsage.clearance` alone.
+#: Who waits for what (LEDG-9..29): read by `clearance` alone.
 CLEARANCE: dict[Consumer, dict[Hazard, Clear]] = {
     Consumer.FORWARD: {Hazard.FORWARD: Clear.NONE, **_COPY, Hazard.NETWORK: Clear.HOST_WAIT,
                        Hazard.FIXED: Clear.EXCLUDED},
@@ -76,10 +79,44 @@ class PageUse:
 
 @dataclass(frozen=True)
 class Wait:
-    """What a consumer must do before it writes: one clearance action."""
+    """What a consumer must do before it writes: one clearance action, with why (for the log)."""
 
     clear: Clear
     use: PageUse
+    why: str
+
+
+def clearance(consumer: Consumer, uses: Iterable[PageUse], why: str | None = None) -> list[Wait]:
+    """What `consumer` must clear of `uses` before it writes, read from CLEARANCE (LEDG-9). The
+    only reader of the table: the allocator's executor performs the waits it returns."""
+    rules = CLEARANCE[consumer]
+    out = []
+    for use in uses:
+        clear = rules[use.hazard]
+        if clear is not Clear.NONE:
+            out.append(Wait(clear, use, why if why is not None else f"{consumer.value} clears {use.hazard.value}"))
+    return out
+
+
+def forward_reads(event: Event, step: int, why: str) -> list[Wait]:
+    """The schedule stream's clearance of pages a forward in flight may still read (a pending
+    batch it settles, a block a relocation copies over): derived from CLEARANCE like any other."""
+    use = PageUse(Hazard.FORWARD, _NO_PAGES, writes=False, event=event, step=step, label=why)
+    return clearance(Consumer.SCHEDULE_COPY, (use,), why)
+
+
+@dataclass(eq=False)
+class Fence:
+    """Bytes that left a band while a use of them was unfinished: whichever band next writes them
+    clears the use first (COMP-20)."""
+
+    lo: int
+    hi: int
+    use: PageUse
+
+
+_NO_PAGES = np.empty(0, dtype=np.int64)
+_NO_PAGES.flags.writeable = False
 
 
 class PageUsage:
@@ -122,12 +159,18 @@ class PageUsage:
         return out
 
     def clearance(self, consumer: Consumer, pages: np.ndarray) -> list[Wait]:
-        """What `consumer` must clear before writing `pages`, read from CLEARANCE (LEDG-9)."""
-        rules = CLEARANCE[consumer]
-        return [Wait(rules[u.hazard], u) for u in self.on(pages) if rules[u.hazard] is not Clear.NONE]
+        """What `consumer` must clear before writing `pages`: the uses on them, through `clearance`."""
+        uses = self.on(pages)
+        if faults.ACTIVE and faults.active(faults.SKIP_COPY_CLEARANCE):
+            uses = [u for u in uses if u.hazard not in (Hazard.COPY_READ, Hazard.COPY_WRITE)]
+        return clearance(consumer, uses)
 
-    def writers_of(self, pages: np.ndarray) -> list[PageUse]:
-        return [u for u in self.on(pages) if u.writes]
+    def writers_clearance(self, pages: np.ndarray) -> list[Wait]:
+        """What a schedule-stream copy reading `pages` must clear: their unfinished writers (a
+        forward in flight, a host load, a network receive; COMP-17)."""
+        if faults.ACTIVE and faults.active(faults.SKIP_WRITER_WAITS):
+            return []
+        return clearance(Consumer.SCHEDULE_COPY, [u for u in self.on(pages) if u.writes])
 
     def end_forwards_through(self, step: int) -> list[PageUse]:
         """Retire the forward uses of every forward with step <= `step` (LEDG-7)."""
@@ -140,6 +183,8 @@ class PageUsage:
         return done
 
     def end_transfer(self, transfer: NetworkTransfer | HostTransfer) -> list[PageUse]:
+        if faults.ACTIVE and faults.active(faults.NEVER_END_USES):
+            return []
         done = [u for u in self.uses if u.transfer is transfer]
         for u in done:
             self.end(u)

@@ -3,7 +3,8 @@
 A snapshot records each band's counts and byte frontiers, never hole positions, so pricing never
 touches the device. `take_layout` is the one definition of how a band takes pages (holes, then
 pending pages, then frontier growth; a float toward its larger gap; a parked float in the middle of
-its region): `Band._acquire` calls it too, so pricing and the take cannot disagree.
+its region): the take (`ChainAllocator.take_from`, `Band.hand_out`) calls it too, so pricing and the
+take cannot disagree.
 
 `plan` asks whether a demand (pages per band, chain order) is served under one rearrangement step:
 `NO_MOVE` (bands in place), `FLUSH_ENDS` (the ends compacted) or `RELAYOUT` (floats relocated
@@ -18,7 +19,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..errors import InputError, InvariantError
 from ..plan import Placement
+
+
+class CapacityEpoch:
+    """A counter that moves whenever anything a capacity answer depends on changes (CAP-6, CAP-7):
+    a memoised snapshot is good while it has not moved."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def bump(self) -> None:
+        self.value += 1
 
 
 class Step(enum.IntEnum):
@@ -137,14 +152,8 @@ def growth_rooms(b: BandSnap, prev_top: int, next_bottom: int) -> tuple[int, int
     return b.lo - floor_id, ceil_id - b.hi
 
 
-def float_side(b: BandSnap, prev_top: int, next_bottom: int) -> Side:
-    """A float grows toward its larger gap (ties: up)."""
-    down, up = growth_rooms(b, prev_top, next_bottom)
-    return Side.UP if up >= down else Side.DOWN
-
-
 def take_layout(b: BandSnap, d: int, prev_top: int, next_bottom: int) -> BandSnap | None:
-    """The band after it takes `d` pages, or None when it cannot. Mirrors `Band._acquire`."""
+    """The band after it takes `d` pages, or None when it cannot. Mirrors `Band.hand_out`."""
     if d <= 0:
         return b
     free = b.free
@@ -188,7 +197,7 @@ def _packed_pages(b: BandSnap) -> int:
 
 
 def _flushed_end(b: BandSnap) -> BandSnap:
-    """An end after urgent recovery and an urgent flush: pending settled, live pages packed toward
+    """An end after relief's recovery and flush: pending settled, live pages packed toward
     its base around fixed pages, which never move."""
     packed = _packed_pages(b)
     holes = packed - b.live - b.fixed
@@ -198,7 +207,7 @@ def _flushed_end(b: BandSnap) -> BandSnap:
 
 
 def _recovered_float(b: BandSnap) -> BandSnap:
-    """A float after urgent recovery: pending settled into holes; parked when left empty."""
+    """A float after relief's recovery: pending settled into holes; parked when left empty."""
     if b.parked:
         return b
     if b.live + b.fixed == 0:
@@ -309,14 +318,14 @@ def move_order(current: Sequence[BandSnap], relocations: Sequence[Relocation]) -
                 del pending[k]
                 break
         else:
-            raise AssertionError(f"float relocations form a cycle: {pending}")
+            raise InvariantError("pricing.move_order", f"float relocations form a cycle: {pending}")
     return ordered
 
 
 def plan(snapshot: ChainSnapshot, demand: Sequence[int], step: Step) -> LayoutPlan | None:
     """The layout after serving `demand` under `step`, or None when that step cannot serve it."""
     if len(demand) != len(snapshot.bands):
-        raise ValueError(f"demand has {len(demand)} entries for {len(snapshot.bands)} bands")
+        raise InputError(f"demand has {len(demand)} entries for {len(snapshot.bands)} bands")
     if step is Step.RELAYOUT:
         return _relayout(snapshot, demand)
     if step is Step.NO_MOVE:

@@ -43,16 +43,16 @@ def run_moves_bench(page_size: int = 64, heads: int = 8, layers: int = 18, budge
         page_bytes = band.page_bytes
         chain = storage.allocator
         n = band.grid.n_grid - band.grid.first_id - 1
-        ids = band._acquire(n)
+        ids = chain.take_alone(band, n)
         band.bind(chain.virtual_free.pop(n), ids)
         # free every other page of the half nearest the band's base: the flush moves the half
         # nearest the frontier into them
         by_position = np.sort(ids)
         victims = by_position[n // 2 :][::2]
-        band.free(victims)
+        chain.free(band, victims)
         _sync(device)
         t0 = time.perf_counter()
-        moved = band.flush_for_allocation()
+        moved = chain.relief_flush(band)
         _sync(device)
         best_move = min(best_move, time.perf_counter() - t0)
         moved_pages = moved

@@ -2,20 +2,18 @@
 hand-out zeroing), as work launched on the schedule stream.
 
 Copies run through an int64 view of each band's grid (several times faster than uint8 on CPU) and
-a preallocated staging buffer, so no move allocates memory outside the pools."""
+a preallocated staging buffer, so no move allocates memory outside the pools. A copy names the
+band's grid (`BandGrid`: its index and page size), never the band: memory knows nothing of the
+allocator above it."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from .. import faults
 from ..device.base import Device, PageAccess
-from .arena import KVArena
-
-if TYPE_CHECKING:
-    from ..alloc.band import Band
+from .arena import BandGrid, KVArena
 
 #: Pages at least this large are copied one contiguous copy each, which beats a gather and a
 #: scatter through the staging buffer (two passes over the bytes).
@@ -36,30 +34,33 @@ class PageCopier:
         t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
         return t if self.arena.device.type == "cpu" else t.to(self.arena.device, non_blocking=True)
 
-    def move_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "move") -> None:
+    def move_pages(self, grid: BandGrid, src: np.ndarray, dst: np.ndarray, label: str = "move") -> None:
         """Copy pages `src` onto pages `dst` of one band's grid (the two sets must be disjoint)."""
-        self._launch_copy(band, src, dst, label, self._copy)
+        self._launch_copy(grid, src, dst, label, self._copy)
 
-    def shift_pages(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str = "shift") -> None:
+    def shift_pages(self, grid: BandGrid, src: np.ndarray, dst: np.ndarray, label: str = "shift") -> None:
         """Copy pages `src` onto `dst` in the order given, where `src` and `dst` may overlap: as if
         page by page in that order. The caller orders the pairs so that no copy overwrites a
         source a later pair reads (a shift down in ascending order, a shift up in descending)."""
-        self._launch_copy(band, src, dst, label, self._copy_in_order)
+        self._launch_copy(grid, src, dst, label, self._copy_in_order)
 
-    def _launch_copy(self, band: Band, src: np.ndarray, dst: np.ndarray, label: str, copy) -> None:
+    def _launch_copy(self, grid: BandGrid, src: np.ndarray, dst: np.ndarray, label: str, copy) -> None:
         """Launch `copy(words, src, dst)` on the schedule stream, declaring what it reads and writes
         (a meta arena launches the declaration alone)."""
         if not len(src):
             return
-        words = self.words[band.index]
-        self.bytes_moved += len(src) * band.page_bytes
+        words = self.words[grid.index]
         src, dst = src.copy(), dst.copy()
-        fn = None if self.meta else (lambda: copy(words, src, dst))
+        if faults.ACTIVE and label == "move" and faults.active(faults.LOSE_MOVE_COPY):
+            fn = None  # the copy is declared but never lands
+        else:
+            self.bytes_moved += len(src) * grid.page_bytes
+            fn = None if self.meta else (lambda: copy(words, src, dst))
         self.device.launch(
             self.device.schedule_stream,
             fn,
-            reads=(PageAccess(band.index, src),),
-            writes=(PageAccess(band.index, dst),),
+            reads=(PageAccess(grid.index, src),),
+            writes=(PageAccess(grid.index, dst),),
             label=label,
         )
 
@@ -90,12 +91,12 @@ class PageCopier:
             return
         self._copy_in_order(words, src, dst)  # disjoint pages: the in-order staging pass is exact too
 
-    def zero_pages(self, band: Band, ids: np.ndarray) -> None:
+    def zero_pages(self, grid: BandGrid, ids: np.ndarray) -> None:
         if self.meta or not len(ids):  # a meta arena holds no bytes to zero
             return
-        words = self.words[band.index]
+        words = self.words[grid.index]
         ids = ids.copy()
         fn = None if self.meta else (lambda: words.index_fill_(0, self._index(ids), 0))
         self.device.launch(
-            self.device.schedule_stream, fn, writes=(PageAccess(band.index, ids),), label="zero"
+            self.device.schedule_stream, fn, writes=(PageAccess(grid.index, ids),), label="zero"
         )

@@ -217,7 +217,8 @@ class HostReadTracker:
     """`host_read_after_wait` (HARN-9), per step (one harness operation). A stream wait counts when
     the host has not seen its event finish: the event's clock is not below the host's, which is
     logical (host waits) and so the same on every rank. Host reads of device state: the recovery
-    read-ahead (`Band.read_ahead_for_recovery`) and the PD id readback before publication."""
+    read-ahead (heard through `ChainAllocator.host_read_observers`) and the PD id readback before
+    publication."""
 
     def __init__(self) -> None:
         self.waited: str | None = None

@@ -89,25 +89,13 @@ class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
             self.device.shadow = self.shadow
             self.device.reads = self.reads
             self._consume_history()
-        for band in chain.bands:
-            self._observe_read_ahead(band)
+        chain.host_read_observers.append(self.reads.host_read)  # the recovery read-ahead (HARN-9)
 
     # -- plumbing ----------------------------------------------------------------------------------
 
     def _components(self, pool) -> list[torch.Tensor]:
         view = self.storage.view(pool.name)
         return [view.tensor(c.layer_id, c.name) for c in pool.envelope.components]
-
-    def _observe_read_ahead(self, band) -> None:
-        """The recovery read-ahead is a host read of device state (HARN-9). Look the method up on
-        the class at call time, so a mutant patched in later still runs."""
-        reads = self.reads
-
-        def read_ahead_for_recovery() -> None:
-            reads.host_read(f"{band.name}'s recovery read-ahead")
-            return type(band).read_ahead_for_recovery(band)
-
-        band.read_ahead_for_recovery = read_ahead_for_recovery
 
     def _find(self, check: str, message: str) -> None:
         with self._lock:  # device work on worker threads (ThreadDevice) reports here too

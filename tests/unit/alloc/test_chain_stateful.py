@@ -134,7 +134,7 @@ class ChainMachine(RuleBasedStateMachine):
         in_place = fits_in_place(n)
         before = allocator_state(clone)
         try:
-            band._acquire(n)
+            chain.take_from(band, n)
             assert in_place, "a band took pages that pricing said do not fit in place"
         except CapacityError:
             assert not in_place, "pricing said the take fits in place but the band refused it"

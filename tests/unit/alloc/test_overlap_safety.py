@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvchain.alloc import band as band_module
+from kvchain import faults
 from kvchain.alloc.forward_steps import ForwardSteps
 from kvchain.device import ModeledDevice, ThreadDevice
 from kvchain.testing.overlap import OverlapDriver, overlap_storage
@@ -39,29 +39,24 @@ def test_modeled_forwards_read_the_last_written_bytes(seed, windows):
 def test_the_payload_check_fails_when_the_pool_skips_a_wait(mutant, monkeypatch):
     """The check above is real: break one of the pool's orderings and reads see stale bytes."""
     windows = (16,)
+    fault = None
     if mutant == "skip relocation and fence waits":
         windows = (32, 8)
-        original = band_module.Band._stream_wait
-        monkeypatch.setattr(band_module.Band, "_stream_wait", lambda self, event, why: None
-                            if why.startswith(("relocation", "fence")) else original(self, event, why))
+        fault = faults.SKIP_FENCE_WAITS
     elif mutant == "skip settle waits":
-        original = band_module.Band._stream_wait
-        monkeypatch.setattr(band_module.Band, "_stream_wait",
-                            lambda self, event, why: None if why.startswith("settle") else original(self, event, why))
+        fault = faults.SKIP_SETTLE_WAIT
     elif mutant == "free straight to holes":
         monkeypatch.setattr(ForwardSteps, "newest_unprocessed", lambda self: None)
     else:
-        def reuse(self, src):
-            self.state[src] = band_module.HOLE
-            self.holes.push(src)
-        monkeypatch.setattr(band_module.Band, "_vacate_sources", reuse)
+        fault = faults.REUSE_VACATED
     mismatches = 0
-    for seed in range(4):
-        device = ModeledDevice(seed=seed, durations={"forward": 6.0})
-        storage = overlap_storage(device, chain_kib=12, windows=windows)
-        storage.allocator.compaction_gap_fraction = 1.0
-        mismatches += len(OverlapDriver(storage, seed=seed, war_barrier=False, persistent_metadata=False)
-                          .run(400).mismatches)
+    with faults.injected(*([fault] if fault else [])):
+        for seed in range(4):
+            device = ModeledDevice(seed=seed, durations={"forward": 6.0})
+            storage = overlap_storage(device, chain_kib=12, windows=windows)
+            storage.allocator.compaction_gap_fraction = 1.0
+            mismatches += len(OverlapDriver(storage, seed=seed, war_barrier=False, persistent_metadata=False)
+                              .run(400).mismatches)
     assert mismatches > 0
 
 

@@ -1,4 +1,4 @@
-"""The chain take, rule by rule: where `Band._acquire` finds pages, how a float grows and is
+"""The chain take, rule by rule: where `Band.hand_out` finds pages, how a float grows and is
 placed, how pricing counts a take, and urgent recovery before a relief."""
 
 from __future__ import annotations
@@ -75,18 +75,18 @@ def test_take_grows_the_frontier_only_after_holes_and_settled_pending_pages():
 
 def test_only_band_acquire_hands_out_pages():
     """ALLOC-1: every virtual id a storage call newly binds is backed by a page that
-    `Band._acquire` handed out in that call, across prompts, decodes, slots and relief."""
+    `Band.hand_out` handed out in that call, across prompts, decodes, slots and relief."""
     storage = small_storage(page_size=2, chain_kib=10, windows=(48, 16), rows=16, context=128)
     chain = storage.allocator
     handed: list[np.ndarray] = []
-    original = Band._acquire
+    original = Band.hand_out
 
     def spy(self, n, *args, **kwargs):
-        ids = original(self, n, *args, **kwargs)
-        handed.append((self.index, ids.copy()))
-        return ids
+        out = original(self, n, *args, **kwargs)
+        handed.append((self.index, out[0].copy()))
+        return out
 
-    Band._acquire = spy
+    Band.hand_out = spy
     try:
         rng = np.random.default_rng(3)
         rows: list[int] = []
@@ -111,10 +111,10 @@ def test_only_band_acquire_hands_out_pages():
                 new = band.ids.v2p
                 fresh = np.flatnonzero((old < 0) & (new >= 0))
                 got = np.concatenate([ids for i, ids in handed if i == band.index] + [np.empty(0, np.int64)])
-                assert set(new[fresh].tolist()) <= set(got.tolist()), f"{band.name}: pages bound without _acquire"
+                assert set(new[fresh].tolist()) <= set(got.tolist()), f"{band.name}: pages bound without hand_out"
         storage.check_idle()
     finally:
-        Band._acquire = original
+        Band.hand_out = original
 
 
 def _region(chain, band):
@@ -173,13 +173,13 @@ def test_a_float_grows_toward_its_larger_gap(crowd):
 def test_pricing_counts_a_take_in_the_order_acquire_takes():
     """ALLOC-8: for takes served by holes, by holes and pending pages, and by all three with
     growth, `take_layout` on the snapshot before gives the band's frontiers, live and free pages
-after `_acquire`."""
+after `Band.hand_out`."""
     for n in (1, 2, 3, 4, 5, 7):
         storage, _dev, rec, _rows, _pages = _owner_holes_then_pending()
         chain, owner = storage.allocator, storage.allocator.owner
         prev_top, next_bottom = chain.neighbour_bounds(owner.index)
         want = take_layout(owner.snapshot(), n, prev_top, next_bottom)
-        ids = owner._acquire(n)
+        ids = storage.allocator.take_from(owner, n)
         assert len(ids) == n
         got = owner.snapshot()
         # a settle turns whole batches into holes, so only the free total is compared, not its split
@@ -236,13 +236,13 @@ def test_urgent_recovery_reads_ahead_before_any_stream_wait():
     storage, dev, rec, demand = _relief_under_a_forward()
     chain = storage.allocator
     events = []
-    read_ahead, stream_wait = Band.read_ahead_for_recovery, dev.stream_wait
-    Band.read_ahead_for_recovery = lambda self: events.append(("read", self.name)) or read_ahead(self)
+    stream_wait = dev.stream_wait
+    chain.host_read_observers.append(lambda what: events.append(("read", what.split("'")[0])))
     dev.stream_wait = lambda stream, event: events.append(("wait", event.label)) or stream_wait(stream, event)
     try:
         assert chain.ensure_capacity(demand)
     finally:
-        Band.read_ahead_for_recovery = read_ahead
+        chain.host_read_observers.clear()
         del dev.stream_wait
     kinds = [k for k, _ in events]
     assert "wait" in kinds

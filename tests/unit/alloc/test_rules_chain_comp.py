@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvchain.alloc.band import HOLE, PENDING, Band, FloatBand
+from kvchain.alloc.band import HOLE, PENDING
 from kvchain.alloc.chain import ChainAllocator
 from kvchain.device.modeled import clock_leq
 from kvchain.errors import CapacityError
@@ -31,7 +31,7 @@ def test_a_free_only_leaves_holes_which_a_later_flush_closes():
     assert (owner.lo, owner.hi) == span and owner.stats["moves"] == 0
     assert storage.device.counters.launches == launches
     assert (owner.state[middle] == HOLE).all() and owner.n_holes == len(middle)
-    assert owner.flush(max_moves=None) == len(middle)
+    assert storage.allocator.flush(owner, max_moves=None) == len(middle)
     assert owner.n_holes == 0 and owner.span == owner.n_live
 
 
@@ -57,7 +57,7 @@ def test_urgent_moves_run_on_the_schedule_stream_after_the_forwards_touching_the
     the forward that writes its sources and the one its destinations were freed under."""
     storage, dev, owner, (f1, f2), _rows = _writers_scenario(monkeypatch)
     start = len(dev.history)
-    assert owner.flush_for_allocation() > 0
+    assert storage.allocator.relief_flush(owner) > 0
     copies = [w for w in dev.history[start:] if w.label == "move"]
     assert copies
     for item in copies:
@@ -72,7 +72,7 @@ def test_the_urgent_flush_waits_the_writers_of_what_it_moves_after_settling(monk
     then waits f2, which writes the pages it moves, then copies; no host wait."""
     storage, dev, owner, (f1, f2), _rows = _writers_scenario(monkeypatch)
     blocked = dev.counters.host_waits_blocked
-    owner.flush_for_allocation()
+    storage.allocator.relief_flush(owner)
     log = [(d[0], d[3] if d[0] == "stream_wait" else None) for d in storage.allocator.decisions
            if d[0] in ("stream_wait", "move")]
     assert log[:3] == [("stream_wait", f1.event.label), ("stream_wait", f2.event.label), ("move", None)]
@@ -88,14 +88,14 @@ def test_the_urgent_flush_settles_a_band_before_working_on_it(monkeypatch):
     entered = []
 
     def spy(original):
-        def flush(self, max_moves, urgent=False, hold_network=False):
-            if urgent:
-                entered.append(self.n_pending)
-            return original(self, max_moves, urgent, hold_network)
+        def flush(self, band, max_moves, relief=False, hold_network=False):
+            if relief:
+                entered.append(band.n_pending)
+            return original(self, band, max_moves, relief, hold_network)
         return flush
 
-    with patched(Band, "flush", spy):
-        moved = owner.flush_for_allocation()
+    with patched(ChainAllocator, "flush", spy):
+        moved = storage.allocator.relief_flush(owner)
     assert entered == [0] and moved > 0 and owner.n_pending == 0 and owner.n_holes == 0
     kinds = [d[0] for d in storage.allocator.decisions]
     assert kinds.index("stream_wait") < kinds.index("move")
@@ -121,15 +121,15 @@ def test_opportunistic_flush_enters_through_flush_opportunistic():
         return flush_opportunistic
 
     def spy_flush(original):
-        def flush(self, max_moves, urgent=False, hold_network=False):
-            if not urgent:
-                (inside if depth[0] else outside).append(self.name)
-            return original(self, max_moves, urgent, hold_network)
+        def flush(self, band, max_moves, relief=False, hold_network=False):
+            if not relief:
+                (inside if depth[0] else outside).append(band.name)
+            return original(self, band, max_moves, relief, hold_network)
         return flush
 
     driver = OverlapDriver(storage, seed=1, flush_every=1, flush_moves=4)
-    with patched(ChainAllocator, "flush_opportunistic", spy_entry), patched(Band, "flush", spy_flush), \
-            patched(FloatBand, "flush", spy_flush):
+    with patched(ChainAllocator, "flush_opportunistic", spy_entry), \
+            patched(ChainAllocator, "flush", spy_flush):
         for _ in range(30):
             driver.step()
         driver.drain()
@@ -140,7 +140,7 @@ def test_opportunistic_flush_enters_through_flush_opportunistic():
 
 def test_the_urgent_flush_is_entered_only_from_relief():
     """COMP-4: over a churn with opportunistic flushes and reliefs, every urgent flush runs inside
-    a relief and through `Band.flush_for_allocation`, and some did run."""
+    a relief and through `ChainAllocator.relief_flush`, and some did run."""
     storage = small_storage(page_size=2, chain_kib=10, windows=(48, 16), rows=32, context=128)
     chain = storage.allocator
     stack: list[str] = []
@@ -158,17 +158,17 @@ def test_the_urgent_flush_is_entered_only_from_relief():
         return wrap
 
     def spy_flush(original):
-        def flush(self, max_moves, urgent=False, hold_network=False):
-            if urgent:
+        def flush(self, band, max_moves, relief=False, hold_network=False):
+            if relief:
                 urgent_at.append(tuple(stack))
-            return original(self, max_moves, urgent, hold_network)
+            return original(self, band, max_moves, relief, hold_network)
         return flush
 
     rng = np.random.default_rng(5)
     rows: list[int] = []
     with patched(ChainAllocator, "_relieve", enter("relief")), \
-            patched(Band, "flush_for_allocation", enter("flush_for_allocation")), \
-            patched(Band, "flush", spy_flush):
+            patched(ChainAllocator, "relief_flush", enter("relief_flush")), \
+            patched(ChainAllocator, "flush", spy_flush):
         for _ in range(600):
             action = rng.integers(4)
             try:
@@ -183,7 +183,7 @@ def test_the_urgent_flush_is_entered_only_from_relief():
             except CapacityError:
                 pass
     assert urgent_at, "the churn never relieved"
-    assert all(s[:1] == ("relief",) and s[-1] == "flush_for_allocation" for s in urgent_at), urgent_at
+    assert all(s[:1] == ("relief",) and s[-1] == "relief_flush" for s in urgent_at), urgent_at
     storage.check_idle()
 
 
@@ -199,7 +199,7 @@ def test_the_opportunistic_flush_only_absorbs_boundary_holes_on_a_band_with_pend
     rec = launch_forward(storage, np.array([], dtype=np.int64), _NONE)
     storage.free_rows(np.array([rows[3]]))
     live_c = pages[2].copy()
-    moved = owner.flush(max_moves=64)
+    moved = storage.allocator.flush(owner, max_moves=64)
     assert moved == 0
     assert owner.lo == pages[3].min() and (owner.state[pages[3]] == PENDING).all()
     assert (owner.state[pages[1]] == HOLE).all()
@@ -240,7 +240,7 @@ def test_a_float_moves_only_when_a_planned_layout_relocates_it():
                 chain.flush_opportunistic(8)
             else:
                 for band in chain.bands:
-                    band.flush(8)
+                    chain.flush(band, 8)
         except CapacityError:
             pass
         planned = {r[0] for d in chain.decisions if d[0] == "relief" for r in d[2]}
@@ -286,16 +286,16 @@ def test_prewarm_runs_the_page_copy_path_once_per_band_at_build():
     seen = []
 
     def spy(original):
-        def move_pages(self, band, src, dst, label="move"):
-            seen.append((band.name, src.tolist(), dst.tolist(), label))
-            return original(self, band, src, dst, label)
+        def move_pages(self, grid, src, dst, label="move"):
+            seen.append((grid.index, src.tolist(), dst.tolist(), label))
+            return original(self, grid, src, dst, label)
         return move_pages
 
     with patched(PageCopier, "move_pages", spy):
         storage = small_storage(page_size=2, chain_kib=8)
     chain = storage.allocator
     prewarm = [s for s in seen if s[3] == "prewarm"]
-    assert sorted(s[0] for s in prewarm) == sorted(b.name for b in chain.bands)
+    assert sorted(s[0] for s in prewarm) == sorted(b.index for b in chain.bands)
     for _name, src, dst, _ in prewarm:
         assert src == dst and len(src) == 1
     assert len(seen) == len(prewarm)

@@ -62,7 +62,7 @@ def test_tokens_have_a_virtual_id_in_the_table_and_a_physical_id_per_sub_pool():
     storage.free_rows(np.array(rows[1:]))
     owner = storage.allocator.owner
     before = storage.iteration_ids(last).locs[owner.name].copy()
-    assert owner.flush_for_allocation() > 0
+    assert storage.allocator.relief_flush(owner) > 0
     assert np.array_equal(storage.table.req_to_token(np.array([rows[0]]))[0], last)
     ids = storage.iteration_ids(last)
     assert not np.array_equal(ids.locs[owner.name], before)
@@ -195,7 +195,7 @@ def test_the_page_copy_kernel_is_given_physical_ids():
     chain = storage.allocator
     owner = chain.owner
     words = storage.arena.page_words_view(owner.index)
-    pages = owner._acquire(12)
+    pages = storage.allocator.take_from(owner, 12)
     owner.bind(np.arange(1, 13), pages)
     src, dst = pages[6], pages[8]
     words[torch.from_numpy(pages)] = torch.arange(12, dtype=words.dtype)[:, None]
@@ -404,40 +404,12 @@ def test_live_unit_counts_are_exact_so_leak_checks_are_exact():
         assert band.n_live == len(band.live_pages()) == expected[band.name], band.name
     storage.check_idle()
     window = chain.window_bands[-1]
-    leaked = window._acquire(1)
+    leaked = storage.allocator.take_from(window, 1)
     with pytest.raises(InvariantError, match="idle_leak") as err:
         storage.check_idle()
     message = str(err.value)
     assert f"{window.name}: {expected[window.name] + 1} live pages" in message
     assert all(b.name not in message for b in chain.bands if b is not window)
     window.ids.bind(np.array([chain.n_virtual - 1]), leaked)
-    window.free(leaked)
+    storage.allocator.free(window, leaked)
     storage.check_idle()
-
-
-def test_capacity_decision_paths_are_marked():
-    """CAP-15: every capacity decision (`units_fit`, `admits`, `fits_after_frees`,
-    `ensure_capacity`, the memory clip, and `evict_until_fits` through them) prices inside a
-    `capacity_decision` mark, so an estimate read there is flagged (CHK-13)."""
-    storage = small_storage(page_size=2, chain_kib=8)
-    chain = storage.allocator
-    marks = []
-
-    def spy(original):
-        def feasible(snapshot, demand):
-            marks.append(capacity.in_capacity_decision())
-            return original(snapshot, demand)
-        return feasible
-
-    d = [0] * len(chain.bands)
-    d[chain.owner.index] = 3
-    with patched(chain_module, "feasible", spy):
-        chain.units_fit(d)
-        chain.admits(KVDemand(tuple(d), 3, 0))
-        chain.fits_after_frees(d, [1] * len(d))
-        chain.ensure_capacity([x + 10**5 for x in d])
-        chain.max_new_tokens_for_memory(8, 32)
-        capacity.evict_until_fits(storage, None, d)
-    assert len(marks) >= 6 and all(marks)
-    assert not capacity.in_capacity_decision()
-

@@ -307,7 +307,7 @@ def test_forward_hazard_is_for_vacated_sources_and_frees_pend():
     # or as a fence over their bytes once the frontier retreated over them)
     chain = storage.allocator
     f2 = launch_forward(storage, np.array([middle]), np.empty(0, dtype=np.int64))
-    assert owner.flush(max_moves=64) > 0
+    assert storage.allocator.flush(owner, max_moves=64) > 0
     vacated = [u for u in owner.usage.uses if u.vacated] + [f.use for f in chain.fences]
     assert vacated and all(u.hazard is Hazard.FORWARD and u.step == f2.step and u.event is f2.event
                            and not u.writes for u in vacated)

@@ -52,7 +52,7 @@ def test_receive_take_is_ordered_after_forwards_still_using_its_pages():
     f2 = launch_forward(storage, None, nothing)
     freed[f2.step] = owner.ids.v2p[storage.table.pages_of(r2)].copy()
     storage.free_rows(np.array([r2]))
-    owner.flush(0)
+    storage.allocator.flush(owner, 0)
     events = {f1.step: f1.event, f2.step: f2.event}
     pending = np.concatenate(list(freed.values()))
     assert owner.n_pending == len(pending) and (owner.state[pending] == PENDING).all()
@@ -103,7 +103,7 @@ def test_relief_keeps_held_receive_rows_in_place():
     before = owner.ids.v2p[storage.table.pages_of(held_row)].copy()
     hold = storage.hold_receive_rows("rx", {owner.name: before})
     storage.free_rows(np.array([r for r in rows if r != held_row]))
-    window.flush(0)
+    storage.allocator.flush(window, 0)
     # room for the window up to the held rows, and no further: more than it has without relief
     room = owner.grid.origin + int(before.min()) * owner.page_bytes - window.top
     demand = [0, 0]

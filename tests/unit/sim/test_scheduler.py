@@ -93,13 +93,13 @@ def test_prefix_reuse_allocates_fewer_pages():
         pool = world(chain_kib=200, window=16, state=True, prefix_cache=cache)
         owner = pool.chain.owner
         count = {"n": 0}
-        original = owner._acquire
+        original = owner.hand_out
 
-        def counting(n, after=None, consumer=None, _o=original, _c=count):
+        def counting(n, after, fired=None, _o=original, _c=count):
             _c["n"] += n
-            return _o(n, after) if consumer is None else _o(n, after, consumer)
+            return _o(n, after, fired)
 
-        owner._acquire = counting
+        owner.hand_out = counting
         requests = workload(11, n=60, shared=0.9, prefix_len=48, spread=6)
         _run(pool, requests, check_every_step=False)
         taken[cache] = count["n"]

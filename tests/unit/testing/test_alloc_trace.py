@@ -144,7 +144,7 @@ def test_seeded_traces_record_and_replay_through_the_real_allocator(tmp_path, mo
         assert trace.replay(StorageAdapter(run.config), run) is None, run.name
 
     original = Band._take_holes
-    monkeypatch.setattr(Band, "_take_holes", lambda self, k: original(self, k)[::-1].copy())
+    monkeypatch.setattr(Band, "_take_holes", lambda self, k, fired: original(self, k, fired)[::-1].copy())
     found = [trace.replay(StorageAdapter(r.config), r) for r in runs]
     diverged = [d for d in found if d is not None]
     assert diverged and all("decision" in d.what or "result" in d.what for d in diverged)

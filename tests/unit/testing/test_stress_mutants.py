@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvchain import faults
+from kvchain.errors import InputError
 from kvchain.testing import checks
 from kvchain.testing.harness import Case, minimize, run_case, seed_case
 from kvchain.testing.mutants import MUTANTS, applied
@@ -35,6 +37,20 @@ def test_mutants_are_named_and_cover_every_check():
     assert len(MUTANTS) >= 10 and set(BOUNDS) == set(MUTANTS)
     assert all(name.isidentifier() and name.islower() for name in MUTANTS)
     assert {m.target for m in MUTANTS.values()} == set(checks.CHECKS)
+
+
+def test_each_mutant_switches_one_fault_point_on_only_while_applied():
+    """A mutant patches nothing: it switches its own named fault point on for the body of
+    `applied`, and every real run has none on."""
+    assert not faults.ACTIVE
+    points = {m.fault for m in MUTANTS.values()}
+    assert points <= faults.POINTS and len(points) == len(MUTANTS)
+    for name, m in MUTANTS.items():
+        with applied(name):
+            assert {m.fault} == faults.ACTIVE, name
+        assert not faults.ACTIVE
+    with pytest.raises(InputError), faults.injected("no_such_point"):
+        pass
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))

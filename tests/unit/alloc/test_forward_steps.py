@@ -46,7 +46,7 @@ def test_pending_batches_are_keyed_by_the_newest_forward_and_settle_oldest_first
     f2 = launch_forward(storage, np.array([r2]), v2)
     storage.free_rows(np.array([r2]))
     assert [(b.key, b.size) for b in owner.pending] == [(f1.step, 2), (f2.step, 2)]
-    owner.flush(0)  # absorb nothing: pending pages keep the frontier
+    storage.allocator.flush(owner, 0)  # absorb nothing: pending pages keep the frontier
     waits, host = dev.counters.stream_waits, dev.counters.host_waits
     # fill the arena until a take must settle pending pages
     rows = []
@@ -99,7 +99,7 @@ def test_check_idle_catches_pending_pages_without_a_forward():
     storage.free_rows(np.array([row]))
     storage.allocator.forward_steps.in_flight.clear()  # forget the forward: its pages are orphaned
     with pytest.raises(InvariantError, match="idle_pending"):
-        storage.allocator.forward_steps.check_idle()
+        storage.allocator.check_idle()
     assert not rec.processed
 
 

@@ -29,7 +29,7 @@ def test_flush_moves_pages_and_keeps_their_bytes():
     storage.free_rows(np.array(rows[:3:2]))
     owner = storage.allocator.owner
     span_before = owner.span
-    moved = owner.flush_for_allocation()
+    moved = storage.allocator.relief_flush(owner)
     assert moved > 0 and owner.n_holes == 0 and owner.span == owner.n_live < span_before
     payloads.check()
     storage.check_idle()
@@ -43,7 +43,7 @@ def test_opportunistic_flush_is_capped():
     # free the request whose pages lie nearest the band's base (the top of the arena)
     nearest_base = max(rows, key=lambda r: owner.ids.v2p[storage.table.pages_of(r)].max())
     storage.free_rows(np.array([nearest_base]))
-    assert owner.flush(max_moves=3) == 3
+    assert storage.allocator.flush(owner, max_moves=3) == 3
     payloads.check()
     storage.check_idle()
 
@@ -55,7 +55,7 @@ def test_floats_never_compact_they_only_give_back_boundary_holes():
     window = storage.allocator.window_bands[0]
     live_before = window.live_pages().copy()
     storage.free_rows(np.array([rows[1]]))
-    assert window.flush(max_moves=100) == 0
+    assert storage.allocator.flush(window, max_moves=100) == 0
     assert set(window.live_pages()) <= set(live_before)
     payloads.check()
 
@@ -135,14 +135,14 @@ def test_refused_take_changes_nothing_and_says_why():
 
 
 def test_band_relieve_runs_the_chain_relief():
-    """ALLOC-19: a lone short band relieves through lay_out_for."""
+    """ALLOC-19: a lone short band relieves like a chain take (`ChainAllocator.take_alone`)."""
     storage = small_storage(page_size=2, chain_kib=16)
     _fill(storage, [10, 10])
     window = storage.allocator.window_bands[-1]
-    ids = window.relieve(3)
+    ids = storage.allocator.take_alone(window, 3)
     assert len(ids) == 3
     with pytest.raises(CapacityError):
-        window.relieve(10**6)
+        storage.allocator.take_alone(window, 10**6)
 
 
 def test_handout_zeroing():
@@ -151,11 +151,11 @@ def test_handout_zeroing():
     chain = storage.allocator
     owner = chain.owner
     storage.arena.data.fill_(0xFF)  # stale bytes everywhere (NaN as bf16)
-    ids = owner._acquire(3)
+    ids = storage.allocator.take_from(owner, 3)
     words = storage.arena.page_words_view(owner.index)
     assert torch.count_nonzero(words[torch.from_numpy(ids)]) == 0
     state = chain.state_band
-    slot = state._acquire(1)
+    slot = storage.allocator.take_from(state, 1)
     assert torch.count_nonzero(storage.arena.page_words_view(state.index)[torch.from_numpy(slot)]) > 0
 
 

@@ -46,7 +46,7 @@ def test_take_prefers_holes_that_need_no_wait_and_clears_the_rest():
     storage.free_rows(np.array([r1, r2]))
     busy = owner.usage.busy(owner.holes.view())
     assert busy.sum() == 2 and (~busy).sum() == 2
-    clean = owner._take_holes(2)
+    clean = owner._take_holes(2, None)
     assert not owner.usage.busy(clean).any()
     owner.holes.push(clean)
     owner.n_holes += 2
@@ -77,7 +77,7 @@ def test_backup_does_not_hold_a_move_but_fences_its_source():
     transfer = storage.record_host_transfer("backup", False, {"full": phys}, done)
     storage.free_rows(np.array([base]))
     waits_before = dev.counters.stream_waits
-    assert owner.flush(max_moves=64) > 0
+    assert storage.allocator.flush(owner, max_moves=64) > 0
     assert not [d for d in _labels(storage, "stream_wait") if d[3] == "backup done"]
     assert dev.counters.stream_waits == waits_before
     fenced = owner.usage.on(phys) + [f.use for f in chain.fences]
@@ -107,9 +107,9 @@ def test_a_load_is_fixed_until_its_reservation_ends_and_moves_wait_its_copy():
     storage.table.page_table[row, :3] = vpages
     storage.table.seq_lens[row] = 3 * storage.page_size
     for band in chain.window_bands:
-        band.bind(vpages, band._acquire(3))
+        band.bind(vpages, storage.allocator.take_from(band, 3))
     storage.free_rows(np.array([filler]))
-    owner.flush_for_allocation()
+    storage.allocator.relief_flush(owner)
     assert [d for d in _labels(storage, "stream_wait") if d[3] == "load done"]
     storage.end_host_transfer(transfer)
     storage.free_rows(np.array([row]))
@@ -123,7 +123,7 @@ def test_load_reservation_excludes_frees(monkeypatch):
     pages, _reservation = storage.alloc_load("full", 2)
     storage.allocator.owner.bind(storage.allocator.virtual_free.pop(2), pages)
     with pytest.raises(InvariantError, match=r"band\.free_outside_reservation"):
-        storage.allocator.owner.free(pages)
+        storage.allocator.free(storage.allocator.owner, pages)
 
 
 def test_network_send_vacates_freed_pages_until_released():
@@ -169,7 +169,7 @@ def _relief_setup(send_at_frontier: bool):
     storage.record_network_transfer(send, {"full": storage.physical_pages("full", storage.table.pages_of(kept))})
     storage.free_rows(np.array([r for r in rows if r != kept]))
     window = chain.window_bands[0]
-    window.flush(0)
+    storage.allocator.flush(window, 0)
     # every free page, in the window's page size: the owner must pack its live pages to its base
     free = chain.layout.chain_bytes - sum(b.n_live * b.page_bytes for b in chain.bands)
     demand = [0, 0]
@@ -215,9 +215,9 @@ def test_receive_holds_keep_opportunistic_compaction_away():
     receive = next(r for r in rows if r not in (base, frontier))
     hold = storage.hold_receive_rows("rx", {"full": storage.physical_pages("full", storage.table.pages_of(receive))})
     storage.free_rows(np.array([base]))
-    assert owner.flush(max_moves=64) == 0
+    assert storage.allocator.flush(owner, max_moves=64) == 0
     storage.published(hold)
-    assert owner.flush(max_moves=64) > 0
+    assert storage.allocator.flush(owner, max_moves=64) > 0
     storage.free_rows(np.array([receive, frontier]))
     storage.check_idle()
 
@@ -232,10 +232,10 @@ def test_opportunistic_flush_never_waits_an_unretired_forward():
     storage.free_rows(np.array([base]))
     rec = launch_forward(storage, np.array([frontier]), frontier_vtok)  # writes the frontier pages
     waits = dev.counters.stream_waits
-    assert owner.flush(max_moves=64) == 0  # the first source is written by the running forward
+    assert storage.allocator.flush(owner, max_moves=64) == 0  # the first source is written by the running forward
     assert dev.counters.stream_waits == waits
     process(storage, rec)
-    assert owner.flush(max_moves=64) > 0
+    assert storage.allocator.flush(owner, max_moves=64) > 0
 
 
 def test_speculative_forward_freezes_compaction_until_it_retires():
@@ -248,8 +248,8 @@ def test_speculative_forward_freezes_compaction_until_it_retires():
     base, _frontier = _base_and_frontier(storage, rows)
     storage.free_rows(np.array([base]))
     rec = launch_forward(storage, writes_known=False)
-    assert owner.flush(max_moves=64) == 0
-    assert owner.flush_for_allocation() > 0
+    assert storage.allocator.flush(owner, max_moves=64) == 0
+    assert storage.allocator.relief_flush(owner) > 0
     assert [d for d in _labels(storage, "stream_wait") if d[3] == f"forward_done:{rec.step}"]
     process(storage, rec)
 
@@ -259,14 +259,14 @@ def test_host_read_after_a_stream_wait_is_flagged(monkeypatch):
     stream wait."""
     storage, dev = modeled_storage()
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "2")
-    owner = storage.allocator.owner
+    chain = storage.allocator
     with allocator_operation():
-        owner.read_ahead_for_recovery()  # the read-ahead first: fine
-        owner._stream_wait(dev.record(dev.forward_stream, "x"), "test")
+        chain._read_ahead()  # the read-ahead first: fine
+        chain._stream_wait(chain.owner, dev.record(dev.forward_stream, "x"), "test")
         with pytest.raises(InvariantError, match=r"band\.host_read_before_wait"):
-            owner.read_ahead_for_recovery()
+            chain._read_ahead()
     with allocator_operation():  # a new operation starts clean
-        owner.read_ahead_for_recovery()
+        chain._read_ahead()
 
 
 def test_ledger_is_empty_at_quiescence():
