@@ -22,19 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from ..decl import MHA, State, StateTensor
 from ..device.base import Device, PageAccess
 from ..engine.steps import Forward, Launched, MetadataUpload, StepSequence
 from ..errors import CapacityError
+from ..models.small import small_hybrid
 from ..plan import PoolKind, plan_kv_storage
 from ..sizing import size_plan
 from ..storage import KVStorage
@@ -45,11 +37,8 @@ VALUE_DTYPE = torch.float32
 def overlap_plan(page_size: int = 4, windows: tuple[int, ...] = (16,), state: bool = True):
     """A small hybrid whose KV values are exact float32 integers: full attention (+ state on layer 0)
     and one layer per window."""
-    first = [KVPart(MHA(1, 4, dtype="float32"), FullLifetime())]
-    if state:
-        first.append(KVPart(State((StateTensor("ssm", (4,), "float32"),)), StateLifetime()))
-    layers = [first] + [KVPart(MHA(1, 4, dtype="float32"), WindowLifetime(w)) for w in windows]
-    return plan_kv_storage(kv_layer_decls(layers), page_size=page_size)
+    ssm = State((StateTensor("ssm", (4,), "float32"),)) if state else None
+    return plan_kv_storage(small_hybrid(MHA(1, 4, dtype="float32"), windows, state=ssm), page_size=page_size)
 
 
 def overlap_storage(device: Device, chain_kib: int = 24, page_size: int = 4, windows=(16,), state=True,
@@ -355,10 +344,6 @@ class OverlapDriver:
             for r in done:
                 del self.requests[r]
             self.stats.finished += len(done)
-
-    @property
-    def in_flight(self) -> list[Launched[_Batch]]:
-        return list(self.steps.in_flight)
 
     def step(self) -> None:
         self._admit()

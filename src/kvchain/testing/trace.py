@@ -21,19 +21,11 @@ from typing import Protocol
 import numpy as np
 
 from ..alloc.signals import NetworkTransfer
-from ..decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from ..decl import MHA, State, StateTensor
 from ..device.modeled import ModeledDevice
 from ..engine.steps import Forward, StepSequence
 from ..errors import CapacityError, InputError
+from ..models.small import small_hybrid
 from ..plan import PoolKind, plan_kv_storage
 
 FORMAT_VERSION = 1
@@ -91,14 +83,9 @@ def build_storage(config: TraceConfig, device=None):
     from ..build import build_kv_storage
     from ..sizing import size_plan
 
-    layers: list = []
-    first = [KVPart(MHA(1, 8, dtype="float16"), FullLifetime())]
-    if config.state:
-        first.append(KVPart(State((StateTensor("ssm", (config.state_floats,), "float32"),)), StateLifetime()))
-    layers.append(first)
-    for w in config.windows:
-        layers.append(KVPart(MHA(1, 8, dtype="float16"), WindowLifetime(w)))
-    plan = plan_kv_storage(kv_layer_decls(layers), page_size=config.page_size)
+    ssm = State((StateTensor("ssm", (config.state_floats,), "float32"),)) if config.state else None
+    plan = plan_kv_storage(small_hybrid(MHA(1, 8, dtype="float16"), config.windows, state=ssm),
+                           page_size=config.page_size)
     chain_bytes = config.chain_pages * sum(p.page_bytes for p in plan.sub_pools if p.kind is not PoolKind.STATE)
     if plan.state is not None:
         chain_bytes += config.rows * plan.state.page_bytes // 2
