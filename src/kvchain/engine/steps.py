@@ -67,6 +67,27 @@ class Forward:
     ids: IterationIds | None = None
     upload: MetadataUpload | None = None
 
+    @classmethod
+    def read_then_write(cls, device: Device, read: Callable[[int], None], write: Callable[[], None], *,
+                        reads: Sequence[PageAccess], writes: Sequence[PageAccess], ids: IterationIds | None,
+                        upload: MetadataUpload | None = None, read_at_start: bool = False) -> Forward:
+        """A forward of two kernels on the forward stream: `read(step)` over its shared inputs
+        `reads` (labelled `forward:N:read`), then, after the shared-read end, `write()` over `writes`
+        (`forward:N:write`). With `read_at_start`, `read` also runs as its kernel starts: a payload
+        check of what a kernel reads all through its run sees both ends of it."""
+
+        def launch_read(step: int) -> None:
+            def run() -> None:
+                read(step)
+
+            device.launch(device.forward_stream, run, on_start=run if read_at_start else None, reads=reads,
+                          label=f"forward:{step}:read")
+
+        def launch_write(step: int) -> None:
+            device.launch(device.forward_stream, write, writes=writes, label=f"forward:{step}:write")
+
+        return cls(launch_read, launch_write, ids, upload)
+
 
 @dataclass
 class Launched(Generic[P]):

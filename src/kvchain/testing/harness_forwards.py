@@ -179,16 +179,9 @@ class ForwardOps:
         written = [PageAccess(b.index, np.unique(writes.locs[b.name] // ps)) for b in self.token_bands]
         written.append(PageAccess(self.state_band.index, np.unique(writes.state_slots)))
 
-        def launch_reads(step: int) -> None:
-            def check() -> None:
-                read_phase(step)
-
-            device.launch(device.forward_stream, check, on_start=check, reads=reads, label=f"forward:{step}:read")
-
-        def launch_writes(step: int) -> None:
-            device.launch(device.forward_stream, write_phase, writes=written, label=f"forward:{step}:write")
-
-        self.steps.launch(Forward(launch_reads, launch_writes, writes, upload), rids)
+        forward = Forward.read_then_write(device, read_phase, write_phase, reads=reads, writes=written, ids=writes,
+                                          upload=upload, read_at_start=True)
+        self.steps.launch(forward, rids)
         for req in batch:
             req.written = int(storage.table.seq_lens[req.row])
             req.in_flight += 1

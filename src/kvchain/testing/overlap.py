@@ -313,19 +313,11 @@ class OverlapDriver:
         reads = [PageAccess(p.index, np.unique(e[0])) for p, e in zip(self.token_pools, expect.values())]
         written = [PageAccess(self.storage.plan.by_name(n).index, np.unique(v // ps)) for n, v in writes.locs.items()]
 
-        def launch_reads(step: int) -> None:
-            def check() -> None:
-                read_phase(step)
-
-            # a kernel reads its metadata and pages all through its run: check at its start and its end
-            device.launch(device.forward_stream, check, on_start=check, reads=reads, label=f"forward:{step}:read")
-
-        def launch_writes(step: int) -> None:
-            device.launch(device.forward_stream, write_phase, writes=written, label=f"forward:{step}:write")
-
+        # a kernel reads its metadata and pages all through its run: check at its start and its end
+        forward = Forward.read_then_write(device, read_phase, write_phase, reads=reads, writes=written, ids=writes,
+                                          upload=MetadataUpload(upload, meta_pages), read_at_start=True)
         finished = [int(r) for r in rows if self.requests[int(r)].prefilled
                     and self.requests[int(r)].generated >= self.requests[int(r)].output]
-        forward = Forward(launch_reads, launch_writes, writes, MetadataUpload(upload, meta_pages))
         return forward, _Batch(rows, finished)
 
     # -- processing --------------------------------------------------------------------------------

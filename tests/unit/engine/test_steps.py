@@ -276,3 +276,24 @@ def test_the_flush_is_bounded_and_counted(storage):
     assert steps.flush(max_moves=1) == storage.stats().moves - before <= len(storage.allocator.bands)
     moved = steps.flush()
     assert steps.stats.moved == storage.stats().moves - before and steps.stats.flushes == 2 and moved >= 0
+
+
+@pytest.mark.parametrize("at_start", [True, False])
+def test_a_read_then_write_forward_launches_two_labelled_kernels_around_the_shared_read_end(storage, monkeypatch,
+                                                                                            at_start):
+    """LIFE-4: `Forward.read_then_write` reads, then the sequence records the shared-read end, then
+    it writes; with `read_at_start` the read also runs as its kernel starts."""
+    calls = []
+    row, vtok = _request(storage, 4)
+    forward = Forward.read_then_write(storage.device, lambda step: calls.append(("read", step)),
+                                      lambda: calls.append(("write",)), reads=(), writes=(),
+                                      ids=storage.iteration_ids(vtok, np.array([row])), read_at_start=at_start)
+    log = _Log(storage, monkeypatch)
+    steps = StepSequence(storage, depth=0)
+    step = steps.step(forward, None, flush=False).processed[0].step
+    device_entries = [e for e in log.entries if e[0] in ("launch", "record")]
+    assert device_entries == [("launch", "forward", f"forward:{step}:read"),
+                              ("record", "forward", f"shared_read_done:{step}"),
+                              ("launch", "forward", f"forward:{step}:write"),
+                              ("record", "forward", f"forward_done:{step}")]
+    assert calls == [("read", step)] * (2 if at_start else 1) + [("write",)]
