@@ -107,7 +107,7 @@ class Launched(Generic[P]):
 class StepResult(Generic[P]):
     """What one `StepSequence.step` did: the forward it launched (None: nothing was scheduled), the
     results it processed, oldest first, and its flush (`moved` pages, None when it did not flush;
-    `flush_host_waits`: host waits that blocked inside the flush, which must stay 0, LIFE-3)."""
+    `flush_host_waits`: host waits that blocked inside the flush, which must stay 0, COMP-5)."""
 
     launched: Launched[P] | None
     processed: tuple[Launched[P], ...]
