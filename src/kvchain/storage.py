@@ -477,9 +477,9 @@ class KVStorage:
 
     @_operation
     @_operation
-    def flush_opportunistic(self) -> int:
+    def flush_opportunistic(self, max_moves: int | None = None) -> int:
         """Close holes lazily, between steps (see `ChainAllocator.flush_opportunistic`)."""
-        return self.allocator.flush_opportunistic()
+        return self.allocator.flush_opportunistic(max_moves)
 
     def stats(self) -> StorageStats:
         bands = self.allocator.bands

@@ -7,18 +7,9 @@ import numpy as np
 import torch
 
 from kvchain.build import build_kv_storage
-from kvchain.decl import (
-    MHA,
-    MLA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from kvchain.decl import MHA, MLA, State, StateTensor
 from kvchain.errors import CapacityError
+from kvchain.models.small import small_hybrid
 from kvchain.plan import PoolKind, plan_kv_storage
 from kvchain.sizing import size_plan
 from kvchain.storage import KVStorage
@@ -28,15 +19,9 @@ def hybrid_decls(windows=(32, 8), state=True, heads=(1, 2, 1), mla=False, head_d
     """Layers: full attention (+ state on layer 0), then one layer per window length (chunked
     attention when `chunked`)."""
     full_geom = MLA(16, 8) if mla else MHA(heads[0], head_dim)
-    layers = []
-    first = [KVPart(full_geom, FullLifetime())]
-    if state:
-        first.append(KVPart(State((StateTensor("conv", (4, 3)), StateTensor("ssm", (2, 4), "float32"))),
-                            StateLifetime()))
-    layers.append(first)
-    for k, w in enumerate(windows):
-        layers.append(KVPart(MHA(heads[(k + 1) % len(heads)], head_dim), WindowLifetime(w, chunked=chunked)))
-    return kv_layer_decls(layers)
+    ssm = State((StateTensor("conv", (4, 3)), StateTensor("ssm", (2, 4), "float32"))) if state else None
+    window_geoms = [MHA(heads[(k + 1) % len(heads)], head_dim) for k in range(len(windows))]
+    return small_hybrid(full_geom, windows, window_geometry=window_geoms, state=ssm, chunked=chunked)
 
 
 def small_storage(page_size=2, chain_kib=24, windows=(32, 8), state=True, context=128, rows=8,

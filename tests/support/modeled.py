@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvchain.device import ModeledDevice
+from kvchain.engine import Forward, StepSequence
 from kvchain.testing.overlap import overlap_storage
 
 
@@ -15,17 +16,18 @@ def modeled_storage(seed: int = 0, **kwargs):
 
 
 def launch_forward(storage, rows=None, vtok=None, writes_known=True, label=None):
-    """Launch a forward that writes the given virtual tokens; returns its launch record."""
+    """Launch a forward that writes the given virtual tokens, through the step sequence's launch
+    without its barrier (a test applies that itself); returns its launch record, which `process`
+    takes in whatever order the test wants."""
     device = storage.device
-    storage.order_forward_after_schedule()
-    record = storage.forward_launched()
-    device.launch(device.forward_stream, None, label=label or f"forward:{record.step}")
-    done = device.record(device.forward_stream, f"forward_done:{record.step}")
     writes = None
     if writes_known:
         writes = storage.iteration_ids(np.asarray(vtok if vtok is not None else [], dtype=np.int64), rows)
-    storage.record_forward(record, done, writes)
-    return record
+
+    def reads(step: int) -> None:
+        device.launch(device.forward_stream, None, label=label or f"forward:{step}")
+
+    return StepSequence(storage, war_barrier=False).launch(Forward(reads, ids=writes), None).record
 
 
 def process(storage, record):

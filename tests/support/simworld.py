@@ -6,16 +6,8 @@ import numpy as np
 
 from kvchain.build import build_kv_storage
 from kvchain.cache.radix import CheckpointStrategy
-from kvchain.decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from kvchain.decl import MHA, State, StateTensor
+from kvchain.models.small import small_hybrid
 from kvchain.plan import plan_kv_storage
 from kvchain.sim.kvchain_pool import KVChainPool
 from kvchain.sim.request import SimRequest
@@ -24,12 +16,10 @@ from kvchain.sizing import size_plan
 
 def world(chain_kib=24, page_size=4, window=16, state=True, interval=16, rows=16, slots=None,
           prefix_cache=True, strategy=CheckpointStrategy.EXTRA_BUFFER, context=256):
-    layers = [[KVPart(MHA(1, 4), FullLifetime())]]
-    if state:
-        layers[0].append(KVPart(State((StateTensor("ssm", (8,), "float32"),)), StateLifetime(interval)))
-    if window:
-        layers.append(KVPart(MHA(2, 4), WindowLifetime(window)))
-    plan = plan_kv_storage(kv_layer_decls(layers), page_size=page_size)
+    ssm = State((StateTensor("ssm", (8,), "float32"),)) if state else None
+    decls = small_hybrid(MHA(1, 4), (window,) if window else (), window_geometry=MHA(2, 4), state=ssm,
+                         checkpoint_interval=interval)
+    plan = plan_kv_storage(decls, page_size=page_size)
     slots = slots if slots is not None else 3 * rows
     probe = size_plan(plan, 2**30, context_len=context, max_running_requests=rows,
                       state_slots=slots if state else None)

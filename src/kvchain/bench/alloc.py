@@ -16,16 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..build import build_kv_storage
-from ..decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from ..decl import MHA, State, StateTensor
+from ..models.small import small_hybrid
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import size_plan
 from .static_pool import StaticPagedPool
@@ -34,17 +26,9 @@ from .workload import decode_heavy
 
 def bench_plan(page_size: int = 64) -> KVStoragePlan:
     """A 32-layer hybrid: 8 full-attention layers, 8 sliding-window (1024) layers, 16 Mamba2 layers."""
-    mha = MHA(8, 128)
     mamba = State((StateTensor("conv", (2304, 3)), StateTensor("ssm", (32, 64, 16), "float32")))
-    layers = []
-    for i in range(32):
-        if i % 4 == 0:
-            layers.append(KVPart(mha, FullLifetime()))
-        elif i % 4 == 2:
-            layers.append(KVPart(mha, WindowLifetime(1024)))
-        else:
-            layers.append(KVPart(mamba, StateLifetime()))
-    return plan_kv_storage(kv_layer_decls(layers), page_size=page_size)
+    decls = small_hybrid(MHA(8, 128), (1024,), state=mamba, state_layers=True, blocks=8)  # F S W S, 8 times
+    return plan_kv_storage(decls, page_size=page_size)
 
 
 @dataclass

@@ -13,14 +13,14 @@ import numpy as np
 import torch
 
 from ..build import build_kv_storage
-from ..decl import MHA, FullLifetime, KVPart, kv_layer_decls
+from ..decl import MHA
+from ..models.small import small_hybrid
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
 
 
 def _storage(page_size: int, heads: int, layers: int, budget: int, device: str):
-    decls = kv_layer_decls([KVPart(MHA(heads, 64), FullLifetime())] * layers)
-    plan = plan_kv_storage(decls, page_size=page_size)
+    plan = plan_kv_storage(small_hybrid(MHA(heads, 64), blocks=layers), page_size=page_size)
     sizing = size_plan(plan, budget, context_len=page_size * 4, max_running_requests=4)
     return build_kv_storage(plan, sizing, device)
 

@@ -41,11 +41,11 @@ from .harness_config import (
 from .harness_device import HarnessDevice, cuda_device
 from .harness_forwards import MAX_IN_FLIGHT
 from .harness_rank import Rank
-from .harness_records import HELD, LOADING, READY, RECEIVING, SENDING, Forward, Job, Req
+from .harness_records import HELD, LOADING, READY, RECEIVING, SENDING, Job, Req
 
 __all__ = [
     "FINAL", "FORMAT_VERSION", "HELD", "LOADING", "MAX_IN_FLIGHT", "OP_WEIGHTS", "READY", "RECEIVING",
-    "SENDING", "Case", "Failure", "Forward", "HarnessConfig", "HarnessDevice", "Job", "Rank", "RankTiming",
+    "SENDING", "Case", "Failure", "HarnessConfig", "HarnessDevice", "Job", "Rank", "RankTiming",
     "Req", "RunResult", "config_for_seed", "cuda_device", "ddmin", "fails_with", "generate_ops",
     "harness_plan", "harness_storage", "minimize", "random_op", "run_case", "seed_case",
 ]

@@ -8,17 +8,9 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, replace
 
-from ..decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from ..decl import MHA, State, StateTensor
 from ..device.base import Device
+from ..models.small import small_hybrid
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import check_bs1_floor, fixed_allocations, size_plan
 from ..storage import KVStorage
@@ -94,12 +86,10 @@ def harness_plan(config: HarnessConfig) -> KVStoragePlan:
     """The chain: state end, windows floating, full attention owning the other end; all float32
     so payload values are exact."""
     heads, dim = config.full
-    first = [KVPart(MHA(heads, dim, dtype="float32"), FullLifetime()),
-             KVPart(State((StateTensor("ssm", (config.state_floats,), "float32"),)), StateLifetime())]
-    layers: list = [first]
-    for window, h, d in config.windows:
-        layers.append(KVPart(MHA(h, d, dtype="float32"), WindowLifetime(window)))
-    return plan_kv_storage(kv_layer_decls(layers), page_size=config.page_size)
+    decls = small_hybrid(MHA(heads, dim, dtype="float32"), [w for w, _h, _d in config.windows],
+                         window_geometry=[MHA(h, d, dtype="float32") for _w, h, d in config.windows],
+                         state=State((StateTensor("ssm", (config.state_floats,), "float32"),)))
+    return plan_kv_storage(decls, page_size=config.page_size)
 
 
 def harness_storage(config: HarnessConfig, backend: Device, arena_device: str = "cpu") -> KVStorage:

@@ -1,5 +1,7 @@
 """A stress rank's forwards (`ForwardOps`): launch a batch that reads every byte its rows hold and
-writes fresh values, process the oldest, and the payload checks every reader shares."""
+writes fresh values, process the oldest, and the payload checks every reader shares. Launching and
+processing go through the rank's `engine.steps.StepSequence`; this module brings the forward's
+kernels and what processing means to a rank."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import numpy as np
 import torch
 
 from ..device.base import PageAccess
+from ..engine.steps import Forward, Launched, MetadataUpload
 from . import checks
 from .checks import META_BAND
-from .harness_records import Forward, Req, _Tokens
+from .harness_records import Req, _Tokens
 
-#: most forwards launched and not yet processed: the overlap scheduler runs N+1 while processing N
-MAX_IN_FLIGHT = 2
+#: forwards left in flight after a launch: the overlap scheduler runs N+1 while processing N
+DEPTH = 1
+#: most forwards launched and not yet processed
+MAX_IN_FLIGHT = DEPTH + 1
 
 
 class ForwardOps:
@@ -25,7 +30,7 @@ class ForwardOps:
 
     def op_forward(self, op: dict) -> str:
         outcome = ""
-        if len(self.in_flight) >= MAX_IN_FLIGHT:
+        if len(self.steps.in_flight) >= MAX_IN_FLIGHT:
             outcome = self._process() + "; "
         seq = self.storage.table.seq_lens
         batch = [r for r in self._alive() if seq[r.row] > r.written]
@@ -117,6 +122,7 @@ class ForwardOps:
                 bi = tokens.rows.cpu().numpy()
                 reads.append(PageAccess(b.index, np.unique(t[bi, cols])))
         reads.append(PageAccess(self.state_band.index, np.unique(slots_now[slots_now >= 0])))
+        upload = None
         if self.config.war_barrier:
             # forwards read their page tables from one persistent buffer (as CUDA-graph inputs are):
             # the write-after-read barrier keeps the next upload off a running forward's reads
@@ -124,31 +130,28 @@ class ForwardOps:
             src = {i: self._t(t) for i, t in tables.items()}
             slot_src = self._t(slots_now)
 
-            def upload() -> None:
+            def run_upload() -> None:
                 for i, t in src.items():
                     if t.shape[1]:
                         meta[i][:n, : t.shape[1]] = t
                 meta_slots[:n] = slot_src
 
             meta_rows = (PageAccess(META_BAND, np.arange(n)),)
-            device.launch(device.schedule_stream, upload, writes=meta_rows, label="upload")
+            upload = MetadataUpload(run_upload, meta_rows)
             reads.append(meta_rows[0])
         else:
             meta = {i: self._t(t) if t.shape[1] else torch.zeros((n, 1), dtype=torch.int64, device=self.torch_device)
                     for i, t in tables.items()}
             meta_slots = self._t(slots_now)
-        storage.order_forward_after_schedule()
-        record = storage.forward_launched()
-        step = record.step
         slot_want_t = self._t(slot_want, None)
         slot_need = self._t(slot_want != 0, None)
         rids = [r.rid for r in batch]
         rows_of = tokens.rows
 
-        def where(k: int) -> str:
-            return f"forward {step} (r{rids[int(rows_of[k])]})"
+        def read_phase(step: int) -> None:
+            def where(k: int) -> str:
+                return f"forward {step} (r{rids[int(rows_of[k])]})"
 
-        def read_phase() -> None:
             for b in self.token_bands:
                 if not len(tokens.rows):
                     break
@@ -175,30 +178,28 @@ class ForwardOps:
 
         written = [PageAccess(b.index, np.unique(writes.locs[b.name] // ps)) for b in self.token_bands]
         written.append(PageAccess(self.state_band.index, np.unique(writes.state_slots)))
-        device.launch(device.forward_stream, read_phase, on_start=read_phase, reads=reads, label=f"forward:{step}:read")
-        shared = device.record(device.forward_stream, f"shared_read_done:{step}")
-        device.launch(device.forward_stream, write_phase, writes=written, label=f"forward:{step}:write")
-        done = device.record(device.forward_stream, f"forward_done:{step}")
-        storage.record_forward(record, done, writes, shared_read_done=shared if self.config.war_barrier else None)
-        if self.config.war_barrier:
-            storage.apply_war_barrier()
+
+        forward = Forward.read_then_write(device, read_phase, write_phase, reads=reads, writes=written, ids=writes,
+                                          upload=upload, read_at_start=True)
+        self.steps.launch(forward, rids)
         for req in batch:
             req.written = int(storage.table.seq_lens[req.row])
             req.in_flight += 1
-        self.in_flight.append(Forward(record, done, rids))
 
     def op_process(self, op: dict) -> str:
-        return self._process(bool(op.get("advance", 1))) if self.in_flight else "none"
+        return self._process(bool(op.get("advance", 1))) if self.steps.in_flight else "none"
 
     def _process(self, advance: bool = True) -> str:
         """Process the oldest forward (LIFE-23); with `advance`, retire its rows' window pages (WIN-1)."""
-        fwd = self.in_flight.pop(0)
-        self.device.host_wait(fwd.done)
-        self.storage.forward_processed(fwd.record)
-        alive = [self.reqs[rid] for rid in fwd.rids if rid in self.reqs]
-        for req in alive:
-            req.in_flight -= 1
         retired = 0
-        if advance and alive:
-            retired = self.storage.advance(np.array([r.row for r in alive], dtype=np.int64))
-        return f"processed {fwd.record.step} retired {retired}"
+
+        def handle(fwd: Launched[list[int]]) -> None:
+            nonlocal retired
+            alive = [self.reqs[rid] for rid in fwd.payload if rid in self.reqs]
+            for req in alive:
+                req.in_flight -= 1
+            if advance and alive:
+                retired = self.storage.advance(np.array([r.row for r in alive], dtype=np.int64))
+
+        fwd = self.steps.process_oldest(handle)
+        return f"processed {fwd.step} retired {retired}"

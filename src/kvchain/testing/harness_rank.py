@@ -15,17 +15,18 @@ import torch
 
 from ..device.base import Device
 from ..device.threads import ThreadDevice
+from ..engine.steps import StepSequence
 from ..errors import CapacityError, InputError, InvariantError
 from ..requests import NO_SLOT
 from . import checks
 from .checks import ByteShadow, Finding, Granules, HostReadTracker, OverlapTracker
 from .harness_config import HarnessConfig, harness_storage
 from .harness_device import HarnessDevice, cuda_device
-from .harness_forwards import ForwardOps
+from .harness_forwards import DEPTH, ForwardOps
 from .harness_host import HostTierOps
 from .harness_maintenance import MaintenanceOps
 from .harness_pd import PDOps
-from .harness_records import READY, Forward, Job, Req
+from .harness_records import READY, Job, Req
 
 
 class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
@@ -59,7 +60,8 @@ class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
         self.findings: list[Finding] = []
         self._lock = threading.Lock()
         self.reqs: dict[int, Req] = {}
-        self.in_flight: list[Forward] = []
+        #: launch, barrier and processing of forwards: the one step sequence (payload: the batch's rids)
+        self.steps: StepSequence[list[int]] = StepSequence(storage, depth=DEPTH, war_barrier=config.war_barrier)
         self.jobs: list[Job] = []
         self.tracking: list[np.ndarray] = []
         self._rid = 0
@@ -272,7 +274,7 @@ class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
         """Drain everything (process every forward, publish and end every transfer, end every copy,
         synchronize), then check that every live page holds its last write (HARN-6) and that the
         ledger keeps nothing (HARN-12)."""
-        while self.in_flight:
+        while self.steps.in_flight:
             self._process()
         self._publish([j for j in self.jobs if j.kind == "recv" and j.done is None])
         for job in list(self.jobs):
@@ -288,7 +290,7 @@ class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
             for c in self.bad.values():
                 c.zero_()
         tracking = sum(len(s) for s in self.tracking)
-        for problem in checks.ledger_problems(self.storage, {self.state_band.name: tracking}):
+        for problem in checks.ledger_problems(self.storage, {self.state_band.name: tracking}, self.steps.check_idle):
             self._find(checks.LEDGER_LEAK, problem)
         return "quiet"
 

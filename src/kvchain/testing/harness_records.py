@@ -1,6 +1,6 @@
-"""What a stress rank keeps track of: its requests (`Req`) and their statuses, forwards in flight
-(`Forward`), host-tier copies and network transfers (`Job`), and token positions to check
-(`_Tokens`)."""
+"""What a stress rank keeps track of: its requests (`Req`) and their statuses, host-tier copies and
+network transfers (`Job`), and token positions to check (`_Tokens`). Its forwards in flight are the
+step sequence's (`engine.steps.Launched`, carrying the batch's request ids)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,6 @@ class Req:
     status: str = READY
     in_flight: int = 0
     hold: ReceiveHold | None = None
-
-
-@dataclass
-class Forward:
-    record: object
-    done: Event
-    rids: list[int]
 
 
 @dataclass

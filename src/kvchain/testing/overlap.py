@@ -8,11 +8,9 @@ virtual page; then it writes one fresh value per new token (and per state slot).
 frees, takes, zeroes and compacts. Any read that sees a byte other than the last one written for
 its virtual page is recorded as a mismatch: the pool's waits are what keep that list empty.
 
-The loop, per step:
-    schedule the batch (admissions, decodes) -> upload its metadata on the schedule stream
-    -> the forward stream waits the schedule stream -> launch the forward and record it
-    -> write-after-read barrier -> process the previous result (frees, window retirement)
-    -> opportunistic flush
+The loop, per step: schedule the batch (admissions, decodes), then the one step sequence of
+`engine.steps` (upload its metadata, launch and record the forward, the write-after-read barrier,
+process the previous result: frees and window retirement, the opportunistic flush).
 """
 
 from __future__ import annotations
@@ -24,19 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..alloc.forward_steps import LaunchRecord
-from ..decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from ..decl import MHA, State, StateTensor
 from ..device.base import Device, PageAccess
+from ..engine.steps import Forward, Launched, MetadataUpload, StepSequence
 from ..errors import CapacityError
+from ..models.small import small_hybrid
 from ..plan import PoolKind, plan_kv_storage
 from ..sizing import size_plan
 from ..storage import KVStorage
@@ -47,11 +37,8 @@ VALUE_DTYPE = torch.float32
 def overlap_plan(page_size: int = 4, windows: tuple[int, ...] = (16,), state: bool = True):
     """A small hybrid whose KV values are exact float32 integers: full attention (+ state on layer 0)
     and one layer per window."""
-    first = [KVPart(MHA(1, 4, dtype="float32"), FullLifetime())]
-    if state:
-        first.append(KVPart(State((StateTensor("ssm", (4,), "float32"),)), StateLifetime()))
-    layers = [first] + [KVPart(MHA(1, 4, dtype="float32"), WindowLifetime(w)) for w in windows]
-    return plan_kv_storage(kv_layer_decls(layers), page_size=page_size)
+    ssm = State((StateTensor("ssm", (4,), "float32"),)) if state else None
+    return plan_kv_storage(small_hybrid(MHA(1, 4, dtype="float32"), windows, state=ssm), page_size=page_size)
 
 
 def overlap_storage(device: Device, chain_kib: int = 24, page_size: int = 4, windows=(16,), state=True,
@@ -74,10 +61,10 @@ class _Request:
     prefilled: bool = False
 
 
-@dataclass
-class _Launched:
-    record: LaunchRecord
-    done: object
+@dataclass(frozen=True)
+class _Batch:
+    """What the driver keeps with a forward in flight: its rows, and those that finish with it."""
+
     rows: np.ndarray
     finished: list[int]
 
@@ -117,7 +104,8 @@ class OverlapDriver:
         self.persistent_metadata = persistent_metadata
         self.stats = OverlapStats()
         self.requests: dict[int, _Request] = {}
-        self.in_flight: list[_Launched] = []
+        self.steps: StepSequence[_Batch] = StepSequence(storage, depth=1, war_barrier=war_barrier,
+                                                        on_processed=self._process)
         self._value = 1.0
         self._lock = threading.Lock()
         plan = storage.plan
@@ -222,7 +210,9 @@ class OverlapDriver:
 
     # -- the forward ---------------------------------------------------------------------------------
 
-    def _launch(self, rows: np.ndarray, old_lens: np.ndarray, vtok: np.ndarray) -> _Launched:
+    def _forward(self, rows: np.ndarray, old_lens: np.ndarray, vtok: np.ndarray) -> tuple[Forward, _Batch]:
+        """The scheduled batch's forward: its metadata upload, a read phase that checks every byte
+        its rows hold, a write phase that writes fresh values; and what to keep until processing."""
         storage = self.storage
         device = self.device
         ps = storage.page_size
@@ -268,12 +258,8 @@ class OverlapDriver:
                 meta_slot_buf[:batch_n] = slot_src
 
         meta_pages = [PageAccess(-1, np.arange(batch_n))]
-        device.launch(device.schedule_stream, upload, writes=meta_pages, label="upload")
-        storage.order_forward_after_schedule()
-        record = storage.forward_launched()
-        step = record.step
 
-        def read_phase() -> None:
+        def read_phase(step: int) -> None:
             if self.read_delay:
                 time.sleep(self.read_delay)
             checked = 0
@@ -326,28 +312,25 @@ class OverlapDriver:
 
         reads = [PageAccess(p.index, np.unique(e[0])) for p, e in zip(self.token_pools, expect.values())]
         written = [PageAccess(self.storage.plan.by_name(n).index, np.unique(v // ps)) for n, v in writes.locs.items()]
+
         # a kernel reads its metadata and pages all through its run: check at its start and its end
-        device.launch(device.forward_stream, read_phase, on_start=read_phase, reads=reads,
-                      label=f"forward:{step}:read")
-        shared = device.record(device.forward_stream, f"shared_read_done:{step}")
-        device.launch(device.forward_stream, write_phase, writes=written, label=f"forward:{step}:write")
-        done = device.record(device.forward_stream, f"forward_done:{step}")
-        storage.record_forward(record, done, writes, shared_read_done=shared)
-        self.stats.forwards += 1
+        forward = Forward.read_then_write(device, read_phase, write_phase, reads=reads, writes=written, ids=writes,
+                                          upload=MetadataUpload(upload, meta_pages), read_at_start=True)
         finished = [int(r) for r in rows if self.requests[int(r)].prefilled
                     and self.requests[int(r)].generated >= self.requests[int(r)].output]
-        return _Launched(record, done, rows, finished)
+        return forward, _Batch(rows, finished)
 
     # -- processing --------------------------------------------------------------------------------
 
-    def _process(self, launched: _Launched) -> None:
+    def _process(self, launched: Launched[_Batch]) -> None:
+        """The driver's part of processing a result, after the step sequence retired the forward:
+        retire window rows, free the requests that finished."""
         storage = self.storage
-        self.device.host_wait(launched.done)
-        storage.forward_processed(launched.record)
-        live = [int(r) for r in launched.rows if int(r) in self.requests]
+        batch = launched.payload
+        live = [int(r) for r in batch.rows if int(r) in self.requests]
         if live:
             self._counted(storage.advance, np.array(live))
-        done = [r for r in launched.finished if r in self.requests]
+        done = [r for r in batch.finished if r in self.requests]
         if done:
             self._counted(storage.free_rows, np.array(done))
             for r in done:
@@ -357,21 +340,18 @@ class OverlapDriver:
     def step(self) -> None:
         self._admit()
         scheduled = self._schedule()
-        if scheduled is not None:
-            self.in_flight.append(self._launch(*scheduled))
-            if self.war_barrier:
-                self.storage.apply_war_barrier()
-        while len(self.in_flight) > (1 if scheduled is not None else 0):
-            self._process(self.in_flight.pop(0))
+        forward, batch = self._forward(*scheduled) if scheduled is not None else (None, None)
+        flush = bool(self.flush_every) and (self.stats.steps + 1) % self.flush_every == 0
+        result = self.steps.step(forward, batch, flush=flush, max_moves=self.flush_moves)
+        if result.launched is not None:
+            self.stats.forwards += 1
         self.stats.steps += 1
-        if self.flush_every and self.stats.steps % self.flush_every == 0:
-            before = self.storage.stats().moves
-            self._counted(self.storage.allocator.flush_opportunistic, self.flush_moves)
-            self.stats.moves += self.storage.stats().moves - before
+        if result.moved is not None:
+            self.stats.moves += result.moved
+            self.stats.allocator_host_waits += result.flush_host_waits
 
     def drain(self) -> None:
-        while self.in_flight:
-            self._process(self.in_flight.pop(0))
+        self.steps.drain()
         self.device.synchronize()
 
     def run(self, steps: int) -> OverlapStats:

@@ -21,18 +21,11 @@ from typing import Protocol
 import numpy as np
 
 from ..alloc.signals import NetworkTransfer
-from ..decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from ..decl import MHA, State, StateTensor
 from ..device.modeled import ModeledDevice
+from ..engine.steps import Forward, StepSequence
 from ..errors import CapacityError, InputError
+from ..models.small import small_hybrid
 from ..plan import PoolKind, plan_kv_storage
 
 FORMAT_VERSION = 1
@@ -90,14 +83,9 @@ def build_storage(config: TraceConfig, device=None):
     from ..build import build_kv_storage
     from ..sizing import size_plan
 
-    layers: list = []
-    first = [KVPart(MHA(1, 8, dtype="float16"), FullLifetime())]
-    if config.state:
-        first.append(KVPart(State((StateTensor("ssm", (config.state_floats,), "float32"),)), StateLifetime()))
-    layers.append(first)
-    for w in config.windows:
-        layers.append(KVPart(MHA(1, 8, dtype="float16"), WindowLifetime(w)))
-    plan = plan_kv_storage(kv_layer_decls(layers), page_size=config.page_size)
+    ssm = State((StateTensor("ssm", (config.state_floats,), "float32"),)) if config.state else None
+    plan = plan_kv_storage(small_hybrid(MHA(1, 8, dtype="float16"), config.windows, state=ssm),
+                           page_size=config.page_size)
     chain_bytes = config.chain_pages * sum(p.page_bytes for p in plan.sub_pools if p.kind is not PoolKind.STATE)
     if plan.state is not None:
         chain_bytes += config.rows * plan.state.page_bytes // 2
@@ -194,7 +182,8 @@ class Adapter(Protocol):
 
 class StorageAdapter:
     """The real pool: a `KVStorage` on a modeled device. Forwards write their requests' newest
-    tokens and stay in flight until processed, so frees under them pend."""
+    tokens and stay in flight until processed, so frees under them pend; launching, processing,
+    flushing and the idle checks go through the one step sequence (`engine.steps`)."""
 
     def __init__(self, config: TraceConfig) -> None:
         self.config = config
@@ -206,7 +195,8 @@ class StorageAdapter:
         self.slots: dict[str, np.ndarray] = {}
         self.loads: dict[str, object] = {}
         self.sends: dict[str, NetworkTransfer] = {}
-        self.in_flight: list = []
+        #: a trace's steps launch and process one at a time: the sequence keeps any number in flight
+        self.steps: StepSequence[None] = StepSequence(self.storage)
         self.unwritten: dict[str, int] = {}
 
     def decisions(self) -> list:
@@ -259,25 +249,20 @@ class StorageAdapter:
                          + pos % self.config.page_size)
             self.unwritten[n] = 0
         vtok = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        storage.order_forward_after_schedule()
-        record = storage.forward_launched()
-        device.launch(device.forward_stream, None, label=f"forward:{record.step}")
-        done = device.record(device.forward_stream, f"forward_done:{record.step}")
-        storage.record_forward(record, done, storage.iteration_ids(vtok, rows if len(rows) else None))
-        storage.apply_war_barrier()
-        self.in_flight.append(record)
-        return record.step
+        ids = storage.iteration_ids(vtok, rows if len(rows) else None)
+
+        def reads(step: int) -> None:  # no kernels: a forward with no shared-read end (LIFE-5)
+            device.launch(device.forward_stream, None, label=f"forward:{step}")
+
+        return self.steps.launch(Forward(reads, ids=ids), None).step
 
     def process(self) -> object:
-        if not self.in_flight:
+        if not self.steps.in_flight:
             return None
-        record = self.in_flight.pop(0)
-        self.device.host_wait(record.event)
-        self.storage.forward_processed(record)
-        return record.step
+        return self.steps.process_oldest().step
 
     def flush(self) -> object:
-        return int(self.storage.flush_opportunistic())
+        return int(self.steps.flush())
 
     def ensure(self, pages: Sequence[int]) -> object:
         return bool(self.chain.ensure_capacity(list(pages)))
@@ -338,14 +323,13 @@ class StorageAdapter:
 
     def drain(self) -> None:
         """Process every forward and end every transfer, then check the pool at idle (CHK-15)."""
-        while self.in_flight:
-            self.process()
+        self.steps.drain()
         for name in list(self.sends):
             self.end_send(name)
         for name in list(self.loads):
             self.end_load(name)
-        self.storage.check_idle({self.chain.state_band.name: sum(len(s) for s in self.slots.values())}
-                                if self.chain.state_band is not None else None)
+        self.steps.check_idle({self.chain.state_band.name: sum(len(s) for s in self.slots.values())}
+                              if self.chain.state_band is not None else None)
 
 
 def _plain(x: object) -> object:
