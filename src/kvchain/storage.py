@@ -388,7 +388,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     def check_idle(self, held: dict[str, int] | None = None) -> None:
         chain = self.allocator
-        chain.check_forwards_idle()
+        chain.check_idle()
         expected = self.expected_live_pages()
         problems = []
         for name, counts in chain.band_counts().items():

@@ -526,6 +526,29 @@ class ChainAllocator:
     # What the storage facade needs of the chain, as operations over sub-pool names, virtual ids and
     # slot ids: the facade reaches no band, id map, ledger, epoch, copier, device or forward step.
 
+    def free_virtual(self, band: Band, virtual: np.ndarray) -> np.ndarray:
+        """Unbind virtual ids of one band and free the pages behind them; returns the physical ids."""
+        return band.free_virtual(virtual)
+
+    def take_for_load(self, band: Band, n: int) -> tuple[np.ndarray, PageUse]:
+        """Pages of one band for a host-tier load, fixed under a load reservation (HIC-4/5)."""
+        return band.alloc_physical(n)
+
+    def copy_state(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """A schedule-stream copy of live state pages `src` onto live state pages `dst`, ordered
+        after everything the ledger says may still touch them (LEDG-14..17)."""
+        band = self.state_band
+        band.clear_for_copy(src, dst)
+        self.copier.move_pages(band, src, dst, label="state_copy")
+
+    def forward_processed(self, record: LaunchRecord) -> None:
+        """The oldest step is processed (`ForwardSteps.forward_processed`); a forward retires with it."""
+        self.forward_steps.forward_processed(record)
+
+    def check_idle(self) -> None:
+        """With no recorded forward in flight, no band holds a pending page."""
+        self.forward_steps.check_idle()
+
     def _band_named(self, sub_pool: str) -> Band:
         return self.bands[self.plan.by_name(sub_pool).index]
 
@@ -563,20 +586,20 @@ class ChainAllocator:
             return
         for band in self.window_bands:
             bound = vpages[band.ids.v2p[vpages] != UNBOUND]
-            band.free_virtual(bound)
+            self.free_virtual(band, bound)
         check_windows_released(self, vpages)
-        self.owner.free_virtual(vpages)
+        self.free_virtual(self.owner, vpages)
         self.virtual_free.push(vpages)
 
     def free_window_rows(self, sub_pool: str, vpages: np.ndarray) -> None:
         """One window frees its rows of `vpages`; every other band keeps them bound."""
-        self._band_named(sub_pool).free_virtual(vpages)
+        self.free_virtual(self._band_named(sub_pool), vpages)
 
     def free_state_slots(self, slots: np.ndarray) -> None:
         """The state band frees the pages behind `slots`; the slot ids return to the free stack."""
         if not len(slots):
             return
-        self.state_band.free_virtual(slots)
+        self.free_virtual(self.state_band, slots)
         self.slot_free.push(slots)
 
     def rehome_window(self, sub_pool: str, src: np.ndarray, dst: np.ndarray) -> None:
@@ -596,13 +619,12 @@ class ChainAllocator:
     def copy_state_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         """Copy state slots on the schedule stream after every unfinished writer of the sources,
         clearing the ledger on the destinations first (LEDG-14..17)."""
-        band = self.state_band
-        src = band.ids.v2p[src_slots]
-        dst = band.ids.v2p[dst_slots]
+        v2p = self.state_band.ids.v2p
+        src = v2p[src_slots]
+        dst = v2p[dst_slots]
         if (src < 0).any() or (dst < 0).any():
             raise InvariantError("band.free_of_bound_page", "state copy names an unbound slot")
-        band.clear_for_copy(src, dst)
-        self.copier.move_pages(band, src, dst, label="state_copy")
+        self.copy_state(src, dst)
 
     def physical_pages(self, sub_pool: str, virtual: np.ndarray) -> np.ndarray:
         """Physical ids behind bound virtual ids of one sub-pool (slot ids for state); raises
@@ -614,7 +636,7 @@ class ChainAllocator:
 
     def alloc_load(self, sub_pool: str, n: int) -> tuple[np.ndarray, PageUse]:
         """`n` pages of one sub-pool fixed under a load reservation (HIC-4/5)."""
-        return self._band_named(sub_pool).alloc_physical(n)
+        return self.take_for_load(self._band_named(sub_pool), n)
 
     def end_load_reservation(self, sub_pool: str, reservation: PageUse) -> None:
         """The reservation's pages may move again (HIC-6)."""
@@ -669,10 +691,6 @@ class ChainAllocator:
             elif written[band.index] is not None:
                 band.set_inflight_forward(record.step, done, written[band.index])
 
-    def forward_processed(self, record: LaunchRecord) -> None:
-        """A step's result was processed (LIFE-23); see `ForwardSteps.forward_processed`."""
-        self.forward_steps.forward_processed(record)
-
     def order_forward_after_schedule(self) -> None:
         """The forward stream waits everything queued on the schedule stream so far."""
         device = self.device
@@ -687,10 +705,6 @@ class ChainAllocator:
         if event is None:
             event = device.record(device.forward_stream, "war barrier")
         device.stream_wait(device.schedule_stream, event)
-
-    def check_forwards_idle(self) -> None:
-        """With no forward in flight no page is pending (`ForwardSteps.check_idle`)."""
-        self.forward_steps.check_idle()
 
     def band_counts(self) -> dict[str, dict[str, int]]:
         """Per band name: its `live`, `holes`, `pending` and `span` pages, its `page_bytes` and the
