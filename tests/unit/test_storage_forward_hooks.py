@@ -37,6 +37,30 @@ def test_a_free_pends_under_the_recorded_forward_until_it_is_processed():
     storage.check_idle()
 
 
+def test_a_recorded_forward_s_writes_are_hazards_until_it_is_processed():
+    storage, _ = modeled_storage()
+    row, vtok = request(storage, 8)
+    record = launch_forward(storage, np.array([row]), vtok)
+    for pool in storage.plan.sub_pools:
+        band = storage.allocator.bands[pool.index]
+        if pool.name == "state":
+            written = storage.physical_pages("state", storage.table.state_slot[[row]])
+        else:
+            written = storage.physical_pages(pool.name, storage.table.pages_of(row))
+        uses = band.usage.on(written)
+        assert [(u.hazard.name, u.step, u.writes) for u in uses] == [("FORWARD", record.step, True)], pool.name
+    process(storage, record)
+    assert not any(b.usage.uses for b in storage.allocator.bands)
+
+
+def test_unknown_writes_are_a_writer_everywhere_until_processed():
+    storage, _ = modeled_storage()
+    record = launch_forward(storage, writes_known=False)
+    assert all(b.usage.unknown_writer.step == record.step for b in storage.allocator.bands)
+    process(storage, record)
+    assert all(b.usage.unknown_writer is None for b in storage.allocator.bands)
+
+
 def test_a_second_launch_before_the_first_is_recorded_raises():
     storage, device = modeled_storage()
     record = storage.forward_launched()

@@ -61,13 +61,15 @@ def test_receive_holds_nest_and_publishing_twice_changes_nothing():
     first = storage.hold_receive_rows("rx", {"full": held})
     second = storage.hold_receive_rows("rx again", {"full": held})
     storage.free_rows(np.array(rows[1:3]))
+    assert owner.held[held].tolist() == [2] * len(held)
     storage.published(first)
+    assert owner.held[held].tolist() == [1] * len(held)
     assert owner.flush(max_moves=64) == 0  # the second hold still keeps them
     before = allocator_state(storage)
     storage.published(first)
     assert same_state(before, allocator_state(storage))
     storage.published(second)
-    assert owner.n_held == 0 and owner.flush(max_moves=64) > 0
+    assert not owner.held.any() and owner.n_held == 0 and owner.flush(max_moves=64) > 0
 
 
 def test_unknown_sub_pools_raise_and_change_nothing():
