@@ -52,6 +52,7 @@ def _operation(fn):
             invariants.end_operation(pinned)
 
     wrapper.__name__ = fn.__name__
+    wrapper.__qualname__ = fn.__qualname__  # so `inspect.getdoc` finds the role's contract
     wrapper.__doc__ = fn.__doc__
     wrapper.__wrapped__ = fn
     return wrapper

@@ -46,6 +46,12 @@ def test_every_public_method_has_a_role_that_states_its_contract():
             assert doc and len(doc.split()) >= 6, f"{role.__name__}.{name} states no contract"
 
 
+def test_each_method_reads_its_role_s_contract_as_its_own():
+    for role in ROLES:
+        for name in _role_members(role):
+            assert inspect.getdoc(getattr(KVStorage, name)) == inspect.getdoc(getattr(role, name)), name
+
+
 def test_roles_do_not_overlap():
     seen: dict[str, str] = {}
     for role in ROLES:
