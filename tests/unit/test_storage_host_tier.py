@@ -51,7 +51,7 @@ def test_a_page_two_reservations_cover_stays_fixed_until_both_end():
 def test_a_load_the_arena_cannot_serve_raises_and_changes_nothing():
     storage, _ = modeled_storage(chain_kib=16)
     most = storage.allocator.owner.grid.n_grid
-    _unchanged(storage, lambda: storage.alloc_load("full", most + 1), CapacityError, f"load of {most + 1} pages")
+    _unchanged(storage, lambda: storage.alloc_load("full", most + 1), CapacityError, f"{most + 1}")
     _unchanged(storage, lambda: storage.alloc_load("full", -1), InputError, "load of -1 pages")
     _unchanged(storage, lambda: storage.alloc_load("nope", 1), InputError, "nope")
 
