@@ -8,6 +8,7 @@ import torch
 from .alloc.chain import ChainAllocator
 from .device.base import Device
 from .device.immediate import ImmediateDevice
+from .errors import InputError
 from .layout.views import SubPoolView
 from .memory.arena import KVArena
 from .plan import KVStoragePlan
@@ -24,7 +25,16 @@ def build_kv_storage(
     backend: Device | None = None,
 ) -> KVStorage:
     """Allocate everything `sizing` budgeted. `device` holds the arena (`meta` for planning and
-    simulation at real scale with no memory); `backend` runs allocator work (default: immediate)."""
+    simulation at real scale with no memory); `backend` runs allocator work (default: immediate).
+    Raises `InputError` when `sizing` was made for another plan or `device` names no torch device."""
+    planned = [p.name for p in plan.sub_pools]
+    sized = [t.name for t in sizing.targets]
+    if sized != planned:
+        raise InputError(f"the sizing budgets sub-pools {sized}, the plan has {planned}: size this plan")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"no torch device {device!r}: {e}") from None
     arena = KVArena(plan, sizing.arena_bytes, device)
     allocator = ChainAllocator(plan, arena, backend or ImmediateDevice(), scratch_bytes=sizing.fixed.scratch)
     table = RequestTable(sizing.max_running_requests + 1, sizing.context_len, plan.page_size, len(plan.windows))

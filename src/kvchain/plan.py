@@ -125,7 +125,7 @@ class KVStoragePlan:
         for p in self.sub_pools:
             if p.name == name:
                 return p
-        raise KeyError(name)
+        raise InputError(f"no sub-pool {name!r} in this plan (sub-pools {[p.name for p in self.sub_pools]})")
 
     def to_dict(self) -> dict:
         return {

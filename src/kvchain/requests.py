@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .alloc.id_space import IdStack
-from .errors import CapacityError, InvariantError
+from .errors import CapacityError, InputError, InvariantError
 from .sizing import pages_for
 
 NO_SLOT = -1
@@ -45,16 +45,13 @@ class RowResets:
         self._marked[rows] = False
         return rows
 
-    def pending(self) -> np.ndarray:
-        return np.flatnonzero(self._marked)
-
 
 class RequestTable:
     """Per-row page tables of owner virtual page ids, lengths, and state slot ids."""
 
     def __init__(self, rows: int, context_len: int, page_size: int, n_windows: int = 0) -> None:
         if rows < 2:
-            raise ValueError("a request table needs at least one row besides the padding row")
+            raise InputError(f"a request table needs at least one row besides the padding row, got {rows} rows")
         self.rows = rows
         self.context_len = context_len
         self.page_size = page_size

@@ -15,7 +15,7 @@ from kvchain.decl import (
     WindowLifetime,
     kv_layer_decls,
 )
-from kvchain.errors import PlanError
+from kvchain.errors import InputError, PlanError
 from kvchain.plan import Placement, PoolKind, plan_kv_storage
 
 MHA8 = MHA(8, 64)
@@ -125,5 +125,12 @@ def test_page_envelope_holds_every_layer():
 
 
 def test_bad_page_size():
-    with pytest.raises(Exception, match="page size"):
+    with pytest.raises(InputError, match="page size"):
         plan_kv_storage(_hybrid(), page_size=0)
+
+
+def test_by_name_finds_a_sub_pool_and_names_the_ones_it_has_when_it_does_not():
+    plan = plan_kv_storage(_hybrid(), page_size=64)
+    assert plan.by_name("window128").name == "window128"
+    with pytest.raises(InputError, match=r"no sub-pool 'window64'.*'state', 'window4096', 'window128', 'full'"):
+        plan.by_name("window64")
