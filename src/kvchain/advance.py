@@ -6,14 +6,10 @@ page that holds its last token."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from .requests import expand_runs
-
-if TYPE_CHECKING:
-    from .storage import KVStorage
+from .alloc.chain import ChainAllocator
+from .requests import RequestTable, expand_runs
 
 
 def window_keep_from(seq_lens: np.ndarray, window: int, chunked: bool) -> np.ndarray:
@@ -24,17 +20,16 @@ def window_keep_from(seq_lens: np.ndarray, window: int, chunked: bool) -> np.nda
     return np.maximum(seq_lens - window, 0)
 
 
-def retire_window_rows(storage: KVStorage, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
+def retire_window_rows(table: RequestTable, chain: ChainAllocator, page_size: int, rows: np.ndarray,
+                       checkpoints: np.ndarray | None = None) -> int:
     """Free, in every window band, the pages of `rows` wholly before the window. With prefix
     sharing, `checkpoints` (token positions per row) keep each window behind the row's latest
     checkpoint (WIN-11). Pages of a tree-shared prefix are the tree's: the row stops reading them but
     never frees them. Returns pages freed."""
-    table = storage.table
-    chain = storage.allocator
     rows = np.asarray(rows, dtype=np.int64)
     if not len(rows) or not chain.window_bands:
         return 0
-    ps = storage.page_size
+    ps = page_size
     seq = table.seq_lens[rows]
     last_page = (seq - 1) // ps  # the page of the last token (-1 for an empty row: it retires nothing)
     shared = table.shared_pages[rows]

@@ -12,6 +12,7 @@ import logging
 import numpy as np
 
 from . import env
+from .advance import retire_window_rows
 from .alloc import invariants
 from .alloc.chain import ChainAllocator
 from .alloc.forward_steps import LaunchRecord
@@ -171,9 +172,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
-        from .advance import retire_window_rows
-
-        return retire_window_rows(self, rows, checkpoints)
+        return retire_window_rows(self.table, self.allocator, self.page_size, rows, checkpoints)
 
     @_operation
     def free_rows(self, rows: np.ndarray) -> None:
