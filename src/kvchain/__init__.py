@@ -31,6 +31,7 @@ from .decl import (
     kv_layer_decls,
 )
 from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
+from .engine import Forward, MetadataUpload, StepResult, StepSequence
 from .errors import (
     BudgetError,
     CapacityError,
@@ -45,6 +46,7 @@ from .errors import (
 )
 from .memory.arena import KVArena
 from .models import list_presets, load_config_file, model_from_config, model_from_preset
+from .models.small import small_hybrid
 from .plan import KVStoragePlan, SubPool, plan_kv_storage
 from .prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
 from .sim.baselines import PoolConfig
@@ -54,6 +56,16 @@ from .sim.scheduler import Scheduler
 from .sim.workloads import load_trace, save_trace, workload_from_name
 from .sizing import PlanSizing, check_bs1_floor, size_plan
 from .storage import KVStorage
+from .storage_roles import (
+    ForwardHooks,
+    HostTier,
+    Inspection,
+    PDTransfers,
+    PrefixSharing,
+    RowsAndTakes,
+    StorageStats,
+    Translation,
+)
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -74,9 +86,13 @@ __all__ = [
     "DemandPurpose",
     "Device",
     "EnvVarError",
+    "Forward",
+    "ForwardHooks",
     "FullLifetime",
+    "HostTier",
     "ImmediateDevice",
     "InputError",
+    "Inspection",
     "InvariantError",
     "IterationIds",
     "KVArena",
@@ -88,19 +104,27 @@ __all__ = [
     "KVStorage",
     "KVStoragePlan",
     "LayoutError",
+    "MetadataUpload",
     "ModeledDevice",
+    "PDTransfers",
     "PlanError",
     "PlanSizing",
     "PoolConfig",
+    "PrefixSharing",
+    "RowsAndTakes",
     "RunnerIds",
     "Scheduler",
     "SchedulerConfig",
     "State",
     "StateLifetime",
     "StateTensor",
+    "StepResult",
+    "StepSequence",
+    "StorageStats",
     "SubPool",
     "ThreadDevice",
     "TransferTimeoutError",
+    "Translation",
     "UnifiedRadixCache",
     "WindowLifetime",
     "WindowRetirement",
@@ -122,5 +146,6 @@ __all__ = [
     "request_demand",
     "save_trace",
     "size_plan",
+    "small_hybrid",
     "workload_from_name",
 ]
