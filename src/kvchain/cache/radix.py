@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..advance import window_keep_from
-from ..errors import InputError
+from ..errors import InputError, InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 
@@ -395,18 +395,6 @@ class UnifiedRadixCache:
 
     # -- inserting ------------------------------------------------------------------------------------
 
-    def holds_other_pages(self, tokens: np.ndarray, vpages: np.ndarray) -> bool:
-        """Whether the tree already holds some of these tokens under other virtual pages (a running
-        request's insert would then leave it owning pages in the middle of its row)."""
-        ps = self.ps
-        path = self._walk(np.asarray(tokens[: len(vpages) * ps], dtype=np.int32))
-        page = 0
-        for node, k in path:
-            if not np.array_equal(node.vpages[:k], vpages[page : page + k]):
-                return True
-            page += k
-        return False
-
     def insert(self, tokens: np.ndarray, vpages: np.ndarray, window_lo: np.ndarray, state_slot: int = -1) -> InsertResult:
         """Insert whole pages of `tokens` held by `vpages`; each window binds the inserter's pages from
         `window_lo[w]` on. Pages the tree already holds come back as duplicates for the inserter to
@@ -451,6 +439,52 @@ class UnifiedRadixCache:
             taken = True
         dups = np.concatenate(duplicates) if duplicates else np.empty(0, dtype=np.int64)
         return InsertResult(node, new_pages, dups, taken)
+
+    def insert_running(self, row: int, tokens: np.ndarray, state_slot: int = -1) -> InsertResult | None:
+        """Hand a running row's first `len(tokens)` tokens (whole pages) to the tree, with state
+        `state_slot` at their end (-1: none): a checkpoint (WIN-14) or a prefilled prompt.
+
+        Where the tree already holds part of that prefix under other pages (a sibling branch that
+        was cached first and split off below it), the row moves onto the tree's pages, which hold
+        the same tokens' KV, and frees its own copies; window rows the tree lacks but the row
+        still binds are rehomed onto the tree's pages first (WIN-7). So the insert lands at the
+        depth where the row's branch leaves the tree's, instead of being skipped, and the prefix is
+        held once. The caller then releases the first pages to the tree
+        (`KVStorage.release_to_tree`). None, with nothing changed, when the tree already has a
+        state at that end (another request with the same prefix checkpointed it first)."""
+        ps = self.ps
+        table = self.storage.table
+        n = len(tokens) // ps
+        tokens = np.asarray(tokens[: n * ps], dtype=np.int32)
+        mine = table.page_table[row, :n].copy()
+        shared = int(table.shared_pages[row])
+        path = self._walk(tokens)
+        page = 0
+        for child, k in path:
+            differ = mine[page : page + k] != child.vpages[:k]
+            if differ.any() and (not differ.all() or page < shared):
+                # the row's tree-shared pages are locked and nodes never merge, so a node holds
+                # either the row's pages or none of them
+                raise InvariantError("tree.pages_live", f"row {row}: pages {page}..{page + k} of its "
+                                     f"{shared} tree-shared pages are not the tree's")
+            page += k
+        if state_slot >= 0 and page == n and path and path[-1][1] == path[-1][0].n_pages \
+                and path[-1][0].state_slot >= 0:
+            return None  # the tree has this checkpoint already
+        copies = []
+        page = 0
+        for child, k in path:
+            if k < child.n_pages:
+                child = self._split(child, k)
+            seg = slice(page, page + k)
+            if (mine[seg] != child.vpages).any():
+                self._rehome(child, mine[seg], [int(table.window_lo[row, w]) - page for w in range(len(self.windows))])
+                table.page_table[row, seg] = child.vpages
+                copies.append(mine[seg])
+            page += k
+        if copies:
+            self.storage.free_virtual_pages(np.concatenate(copies))
+        return self.insert(tokens, table.page_table[row, :n].copy(), table.window_lo[row], state_slot)
 
     def _rehome(self, node: TreeNode, mine: np.ndarray, inserter_lo: list[int]) -> None:
         """Where the node's window rows are gone but the inserter's duplicate pages bind them from some
@@ -512,8 +546,6 @@ class UnifiedRadixCache:
         """Every page a node holds is still live where the node says it is: the owner binds every
         virtual page, each window binds the pages from its `window_lo` on, a state slot is bound, and
         no virtual page is held twice. A match can then never hand out freed pages."""
-        from ..errors import InvariantError
-
         chain = self.storage.allocator
         seen: set[int] = set()
         problems = []

@@ -286,18 +286,17 @@ class KVChainPool:
 
     def _hand_prefix_to_tree(self, req: SimRequest, at: int, slot: int) -> bool:
         """Insert the row's first `at` tokens (whole pages) with state `slot` (-1: none), hand their
-        pages to the tree and move the row's locks there. False, with nothing changed, when the tree
-        already holds part of that prefix under other pages."""
+        pages to the tree and move the row's locks there (where the tree holds part of that prefix
+        under other pages, the row moves onto them). False, with nothing changed, when the tree
+        cannot take it (`UnifiedRadixCache.insert_running`)."""
         storage = self.storage
         table = storage.table
         st = req.pool_state
         row = req.row
         n = at // self.page_size
-        vpages = table.page_table[row, :n].copy()
-        tokens = req.tokens(at)
-        if self.tree.holds_other_pages(tokens, vpages):
+        result = self.tree.insert_running(row, req.tokens(at), slot)
+        if result is None:
             return False
-        result = self.tree.insert(tokens, vpages, table.window_lo[row], slot)
         assert (slot < 0 or result.state_taken) and not len(result.duplicates)
         if slot >= 0:
             storage.copy_state(table.state_slot[[row]], np.array([slot]))  # the state at the grid point

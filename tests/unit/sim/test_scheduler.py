@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvchain.alloc.demand import retained_window, span_pages
 from kvchain.cache.radix import CheckpointStrategy
 from kvchain.errors import CapacityError
+from kvchain.plan import PoolKind
 from kvchain.sim.request import Phase, SimRequest
 from kvchain.sim.scheduler import Scheduler
 from support.simworld import workload, world
@@ -70,15 +71,21 @@ def test_forced_checkpoint_stalls_still_finish(monkeypatch):
     pool = world(chain_kib=20, window=16, state=True, strategy=CheckpointStrategy.EXTRA_BUFFER)
     storage = pool.storage
     original = storage.alloc_state_slots
-    calls = {"n": 0}
+    calls = {"n": 0, "forced": False}
+    state_only = [p.kind is PoolKind.STATE for p in pool.plan.sub_pools]
 
     def flaky(n):
         calls["n"] += 1
-        if calls["n"] % 2 == 0:
+        calls["forced"] = calls["n"] % 2 == 0
+        if calls["forced"]:
             raise CapacityError("no free tracking slot (forced)")
         return original(n)
 
+    make_room = pool._make_room
     monkeypatch.setattr(storage, "alloc_state_slots", flaky)
+    # nor can eviction give one: a demand for state slots alone finds no room while forced
+    monkeypatch.setattr(pool, "_make_room", lambda pages: not (
+        calls["forced"] and all(s or not n for s, n in zip(state_only, pages))) and make_room(pages))
     requests = workload(3, n=50)
     sched = _run(pool, requests)
     assert pool.stats_counters["checkpoint_stalls"] > 0
