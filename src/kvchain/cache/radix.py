@@ -52,6 +52,7 @@ class TreeNode:
         "seq",
         "start",
         "state_slot",
+        "state_used",
         "vpages",
         "window_held",
         "window_lo",
@@ -66,6 +67,7 @@ class TreeNode:
         self.vpages = vpages  # owner virtual page per page
         self.window_lo = np.full(n_windows, len(vpages), dtype=np.int64)
         self.state_slot = -1
+        self.state_used = 0  # when the state here was last taken or matched (its own recency)
         self.lock_ref = 0
         self.window_lock = 0
         self.window_held = 0  # window rows bound, all windows together (kept by `_account`)
@@ -96,13 +98,20 @@ class WindowLock:
 @dataclass(frozen=True)
 class MatchResult:
     """A usable prefix: `length` tokens (whole pages), their owner virtual pages, the node that ends
-    there (to lock), each window's first bound page among them, and the state slot at the end."""
+    there (to lock), each window's first bound page among them, and the state slot at the end.
+
+    `branch` (checkpointed state only): the latest checkpoint grid point at or before where the
+    tokens leave the tree (the whole pages some cached sequence shares with them), when that lies
+    past `length`, else 0. A request whose first prefill chunk ends there leaves its checkpoint
+    where its branch splits off, so later requests that share the same start (a system prompt,
+    a sibling's blocks) match it."""
 
     length: int
     vpages: np.ndarray
     node: TreeNode
     window_lo: np.ndarray
     state_slot: int
+    branch: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,8 +223,11 @@ class UnifiedRadixCache:
         the match ends inside it, so the caller can lock exactly the prefix."""
         tokens = np.asarray(tokens, dtype=np.int32)
         path = self._walk(tokens)
+        shared = sum(k for _n, k in path) * self.ps
+        grid = self.checkpoint_interval
+        branch = shared // grid * grid if grid else 0
         empty = MatchResult(0, np.empty(0, dtype=np.int64), self.root,
-                            np.zeros(len(self.windows), dtype=np.int64), -1)
+                            np.zeros(len(self.windows), dtype=np.int64), -1, branch)
         if not path:
             return empty
         vpages = np.concatenate([n.vpages[:k] for n, k in path])
@@ -231,10 +243,13 @@ class UnifiedRadixCache:
                 walker.last_access = stamp
                 walker.hits += 1
                 walker = walker.parent
+            node.state_used = stamp
             window_lo = np.array([_first_bound_of_suffix(b[:end_page]) for b in bound], dtype=np.int64)
             self.stats["matched_tokens"] += end_page * self.ps
             state = node.state_slot if self.state is not None else -1
-            return MatchResult(end_page * self.ps, vpages[:end_page].copy(), node, window_lo, state)
+            length = end_page * self.ps
+            return MatchResult(length, vpages[:end_page].copy(), node, window_lo, state,
+                               branch if branch > length else 0)
         return empty
 
     def _candidate_ends(self, path: list[tuple[TreeNode, int]], covered: np.ndarray) -> Iterator[tuple[int, int]]:
@@ -435,6 +450,7 @@ class UnifiedRadixCache:
         if state_slot >= 0 and node is not self.root and node.state_slot < 0:
             self._account(node, -1)
             node.state_slot = state_slot
+            node.state_used = stamp
             self._account(node, 1)
             taken = True
         dups = np.concatenate(duplicates) if duplicates else np.empty(0, dtype=np.int64)
@@ -579,25 +595,33 @@ class UnifiedRadixCache:
         return {p.name: self._held[p.index] - self._locked[p.index] for p in self.plan.sub_pools}
 
     def _victims(self) -> Iterator[tuple[str, TreeNode]]:
-        """Planned evictions, least recently used first among nodes no match has reused yet, then
-        among reused ones (a prefix that proved shared outlives one-off content): ('leaf', n)
-        unlocked leaves whole (a parent becomes a candidate once all its children are planned
-        away), ('window', n) window rows no request reads, ('state', n) state slots. Nothing is
-        freed while planning."""
+        """Planned evictions, least recently used first: ('leaf', n) unlocked leaves whole (a parent
+        becomes a candidate once all its children are planned away) and ('window', n) window rows
+        no request reads, among nodes no match has reused yet and then among reused ones (a prefix
+        that proved shared outlives one-off content); ('state', n) state slots by when the state
+        itself was last taken or matched. A path's recency is refreshed by every match below it,
+        but a checkpoint a deeper one has superseded (the previous turn's, on a path the
+        conversation has since extended) is no longer matched: it ages on its own and goes before
+        the pages and states still in use. Nothing is freed while planning."""
         # only nodes that can give something now start in the heap (a running request's nodes
         # mostly cannot); an unlocked parent joins once its children are planned away
-        heap = [(min(n.hits, 1), n.last_access, n.seq, n) for n in self._nodes()
-                if (n.lock_ref == 0 and not n.children) or n.state_slot >= 0
-                or (n.window_lock == 0 and n.window_held)]
+        heap = [(min(n.hits, 1), n.last_access, n.seq, False, n) for n in self._nodes()
+                if (n.lock_ref == 0 and not n.children) or (n.window_lock == 0 and n.window_held)]
+        heap += [(0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
         heapq.heapify(heap)
         planned_away: dict[int, int] = {}  # children planned away, per parent
         window_done: set[int] = set()
         state_done: set[int] = set()
         gone: set[int] = set()
         while heap:
-            *_, node = heapq.heappop(heap)
+            *_, state_entry, node = heapq.heappop(heap)
             key = id(node)
             if key in gone:
+                continue
+            if state_entry:
+                if key not in state_done:
+                    state_done.add(key)
+                    yield "state", node
                 continue
             if node.lock_ref == 0 and len(node.children) == planned_away.get(key, 0):
                 gone.add(key)
@@ -608,14 +632,11 @@ class UnifiedRadixCache:
                 if parent is not None and parent is not self.root:
                     up = planned_away[id(parent)] = planned_away.get(id(parent), 0) + 1
                     if up == len(parent.children) and parent.lock_ref == 0:
-                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, parent))
+                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, False, parent))
                 continue
             if key not in window_done and node.window_lock == 0 and node.window_held:
                 window_done.add(key)
                 yield "window", node
-            if key not in state_done and node.state_slot >= 0:
-                state_done.add(key)
-                yield "state", node
 
     def evict(self, wanted, max_steps: int = 1 << 30) -> Evicted:
         """Evict in LRU order until `wanted(freed pages per sub-pool)` says enough: the walk is
@@ -623,13 +644,14 @@ class UnifiedRadixCache:
         (nothing when no eviction would be enough)."""
         plan: list[tuple[str, TreeNode]] = []
         planned = Evicted({})
+        counted: dict[int, set[str]] = {}  # per node, what earlier steps of the plan already freed
         enough = wanted(planned.pages)
         if not enough:
             for kind, node in self._victims():
                 if len(plan) >= max_steps:
                     break
                 plan.append((kind, node))
-                self._count(kind, node, planned)
+                self._count(kind, node, planned, counted.setdefault(id(node), set()))
                 if wanted(planned.pages):
                     enough = True
                     break
@@ -640,13 +662,17 @@ class UnifiedRadixCache:
             self._evict(kind, node, freed)
         return freed
 
-    def _count(self, kind: str, node: TreeNode, out: Evicted) -> None:
-        if kind in ("leaf", "window"):
+    def _count(self, kind: str, node: TreeNode, out: Evicted, done: set[str]) -> None:
+        """Add what evicting `node` as `kind` frees to `out`; a leaf planned after its window rows
+        or its state were counts them once (`done`: what the plan already freed there)."""
+        if kind in ("leaf", "window") and "window" not in done:
+            done.add("window")
             for w, pool in enumerate(self.windows):
                 out.add(pool.name, node.n_pages - int(node.window_lo[w]))
         if kind == "leaf":
             out.add(self.plan.owner.name, node.n_pages)
-        if node.state_slot >= 0 and kind in ("leaf", "state"):
+        if node.state_slot >= 0 and kind in ("leaf", "state") and "state" not in done:
+            done.add("state")
             out.add(self.state.name, 1)
 
     def _evict(self, kind: str, node: TreeNode, freed: Evicted) -> None:

@@ -58,6 +58,19 @@ def test_trace_replay_a_sibling_branch_does_not_lose_the_checkpoint(tmp_path):
     assert pool.stats_counters["checkpoints"] == 2
 
 
+def test_trace_replay_the_three_requests_hit_with_the_default_interval(tmp_path):
+    """With the interval chosen for chat traffic (256 tokens, a divisor of the 512-token blocks)
+    each first chunk ends where its branch leaves the tree: B checkpoints at the 1,536 tokens it
+    shares with A (its prefill is one chunk otherwise, whose only checkpoint lies past any
+    sibling), C matches it and checkpoints at the 2,048 it shares with B, and a fourth request on
+    C's branch matches that."""
+    d = {"arrival_step": 60, "input_length": 2400, "output_length": 8, "hash_ids": [0, 1, 2, 4, 7]}
+    requests, pool = _replay(tmp_path, [A, B, C, d], interval=None)
+    assert pool.checkpoint_interval == 256
+    a, b, c, d = sorted(requests, key=lambda r: r.rid)
+    assert (a.cached, b.cached, c.cached, d.cached) == (0, 0, 3 * BLOCK, 4 * BLOCK)
+
+
 # -- the tree itself ---------------------------------------------------------------------------------
 
 
