@@ -1,5 +1,5 @@
-"""The default checkpoint interval: half a turn of the traffic, finer when a state slot weighs less
-than that much KV, whole pages."""
+"""The default checkpoint interval: a tenth of the tokens whose KV weighs one state slot, never
+coarser than half a turn of the traffic, whole pages."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from kvchain.errors import InputError
 from kvchain.models import model_from_preset
 from kvchain.plan import plan_kv_storage
 
-STATE_PRESETS = ("qwen3-next-80b", "nemotron-h-8b", "jamba-mini", "falcon-h1-7b", "hymba-1.5b")
 
-
-def test_half_a_turn_in_whole_pages():
+def test_half_a_turn_when_the_state_is_dear():
+    """A slot that weighs the KV of 4,000 tokens would allow 400-token intervals: half a 500-token
+    turn is finer (250, rounded up to whole pages)."""
     kib = 1024
-    # a state of 4,000 tokens' KV: the turn decides (250 tokens, rounded up to 4 pages of 64)
     assert checkpoint_interval_for(page_size=64, state_bytes=4000 * kib, token_bytes=kib, turn_tokens=500) == 256
     assert checkpoint_interval_for(page_size=16, state_bytes=4000 * kib, token_bytes=kib, turn_tokens=500) == 256
-    assert checkpoint_interval_for(page_size=64, state_bytes=4000 * kib, token_bytes=kib, turn_tokens=4000) == 2048
+    assert checkpoint_interval_for(page_size=100, state_bytes=4000 * kib, token_bytes=kib, turn_tokens=500) == 300
 
 
-def test_a_cheap_state_checkpoints_more_often():
-    """A slot that weighs the KV of 300 tokens: checkpoints every 150 (3 pages of 64) even with
-    long turns."""
-    assert checkpoint_interval_for(page_size=64, state_bytes=300, token_bytes=1, turn_tokens=4000) == 192
+def test_a_tenth_of_the_state_when_that_is_finer():
+    """The same state with 4,000-token turns: a tenth of its 4,000 tokens (400, 7 pages of 64); a
+    state of 1,000 tokens checkpoints every 100 (2 pages) even with chat turns."""
+    assert checkpoint_interval_for(page_size=64, state_bytes=4000, token_bytes=1, turn_tokens=4000) == 448
+    assert checkpoint_interval_for(page_size=64, state_bytes=1000, token_bytes=1, turn_tokens=500) == 128
 
 
 def test_at_least_one_page():
@@ -39,14 +39,16 @@ def test_inputs_below_one_are_refused(name):
         checkpoint_interval_for(**args)
 
 
-@pytest.mark.parametrize("preset", STATE_PRESETS)
-def test_chat_traffic_on_every_state_preset_gets_a_quarter_turn_grid(preset):
-    """Every state preset's slot weighs more than half a chat turn of KV, so multi-turn chat gets
-    the half-turn grid (256 tokens at 64-token pages), not the 512-3,136 tokens the state's cost
-    alone gave."""
+@pytest.mark.parametrize(("preset", "interval"), [
+    ("qwen3-next-80b", 256), ("nemotron-h-8b", 256), ("falcon-h1-7b", 256),  # half a chat turn
+    ("jamba-mini", 128), ("hymba-1.5b", 128),  # a tenth of a cheap state
+])
+def test_chat_traffic_on_every_state_preset(preset, interval):
+    """Multi-turn chat on every state preset gets a grid of 128-256 tokens, not the 512-3,136
+    tokens the state's cost alone gave before."""
     plan = plan_kv_storage(model_from_preset(preset).decls, page_size=64)
-    assert plan.state.page_bytes // plan.owner.unit_bytes // 2 > CHAT_TURN_TOKENS // 2
-    assert default_checkpoint_interval(plan) == 256
+    assert default_checkpoint_interval(plan) == interval
+    assert default_checkpoint_interval(plan, turn_tokens=CHAT_TURN_TOKENS) == interval
 
 
 def test_a_plan_without_state_has_no_interval():
