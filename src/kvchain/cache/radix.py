@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..advance import window_keep_from
-from ..errors import InputError
+from ..errors import InputError, InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 
@@ -52,6 +52,7 @@ class TreeNode:
         "seq",
         "start",
         "state_slot",
+        "state_used",
         "vpages",
         "window_held",
         "window_lo",
@@ -66,6 +67,7 @@ class TreeNode:
         self.vpages = vpages  # owner virtual page per page
         self.window_lo = np.full(n_windows, len(vpages), dtype=np.int64)
         self.state_slot = -1
+        self.state_used = 0  # when the state here was last taken or matched (its own recency)
         self.lock_ref = 0
         self.window_lock = 0
         self.window_held = 0  # window rows bound, all windows together (kept by `_account`)
@@ -96,13 +98,20 @@ class WindowLock:
 @dataclass(frozen=True)
 class MatchResult:
     """A usable prefix: `length` tokens (whole pages), their owner virtual pages, the node that ends
-    there (to lock), each window's first bound page among them, and the state slot at the end."""
+    there (to lock), each window's first bound page among them, and the state slot at the end.
+
+    `branch` (checkpointed state only): the latest checkpoint grid point at or before where the
+    tokens leave the tree (the whole pages some cached sequence shares with them), when that lies
+    past `length`, else 0. A request whose first prefill chunk ends there leaves its checkpoint
+    where its branch splits off, so later requests that share the same start (a system prompt,
+    a sibling's blocks) match it."""
 
     length: int
     vpages: np.ndarray
     node: TreeNode
     window_lo: np.ndarray
     state_slot: int
+    branch: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,8 +223,11 @@ class UnifiedRadixCache:
         the match ends inside it, so the caller can lock exactly the prefix."""
         tokens = np.asarray(tokens, dtype=np.int32)
         path = self._walk(tokens)
+        shared = sum(k for _n, k in path) * self.ps
+        grid = self.checkpoint_interval
+        branch = shared // grid * grid if grid else 0
         empty = MatchResult(0, np.empty(0, dtype=np.int64), self.root,
-                            np.zeros(len(self.windows), dtype=np.int64), -1)
+                            np.zeros(len(self.windows), dtype=np.int64), -1, branch)
         if not path:
             return empty
         vpages = np.concatenate([n.vpages[:k] for n, k in path])
@@ -231,10 +243,13 @@ class UnifiedRadixCache:
                 walker.last_access = stamp
                 walker.hits += 1
                 walker = walker.parent
+            node.state_used = stamp
             window_lo = np.array([_first_bound_of_suffix(b[:end_page]) for b in bound], dtype=np.int64)
             self.stats["matched_tokens"] += end_page * self.ps
             state = node.state_slot if self.state is not None else -1
-            return MatchResult(end_page * self.ps, vpages[:end_page].copy(), node, window_lo, state)
+            length = end_page * self.ps
+            return MatchResult(length, vpages[:end_page].copy(), node, window_lo, state,
+                               branch if branch > length else 0)
         return empty
 
     def _candidate_ends(self, path: list[tuple[TreeNode, int]], covered: np.ndarray) -> Iterator[tuple[int, int]]:
@@ -395,18 +410,6 @@ class UnifiedRadixCache:
 
     # -- inserting ------------------------------------------------------------------------------------
 
-    def holds_other_pages(self, tokens: np.ndarray, vpages: np.ndarray) -> bool:
-        """Whether the tree already holds some of these tokens under other virtual pages (a running
-        request's insert would then leave it owning pages in the middle of its row)."""
-        ps = self.ps
-        path = self._walk(np.asarray(tokens[: len(vpages) * ps], dtype=np.int32))
-        page = 0
-        for node, k in path:
-            if not np.array_equal(node.vpages[:k], vpages[page : page + k]):
-                return True
-            page += k
-        return False
-
     def insert(self, tokens: np.ndarray, vpages: np.ndarray, window_lo: np.ndarray, state_slot: int = -1) -> InsertResult:
         """Insert whole pages of `tokens` held by `vpages`; each window binds the inserter's pages from
         `window_lo[w]` on. Pages the tree already holds come back as duplicates for the inserter to
@@ -447,10 +450,57 @@ class UnifiedRadixCache:
         if state_slot >= 0 and node is not self.root and node.state_slot < 0:
             self._account(node, -1)
             node.state_slot = state_slot
+            node.state_used = stamp
             self._account(node, 1)
             taken = True
         dups = np.concatenate(duplicates) if duplicates else np.empty(0, dtype=np.int64)
         return InsertResult(node, new_pages, dups, taken)
+
+    def insert_running(self, row: int, tokens: np.ndarray, state_slot: int = -1) -> InsertResult | None:
+        """Hand a running row's first `len(tokens)` tokens (whole pages) to the tree, with state
+        `state_slot` at their end (-1: none): a checkpoint (WIN-14) or a prefilled prompt.
+
+        Where the tree already holds part of that prefix under other pages (a sibling branch that
+        was cached first and split off below it), the row moves onto the tree's pages, which hold
+        the same tokens' KV, and frees its own copies; window rows the tree lacks but the row
+        still binds are rehomed onto the tree's pages first (WIN-7). So the insert lands at the
+        depth where the row's branch leaves the tree's, instead of being skipped, and the prefix is
+        held once. The caller then releases the first pages to the tree
+        (`KVStorage.release_to_tree`). None, with nothing changed, when the tree already has a
+        state at that end (another request with the same prefix checkpointed it first)."""
+        ps = self.ps
+        table = self.storage.table
+        n = len(tokens) // ps
+        tokens = np.asarray(tokens[: n * ps], dtype=np.int32)
+        mine = table.page_table[row, :n].copy()
+        shared = int(table.shared_pages[row])
+        path = self._walk(tokens)
+        page = 0
+        for child, k in path:
+            differ = mine[page : page + k] != child.vpages[:k]
+            if differ.any() and (not differ.all() or page < shared):
+                # the row's tree-shared pages are locked and nodes never merge, so a node holds
+                # either the row's pages or none of them
+                raise InvariantError("tree.pages_live", f"row {row}: pages {page}..{page + k} of its "
+                                     f"{shared} tree-shared pages are not the tree's")
+            page += k
+        if state_slot >= 0 and page == n and path and path[-1][1] == path[-1][0].n_pages \
+                and path[-1][0].state_slot >= 0:
+            return None  # the tree has this checkpoint already
+        copies = []
+        page = 0
+        for child, k in path:
+            if k < child.n_pages:
+                child = self._split(child, k)
+            seg = slice(page, page + k)
+            if (mine[seg] != child.vpages).any():
+                self._rehome(child, mine[seg], [int(table.window_lo[row, w]) - page for w in range(len(self.windows))])
+                table.page_table[row, seg] = child.vpages
+                copies.append(mine[seg])
+            page += k
+        if copies:
+            self.storage.free_virtual_pages(np.concatenate(copies))
+        return self.insert(tokens, table.page_table[row, :n].copy(), table.window_lo[row], state_slot)
 
     def _rehome(self, node: TreeNode, mine: np.ndarray, inserter_lo: list[int]) -> None:
         """Where the node's window rows are gone but the inserter's duplicate pages bind them from some
@@ -512,8 +562,6 @@ class UnifiedRadixCache:
         """Every page a node holds is still live where the node says it is: the owner binds every
         virtual page, each window binds the pages from its `window_lo` on, a state slot is bound, and
         no virtual page is held twice. A match can then never hand out freed pages."""
-        from ..errors import InvariantError
-
         chain = self.storage.allocator
         seen: set[int] = set()
         problems = []
@@ -547,25 +595,33 @@ class UnifiedRadixCache:
         return {p.name: self._held[p.index] - self._locked[p.index] for p in self.plan.sub_pools}
 
     def _victims(self) -> Iterator[tuple[str, TreeNode]]:
-        """Planned evictions, least recently used first among nodes no match has reused yet, then
-        among reused ones (a prefix that proved shared outlives one-off content): ('leaf', n)
-        unlocked leaves whole (a parent becomes a candidate once all its children are planned
-        away), ('window', n) window rows no request reads, ('state', n) state slots. Nothing is
-        freed while planning."""
+        """Planned evictions, least recently used first: ('leaf', n) unlocked leaves whole (a parent
+        becomes a candidate once all its children are planned away) and ('window', n) window rows
+        no request reads, among nodes no match has reused yet and then among reused ones (a prefix
+        that proved shared outlives one-off content); ('state', n) state slots by when the state
+        itself was last taken or matched. A path's recency is refreshed by every match below it,
+        but a checkpoint a deeper one has superseded (the previous turn's, on a path the
+        conversation has since extended) is no longer matched: it ages on its own and goes before
+        the pages and states still in use. Nothing is freed while planning."""
         # only nodes that can give something now start in the heap (a running request's nodes
         # mostly cannot); an unlocked parent joins once its children are planned away
-        heap = [(min(n.hits, 1), n.last_access, n.seq, n) for n in self._nodes()
-                if (n.lock_ref == 0 and not n.children) or n.state_slot >= 0
-                or (n.window_lock == 0 and n.window_held)]
+        heap = [(min(n.hits, 1), n.last_access, n.seq, False, n) for n in self._nodes()
+                if (n.lock_ref == 0 and not n.children) or (n.window_lock == 0 and n.window_held)]
+        heap += [(0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
         heapq.heapify(heap)
         planned_away: dict[int, int] = {}  # children planned away, per parent
         window_done: set[int] = set()
         state_done: set[int] = set()
         gone: set[int] = set()
         while heap:
-            *_, node = heapq.heappop(heap)
+            *_, state_entry, node = heapq.heappop(heap)
             key = id(node)
             if key in gone:
+                continue
+            if state_entry:
+                if key not in state_done:
+                    state_done.add(key)
+                    yield "state", node
                 continue
             if node.lock_ref == 0 and len(node.children) == planned_away.get(key, 0):
                 gone.add(key)
@@ -576,14 +632,11 @@ class UnifiedRadixCache:
                 if parent is not None and parent is not self.root:
                     up = planned_away[id(parent)] = planned_away.get(id(parent), 0) + 1
                     if up == len(parent.children) and parent.lock_ref == 0:
-                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, parent))
+                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, False, parent))
                 continue
             if key not in window_done and node.window_lock == 0 and node.window_held:
                 window_done.add(key)
                 yield "window", node
-            if key not in state_done and node.state_slot >= 0:
-                state_done.add(key)
-                yield "state", node
 
     def evict(self, wanted, max_steps: int = 1 << 30) -> Evicted:
         """Evict in LRU order until `wanted(freed pages per sub-pool)` says enough: the walk is
@@ -591,13 +644,14 @@ class UnifiedRadixCache:
         (nothing when no eviction would be enough)."""
         plan: list[tuple[str, TreeNode]] = []
         planned = Evicted({})
+        counted: dict[int, set[str]] = {}  # per node, what earlier steps of the plan already freed
         enough = wanted(planned.pages)
         if not enough:
             for kind, node in self._victims():
                 if len(plan) >= max_steps:
                     break
                 plan.append((kind, node))
-                self._count(kind, node, planned)
+                self._count(kind, node, planned, counted.setdefault(id(node), set()))
                 if wanted(planned.pages):
                     enough = True
                     break
@@ -608,13 +662,17 @@ class UnifiedRadixCache:
             self._evict(kind, node, freed)
         return freed
 
-    def _count(self, kind: str, node: TreeNode, out: Evicted) -> None:
-        if kind in ("leaf", "window"):
+    def _count(self, kind: str, node: TreeNode, out: Evicted, done: set[str]) -> None:
+        """Add what evicting `node` as `kind` frees to `out`; a leaf planned after its window rows
+        or its state were counts them once (`done`: what the plan already freed there)."""
+        if kind in ("leaf", "window") and "window" not in done:
+            done.add("window")
             for w, pool in enumerate(self.windows):
                 out.add(pool.name, node.n_pages - int(node.window_lo[w]))
         if kind == "leaf":
             out.add(self.plan.owner.name, node.n_pages)
-        if node.state_slot >= 0 and kind in ("leaf", "state"):
+        if node.state_slot >= 0 and kind in ("leaf", "state") and "state" not in done:
+            done.add("state")
             out.add(self.state.name, 1)
 
     def _evict(self, kind: str, node: TreeNode, freed: Evicted) -> None:

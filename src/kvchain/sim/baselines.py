@@ -25,13 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..build import build_kv_storage
+from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy
 from ..decl import KVLayerDecl
 from ..layout.entry import PageEnvelope
 from ..memory.arena import arena_layout
 from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
 from ..sizing import PlanSizing, size_plan
-from .kvchain_pool import KVChainPool, default_checkpoint_interval
+from .kvchain_pool import KVChainPool
 
 #: The defaults of the engines whose static split these baselines model.
 DEFAULT_WINDOW_RATIO = 0.8

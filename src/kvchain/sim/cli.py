@@ -36,6 +36,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
     p.add_argument("--ms-per-step", type=float, default=50.0, help="trace timestamps to steps (default 50 ms)")
+    p.add_argument("--block-tokens", type=_positive_int, default=512,
+                   help="tokens per trace hash block: hash_ids[i] names prompt tokens i*N..(i+1)*N (default 512, Mooncake's)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per step for generated workloads")
     p.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: the cores)")
     p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
@@ -46,7 +48,8 @@ def _requests(args: argparse.Namespace):
     from . import workloads
 
     if args.trace:
-        return workloads.load_trace(args.trace, ms_per_step=args.ms_per_step, limit=args.requests)
+        return workloads.load_trace(args.trace, ms_per_step=args.ms_per_step, block_tokens=args.block_tokens,
+                                    limit=args.requests)
     params = {} if args.rate is None else {"rate": args.rate}
     return workloads.workload_from_name(args.workload, args.requests, args.seed, **params)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..alloc.demand import DemandPurpose, KVDemand, request_demand
+from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
 from ..errors import CapacityError
@@ -160,6 +161,8 @@ class KVChainPool:
         if cached:  # what the match just locked is no longer reclaimable
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
         output_left = max(req.max_new - req.generated, 0)
+        if match is not None and match.branch:  # the first chunk ends where the branch leaves the tree
+            token_limit = min(token_limit, match.branch - cached)
         a = ctx.consider(req.input_len, output_left, cached, token_limit)
         if a.decision is Decision.ADMIT and not self._make_room(self._admit_demand(cached + a.chunk_len, cached)):
             ctx.admitted = ctx.admitted + (KVDemand.zero(len(a.demand.pages)) if a.demand is None else
@@ -286,18 +289,17 @@ class KVChainPool:
 
     def _hand_prefix_to_tree(self, req: SimRequest, at: int, slot: int) -> bool:
         """Insert the row's first `at` tokens (whole pages) with state `slot` (-1: none), hand their
-        pages to the tree and move the row's locks there. False, with nothing changed, when the tree
-        already holds part of that prefix under other pages."""
+        pages to the tree and move the row's locks there (where the tree holds part of that prefix
+        under other pages, the row moves onto them). False, with nothing changed, when the tree
+        cannot take it (`UnifiedRadixCache.insert_running`)."""
         storage = self.storage
         table = storage.table
         st = req.pool_state
         row = req.row
         n = at // self.page_size
-        vpages = table.page_table[row, :n].copy()
-        tokens = req.tokens(at)
-        if self.tree.holds_other_pages(tokens, vpages):
+        result = self.tree.insert_running(row, req.tokens(at), slot)
+        if result is None:
             return False
-        result = self.tree.insert(tokens, vpages, table.window_lo[row], slot)
         assert (slot < 0 or result.state_taken) and not len(result.duplicates)
         if slot >= 0:
             storage.copy_state(table.state_slot[[row]], np.array([slot]))  # the state at the grid point
@@ -374,12 +376,3 @@ def pages_for_arr(tokens: np.ndarray, page_size: int) -> np.ndarray:
 def _negate(d: KVDemand) -> KVDemand:
     return KVDemand(tuple(-p for p in d.pages), -d.virtual_pages, -d.state_slots)
 
-
-def default_checkpoint_interval(plan) -> int:
-    """Tokens between cached state checkpoints when none is given: half the tokens whose full-attention
-    KV weighs as much as one state slot (a checkpoint should not cost more than what it saves),
-    at least 256 and a whole number of pages."""
-    ps = plan.page_size
-    tokens = plan.state.page_bytes // max(plan.owner.unit_bytes, 1) // 2
-    tokens = max(256, min(tokens, 8192))
-    return -(-tokens // ps) * ps

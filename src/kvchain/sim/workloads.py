@@ -443,7 +443,8 @@ def _parse_line(obj: Any, where: str, lineno: int, block_tokens: int) -> _Line:
     blocks = -(-input_length // block_tokens)
     if len(hash_ids) > blocks:
         raise InputError(f"{where}: {len(hash_ids)} hash_ids but input_length {input_length} spans only "
-                         f"{blocks} blocks of {block_tokens} tokens (wrong block_tokens?)")
+                         f"{blocks} blocks of {block_tokens} tokens (wrong block_tokens? `kvchain simulate "
+                         "--block-tokens` sets the trace's block size)")
     return _Line(lineno, -1 if step is None else step, -1.0 if time_ms is None else float(time_ms),
                  input_length, output_length, max_new, rid, hash_ids)
 

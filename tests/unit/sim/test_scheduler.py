@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvchain.alloc.demand import retained_window, span_pages
 from kvchain.cache.radix import CheckpointStrategy
 from kvchain.errors import CapacityError
+from kvchain.plan import PoolKind
 from kvchain.sim.request import Phase, SimRequest
 from kvchain.sim.scheduler import Scheduler
 from support.simworld import workload, world
@@ -70,15 +71,28 @@ def test_forced_checkpoint_stalls_still_finish(monkeypatch):
     pool = world(chain_kib=20, window=16, state=True, strategy=CheckpointStrategy.EXTRA_BUFFER)
     storage = pool.storage
     original = storage.alloc_state_slots
-    calls = {"n": 0}
+    calls = {"n": 0, "forced": False}
+    state_only = [p.kind is PoolKind.STATE for p in pool.plan.sub_pools]
 
     def flaky(n):
         calls["n"] += 1
-        if calls["n"] % 2 == 0:
+        # a take right after eviction made room is never forced: the room is there
+        calls["forced"] = calls["n"] % 2 == 0 and not calls.pop("room", False)
+        if calls["forced"]:
             raise CapacityError("no free tracking slot (forced)")
         return original(n)
 
+    make_room = pool._make_room
+
+    def no_room_for_slots(pages):
+        """Nor can eviction give a slot: a demand for state slots alone finds no room while forced."""
+        if calls["forced"] and all(s or not n for s, n in zip(state_only, pages)):
+            return False
+        calls["room"] = made = make_room(pages)
+        return made
+
     monkeypatch.setattr(storage, "alloc_state_slots", flaky)
+    monkeypatch.setattr(pool, "_make_room", no_room_for_slots)
     requests = workload(3, n=50)
     sched = _run(pool, requests)
     assert pool.stats_counters["checkpoint_stalls"] > 0

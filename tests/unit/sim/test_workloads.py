@@ -366,3 +366,61 @@ def test_a_window_model_reuses_documents_primed_or_not():
     plain_hits = sum(r.cached for r in plain) / sum(len(r.prompt) for r in plain)
     primed_hits = sum(r.cached for r in primed[2:]) / sum(len(r.prompt) for r in primed[2:])
     assert plain_hits >= 0.5 and primed_hits >= plain_hits, (plain_hits, primed_hits)
+
+
+# -- `kvchain simulate --block-tokens` ----------------------------------------------------------------
+
+
+def _blocks_trace(tmp_path):
+    """12 requests of 700 tokens hashed in 256-token blocks: the first two blocks (512 tokens) are
+    shared by all, the third is each request's own."""
+    trace = tmp_path / "t256.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 5000 * i, "input_length": 700, "output_length": 20,
+                                         "hash_ids": [0, 1, 100 + i]}) + "\n" for i in range(12)))
+    return trace
+
+
+def _simulate(trace, *extra):
+    from kvchain.cli import main
+
+    return main(["simulate", "--model", "llama-3.1-8b", "--budget", "2GiB", "--trace", str(trace), "--jobs", "1",
+                 "--pools", "kvchain", "--json", *extra])
+
+
+def test_simulate_replays_a_trace_at_its_block_size(tmp_path, capsys):
+    """--block-tokens 256: every request after the first reuses the two shared blocks (512 of its
+    700 tokens)."""
+    assert _simulate(_blocks_trace(tmp_path), "--block-tokens", "256") == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["finished"] == 12
+    assert result["hit_rate"] == pytest.approx(11 * 512 / (12 * 700))
+
+
+def test_simulate_at_the_default_block_size_names_the_option(tmp_path, capsys):
+    """At the default 512-token blocks the three hash ids overrun the 700-token prompt: one line,
+    exit 2, naming the block size and the option."""
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(_simulate(_blocks_trace(tmp_path)))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 blocks of 512 tokens" in err and "--block-tokens" in err
+
+
+def test_block_tokens_decides_what_two_requests_share(tmp_path):
+    """The same hash ids read at two block sizes: shared blocks are `block_tokens` long."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 300, "output_length": 1, "hash_ids": [7, 1]}) + "\n"
+                    + json.dumps({"timestamp": 1, "input_length": 300, "output_length": 1, "hash_ids": [7, 2]}) + "\n")
+    for block in (100, 150):
+        x, y = load_trace(path, block_tokens=block)
+        common = int(np.argmin(x.prompt == y.prompt))
+        assert common == block
+
+
+def test_the_checkpoint_interval_assumes_the_multi_turn_chat_turn():
+    """The default checkpoint interval is sized on what a chat turn appends: the multi-turn
+    workload's median user message plus median answer."""
+    from kvchain.cache.checkpoints import CHAT_TURN_TOKENS
+
+    params = workload_params("multi_turn")
+    assert params["user_median"] + params["output_median"] == CHAT_TURN_TOKENS
