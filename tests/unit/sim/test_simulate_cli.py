@@ -16,18 +16,19 @@ def test_json_has_every_pool_and_the_fields_scripts_read(capsys, tmp_path):
     plot = tmp_path / "run.png"
     assert main([*SMALL, "--json", "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["pool"] for r in out["results"]] == ["kvchain", "static-default", "static-best", "uniform-page"]
+    assert [r["pool"] for r in out["results"]] == ["kvchain", "vllm-hybrid", "sglang-static", "ideal"]
     for r in out["results"]:
         for key in ("pool", "steps", "throughput", "mean_concurrency", "peak_running", "utilisation",
-                    "preemptions", "aborted", "throughput_overall", "throughput_vs_kvchain"):
+                    "preemptions", "aborted", "throughput_overall", "throughput_vs_kvchain", "steps_vs_kvchain",
+                    "recomputed_tokens", "prefill_tokens", "ttft_steps", "tpot_steps"):
             assert key in r
         assert r["finished"] == 30
-    assert out["static_best_split"] is not None and out["static_best_sweep"]
+    assert out["static_best_split"] is None
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_table_names_the_pools_and_the_split(capsys):
-    assert main([*SMALL, "--pools", "kvchain,static-best"]) == 0
+    assert main([*SMALL, "--pools", "kvchain,static-best", "--step-time", "base_ms=8"]) == 0
     out = capsys.readouterr().out
     assert "kvchain" in out and "static-best" in out and "static-best split" in out
 
