@@ -85,6 +85,16 @@ class ChainPrefillBudget:
         total = self.admitted + self.reserve + demand
         return self.storage.allocator.admits(total, self.reclaimable)
 
+    def took(self, a: Admission, taken: KVDemand) -> None:
+        """The pool took `taken` of an admitted request's demand right away (its first chunk, its
+        state slots): those pages are live now, so the pass stops counting them as still to come."""
+        if a.demand is None:
+            return
+        self.admitted = KVDemand(
+            tuple(x - min(d, t) for x, d, t in zip(self.admitted.pages, a.demand.pages, taken.pages)),
+            self.admitted.virtual_pages - min(a.demand.virtual_pages, taken.virtual_pages),
+            self.admitted.state_slots - min(a.demand.state_slots, taken.state_slots))
+
     def withdraw(self, a: Admission) -> None:
         """Undo an ADMIT this pass decided (the pool could not take its first chunk after all)."""
         if a.demand is not None:
@@ -135,19 +145,16 @@ def peak_pages(lengths: np.ndarray, remaining: np.ndarray, page_size: int) -> in
     `lengths[i]` tokens, grows one token a step for `remaining[i]` more and is then freed. Between
     two finishes the total only grows, so the peak falls at a step where some request is about to
     finish: at `k = remaining[j]`, every request with `remaining >= k` holds `lengths + k` tokens.
-    Each request's pages are bounded by `(tokens + page_size - 1) / page_size`, so with pages of
-    more than one token the answer is an upper bound. Vectorised: one sort, one cumulative sum."""
+    Vectorised: one [requests x finishes] comparison."""
     lengths = np.asarray(lengths, dtype=np.int64)
     remaining = np.asarray(remaining, dtype=np.int64)
     if not len(lengths):
         return 0
-    order = np.argsort(-remaining, kind="stable")
-    steps = remaining[order]
-    count = np.arange(1, len(order) + 1, dtype=np.int64)
-    tokens = np.cumsum(lengths[order]) + count * steps
-    peaks = (tokens + count * (page_size - 1)) // page_size
+    ks = np.unique(remaining)
+    pages = (lengths[:, None] + ks[None, :] + page_size - 1) // page_size
+    live = remaining[:, None] >= ks[None, :]
     now = int(((lengths + page_size - 1) // page_size).sum())
-    return max(int(peaks.max()), now)
+    return max(int((pages * live).sum(axis=0).max()), now)
 
 
 @dataclass
@@ -155,7 +162,8 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
     """Admission that charges full attention at its projected peak instead of the sum of every
     request's whole remaining output: each request (running, admitted in this pass, and the one
     considered) is taken to hold its prompt and grow one token a step until its known or estimated
-    output ends, when it is freed (`peak_pages`). Windows and state are charged as in
+    output ends, when it is freed (`peak_pages`; a request still prefilling starts to decode later
+    than that, so the projection is an estimate, not a guarantee). Windows and state are charged as in
     `ChainPrefillBudget`. With each request's real output length (the `ideal` bound) nothing it
     admits is ever retracted; with an estimate, the estimate decides."""
 
@@ -177,6 +185,16 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
             self._taken.append((cached_len + a.chunk_len + ps - 1) // ps)
             self.held += self._taken[-1]
         return a
+
+    def took(self, a: Admission, taken: KVDemand) -> None:
+        """The pool took `taken` of an admitted request's demand right away (its first chunk, its
+        state slots): those pages are live now, so the pass stops counting them as still to come."""
+        if a.demand is None:
+            return
+        self.admitted = KVDemand(
+            tuple(x - min(d, t) for x, d, t in zip(self.admitted.pages, a.demand.pages, taken.pages)),
+            self.admitted.virtual_pages - min(a.demand.virtual_pages, taken.virtual_pages),
+            self.admitted.state_slots - min(a.demand.state_slots, taken.state_slots))
 
     def withdraw(self, a: Admission) -> None:
         super().withdraw(a)

@@ -26,7 +26,8 @@ And the layouts alone, with kvchain's own admission, so a comparison isolates th
   its bytes reach one recurrent state's, state is padded to that page, and prefix caching (and
   state checkpoints) work in whole blocks.
 * `kvchain`: the unified chain: every sub-pool takes any free bytes, pages of each band's own size,
-  with its admission mode (`optimistic` by default, or `exact`).
+  with its admission mode (`optimistic` by default, or `exact`); `kvchain-exact` is the same pool
+  with `exact` admission, to run both modes side by side.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ def vllm_hybrid_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPo
 
 
 #: engines with their own policies, then the layout-only baselines
-POOLS = ("kvchain", "vllm-hybrid", "sglang-static", "ideal", "static-default", "static-best", "uniform-page")
+POOLS = ("kvchain", "vllm-hybrid", "sglang-static", "ideal", "static-default", "static-best", "uniform-page",
+         "kvchain-exact")
 #: what `kvchain simulate` compares by default
 DEFAULT_POOLS = ("kvchain", "vllm-hybrid", "sglang-static", "ideal")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -60,6 +61,10 @@ class Comparison:
 def _make(name: str, decls, cfg: PoolConfig, split: StaticSplit | None):
     if name == "kvchain":
         return kvchain_pool(decls, cfg)
+    if name == "kvchain-exact":
+        pool = kvchain_pool(decls, dataclasses.replace(cfg, admission="exact"))
+        pool.name = "kvchain-exact"
+        return pool
     if name == "static-default":
         return static_pool(decls, cfg)
     if name == "static-best":

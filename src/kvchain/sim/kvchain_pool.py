@@ -102,10 +102,10 @@ class KVChainPool:
             return watermark
         ps = self.page_size
         n = len(running)
-        computed = np.fromiter((r.computed for r in running), np.int64, n)
-        prompt = np.fromiter((r.input_len for r in running), np.int64, n)
+        held = self.storage.table.seq_lens[np.fromiter((r.row for r in running), np.int64, n)]  # this step's growth included
+        prompt = np.maximum(np.fromiter((r.input_len for r in running), np.int64, n), held)
         out = np.fromiter((self.policy.reserve_output(r) for r in running), np.int64, n)
-        have = (computed + ps - 1) // ps
+        have = (held + ps - 1) // ps
         prompt_left = np.maximum((prompt + ps - 1) // ps - have, 0)
         full = np.maximum((prompt + out + ps - 1) // ps - have, 0)
         total = int(full.sum())
@@ -126,11 +126,13 @@ class KVChainPool:
     def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> ChainPrefillBudget:
         if self.policy.projected:
             ps = self.page_size
+            lens = self.storage.table.seq_lens[np.fromiter((r.row for r in running), np.int64, len(running))]
             return ProjectedPrefillBudget(
                 self.storage, self._reserve(running), frees_coming, self.checkpoint_interval, self.shares,
-                reclaimable_pages(self.storage, self.tree), lengths=[r.input_len for r in running],
+                reclaimable_pages(self.storage, self.tree),
+                lengths=[max(r.input_len, int(n)) for r, n in zip(running, lens)],
                 remaining=[self.policy.reserve_output(r) for r in running],
-                held=sum((r.computed + ps - 1) // ps for r in running))
+                held=int(((lens + ps - 1) // ps).sum()))
         return ChainPrefillBudget(self.storage, self._reserve(running), frees_coming, self.checkpoint_interval,
                                   self.shares, reclaimable_pages(self.storage, self.tree),
                                   chunk_only=self.policy.chunk_only)
@@ -297,12 +299,18 @@ class KVChainPool:
                 state["tracking"] = int(storage.alloc_state_slots(1)[0])
         except CapacityError:
             self._release(row, state)
+            ctx.withdraw(a)
             return Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
+        ctx.took(a, self._taken(first, cached))
         req.row = row
         req.cached = cached
         req.computed = first
         req.pool_state = state
         return a
+
+    def _taken(self, first: int, cached: int) -> KVDemand:
+        pages = self._admit_demand(first, cached)
+        return KVDemand(tuple(pages), pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
 
     def _admit_fresh(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int, state: dict) -> Admission:
         """Admission with no cached prefix (after dropping a match that pinned the memory it needed)."""
@@ -322,6 +330,7 @@ class KVChainPool:
         except CapacityError:
             self._release(row, state)
             return Admission(Decision.ABORT, reason="unschedulable: the first chunk does not fit an emptied pool")
+        ctx.took(a, self._taken(a.chunk_len, 0))
         req.row, req.cached, req.computed, req.pool_state = row, 0, a.chunk_len, state
         return a
 

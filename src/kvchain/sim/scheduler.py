@@ -45,6 +45,8 @@ class SchedulerStats:
     preemptions: int = 0
     #: KV tokens computed again after a retraction (prefill tokens spent twice), cache hits excluded
     recomputed_tokens: int = 0
+    #: prompt tokens a retracted request found cached when it came back (not counted as hits)
+    recompute_cached_tokens: int = 0
     #: admissions that preempted less important running work
     priority_preemptions: int = 0
     finished: int = 0
@@ -195,7 +197,10 @@ class Scheduler:
             req.phase = Phase.RUNNING
             req.admitted_step = self.step_no
             self.running.append(req)
-            self.stats.cached_tokens += req.cached
+            if req.preemptions:
+                self.stats.recompute_cached_tokens += req.cached  # its own pages, cached at retraction
+            else:
+                self.stats.cached_tokens += req.cached
             admitted.append((req, req.computed))  # the pool already took cached + first chunk
             budget -= a.chunk_len
         return admitted
@@ -220,6 +225,8 @@ class Scheduler:
         self.policy.on_step()
         plan, budget = self._grow_running(self.max_batched_tokens)
         admitted = self._admit(budget)
+        if self._retracted:  # a priority preemption in admission retracted part of the plan
+            plan = [(r, n) for r, n in plan if r.phase is Phase.RUNNING]
         # the forward: every planned request advances to its new length; the last prompt chunk
         # samples the first output token (a recomputed request already has its tokens)
         out_tokens = prefill_tokens = 0
