@@ -302,6 +302,7 @@ class KVChainPool:
             ctx.withdraw(a)
             return Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
         ctx.took(a, self._taken(first, cached))
+        ctx.reclaimable = reclaimable_pages(self.storage, self.tree)  # the take may have evicted some
         req.row = row
         req.cached = cached
         req.computed = first
@@ -331,6 +332,7 @@ class KVChainPool:
             self._release(row, state)
             return Admission(Decision.ABORT, reason="unschedulable: the first chunk does not fit an emptied pool")
         ctx.took(a, self._taken(a.chunk_len, 0))
+        ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
         req.row, req.cached, req.computed, req.pool_state = row, 0, a.chunk_len, state
         return a
 

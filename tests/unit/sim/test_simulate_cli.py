@@ -57,3 +57,25 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_trace_priorities_reach_the_scheduler(tmp_path, capsys):
+    """A trace's `priority` field is read (lower is more important); `--admission exact` never
+    preempts on its own, and with `--priority` the only preemptions are those that make room for
+    a more important request."""
+    from kvchain.sim.workloads import load_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 900, "output_length": 200,
+                                         "priority": 2 - i % 3}) + "\n" for i in range(24)))
+    assert sorted({r.priority for r in load_trace(trace)}) == [0, 1, 2]
+    base = ["simulate", "--model", "llama-3.1-8b", "--budget", "1GiB", "--trace", str(trace), "--jobs", "1",
+            "--pools", "kvchain", "--admission", "exact", "--json"]
+    runs = []
+    for extra in ([], ["--priority"]):
+        assert main([*base, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["results"][0])
+    plain, prio = runs
+    assert plain["finished"] == prio["finished"] == 24
+    assert plain["preemptions"] == 0
+    assert prio["priority_preemptions"] > 0 and prio["preemptions"] >= prio["priority_preemptions"]
