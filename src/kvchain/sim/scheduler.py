@@ -4,7 +4,7 @@ Each step, as the engines schedule: arrivals join the waiting queue (or are reje
 running decodes get one token each, then running prefills their next chunk, all within one token
 budget; when the step cannot grow, the pool's policy decides who gives way (running prefills pause
 first where it says so, then running requests are retracted in its order, as few as make room,
-and recompute later); waiting requests are admitted first come first served (by priority, then
+and recompute later; a step that paused or retracted admits nothing); waiting requests are admitted first come first served (by priority, then
 arrival, under priority scheduling) under the budget left and the running cap, a more important
 request preempting less important running work when admission says that makes room; then the
 step's "forward" happens (tokens appear; no model runs), the pool takes checkpoints and retires
@@ -65,7 +65,7 @@ class Scheduler:
         self.policy: SchedulePolicy = getattr(pool, "policy", None) or ExactPolicy()
         #: order the waiting queue by priority and let important requests preempt less important ones
         self.priority = priority
-        self._retracted = False
+        self._retracted = self._paused = False
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
         #: a request admitted nowhere for this many steps while nothing runs is a scheduler bug
@@ -144,6 +144,7 @@ class Scheduler:
                 growing = [r for r, _ in plan if r.prefilling]
                 if growing:
                     paused.add(id(max(growing, key=lambda r: (r.admitted_step, r.rid))))
+                    self._paused = True
                     continue
             victims = self.pool.retract_victims(plan, self.policy.victim_order(self.running))
             if not victims:
@@ -175,8 +176,8 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[tuple[SimRequest, int]]:
         admitted: list[tuple[SimRequest, int]] = []
-        if not self.waiting or (self._retracted and not self.policy.admit_after_retract):
-            return admitted
+        if not self.waiting or ((self._retracted or self._paused) and not self.policy.admit_after_retract):
+            return admitted  # memory is overcommitted already: new work would only add to it
         ctx = self.pool.begin_pass(self.running, frees_coming=bool(self.running))
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self._next_waiting()
@@ -221,7 +222,7 @@ class Scheduler:
 
     def step(self) -> StepRecord:
         self._arrivals()
-        self._retracted = False
+        self._retracted = self._paused = False
         self.policy.on_step()
         plan, budget = self._grow_running(self.max_batched_tokens)
         admitted = self._admit(budget)
