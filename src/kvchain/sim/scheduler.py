@@ -122,9 +122,11 @@ class Scheduler:
 
     def _grow_running(self, budget: int) -> tuple[list[tuple[SimRequest, int]], int]:
         """One token for each running decode, then the next chunk of each running prefill, within
-        the token budget. When the pool cannot grow them all: running prefills pause (newest first)
-        where the policy says so, while something else still grows; then the fewest running requests, in the policy's victim order,
-        whose retraction lets the rest grow (the pool asks `fits_after_frees`) are retracted."""
+        the token budget. When the pool cannot grow them all: a waiting request's hold on cached
+        pages is given up; running prefills pause (newest first) where the policy says so, while
+        something else still grows; then the fewest running requests, in the policy's victim
+        order, whose retraction lets the rest grow (the pool asks `fits_after_frees`) are
+        retracted. Retracting every grower always makes room, so the walk always ends."""
         paused: set[int] = set()
         while True:
             decodes = [r for r in self.running if not r.prefilling]
