@@ -8,12 +8,18 @@ could evict credited (ADM-6): one layout search, never a scalar count.
 
 A request that fits an empty pool but no chunk of which fits now waits only while something will
 give memory back (ADM-9); otherwise it takes the largest chunk limit at which all of it fits now
-(ADM-10), and when none does it is aborted as unschedulable with its numbers (ADM-11)."""
+(ADM-10), and when none does it is aborted as unschedulable with its numbers (ADM-11).
+
+How much of a request's output is charged is the caller's choice (`output_len`: all of it under
+exact admission, an estimate under optimistic admission); `chunk_only` charges only the chunk the
+pass schedules, as engines that allocate on demand and preempt admit."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .alloc.demand import DemandPurpose, KVDemand, request_demand
 from .capacity import capacity_decision
@@ -57,6 +63,8 @@ class ChainPrefillBudget:
     checkpoint_interval: int | None = None
     shares_prefixes: bool = False
     reclaimable: tuple[int, ...] | None = None
+    #: charge only the scheduled chunk (allocate-on-demand admission), not the prompt and output
+    chunk_only: bool = False
     admitted: KVDemand = field(init=False)
     admitted_count: int = 0
 
@@ -64,6 +72,8 @@ class ChainPrefillBudget:
         self.admitted = KVDemand.zero(len(self.storage.plan.sub_pools))
 
     def _demand(self, input_len: int, output_len: int, cached_len: int, chunk_len: int) -> KVDemand:
+        if self.chunk_only:
+            input_len, output_len = cached_len + chunk_len, 0
         return request_demand(
             self.storage.plan, DemandPurpose.ADMIT, input_len=input_len, output_len=output_len,
             cached_len=cached_len, chunk_len=chunk_len, checkpoint_interval=self.checkpoint_interval,
@@ -74,6 +84,24 @@ class ChainPrefillBudget:
     def _fits(self, demand: KVDemand) -> bool:
         total = self.admitted + self.reserve + demand
         return self.storage.allocator.admits(total, self.reclaimable)
+
+    def took(self, a: Admission, taken: KVDemand) -> None:
+        """The pool took `taken` of an admitted request's demand right away (its first chunk, its
+        state slots): those pages are live now, so the pass stops counting them as still to come."""
+        if a.demand is None:
+            return
+        self.admitted = KVDemand(
+            tuple(x - min(d, t) for x, d, t in zip(self.admitted.pages, a.demand.pages, taken.pages)),
+            self.admitted.virtual_pages - min(a.demand.virtual_pages, taken.virtual_pages),
+            self.admitted.state_slots - min(a.demand.state_slots, taken.state_slots))
+
+    def withdraw(self, a: Admission) -> None:
+        """Undo an ADMIT this pass decided (the pool could not take its first chunk after all)."""
+        if a.demand is not None:
+            self.admitted = KVDemand(tuple(x - y for x, y in zip(self.admitted.pages, a.demand.pages)),
+                                     self.admitted.virtual_pages - a.demand.virtual_pages,
+                                     self.admitted.state_slots - a.demand.state_slots)
+        self.admitted_count -= 1
 
     def _waiting_frees_memory(self) -> bool:
         """Work admitted earlier in this pass, a forward or host copy in flight, or a row other work
@@ -110,3 +138,82 @@ class ChainPrefillBudget:
             reason=(f"unschedulable: {input_len} input + {output_len} output tokens ({cached_len} cached) need "
                     f"{pages} pages and no chunk of it fits while nothing else will free memory"),
         )
+
+
+def peak_pages(lengths: np.ndarray, remaining: np.ndarray, page_size: int) -> int:
+    """The most full-attention pages a set of requests holds at once, when request `i` holds
+    `lengths[i]` tokens, grows one token a step for `remaining[i]` more and is then freed. Between
+    two finishes the total only grows, so the peak falls at a step where some request is about to
+    finish: at `k = remaining[j]`, every request with `remaining >= k` holds `lengths + k` tokens.
+    Vectorised: one [requests x finishes] comparison."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    remaining = np.asarray(remaining, dtype=np.int64)
+    if not len(lengths):
+        return 0
+    ks = np.unique(remaining)
+    pages = (lengths[:, None] + ks[None, :] + page_size - 1) // page_size
+    live = remaining[:, None] >= ks[None, :]
+    now = int(((lengths + page_size - 1) // page_size).sum())
+    return max(int((pages * live).sum(axis=0).max()), now)
+
+
+@dataclass
+class ProjectedPrefillBudget(ChainPrefillBudget):
+    """Admission that charges full attention at its projected peak instead of the sum of every
+    request's whole remaining output: each request (running, admitted in this pass, and the one
+    considered) is taken to hold its prompt and grow one token a step until its known or estimated
+    output ends, when it is freed (`peak_pages`; a request still prefilling starts to decode later
+    than that, so the projection is an estimate, not a guarantee). Windows and state are charged as in
+    `ChainPrefillBudget`. With each request's real output length (the `ideal` bound) nothing it
+    admits is ever retracted; with an estimate, the estimate decides."""
+
+    #: per running request: the tokens it holds once its prompt is in, and the output it has left
+    lengths: list[int] = field(default_factory=list)
+    remaining: list[int] = field(default_factory=list)
+    #: full-attention pages the running requests hold now
+    held: int = 0
+    _candidate: tuple[int, int, int] = (0, 0, 0)
+    _taken: list[int] = field(default_factory=list)
+
+    def consider(self, input_len: int, output_len: int, cached_len: int, token_limit: int) -> Admission:
+        self._candidate = (input_len, output_len, cached_len)
+        a = super().consider(input_len, output_len, cached_len, token_limit)
+        if a.decision is Decision.ADMIT:
+            ps = self.storage.plan.page_size
+            self.lengths.append(input_len)
+            self.remaining.append(output_len)
+            self._taken.append((cached_len + a.chunk_len + ps - 1) // ps)
+            self.held += self._taken[-1]
+        return a
+
+    def took(self, a: Admission, taken: KVDemand) -> None:
+        """The pool took `taken` of an admitted request's demand right away (its first chunk, its
+        state slots): those pages are live now, so the pass stops counting them as still to come."""
+        if a.demand is None:
+            return
+        self.admitted = KVDemand(
+            tuple(x - min(d, t) for x, d, t in zip(self.admitted.pages, a.demand.pages, taken.pages)),
+            self.admitted.virtual_pages - min(a.demand.virtual_pages, taken.virtual_pages),
+            self.admitted.state_slots - min(a.demand.state_slots, taken.state_slots))
+
+    def withdraw(self, a: Admission) -> None:
+        super().withdraw(a)
+        self.lengths.pop()
+        self.remaining.pop()
+        self.held -= self._taken.pop()
+
+    def _demand(self, input_len: int, output_len: int, cached_len: int, chunk_len: int) -> KVDemand:
+        # full attention is charged by the projection in `_fits`: price windows and state only
+        return super()._demand(input_len, 0, cached_len, chunk_len)
+
+    @capacity_decision
+    def _fits(self, demand: KVDemand) -> bool:
+        plan = self.storage.plan
+        ps = plan.page_size
+        input_len, output_len, cached_len = self._candidate
+        peak = peak_pages(np.array([*self.lengths, input_len]), np.array([*self.remaining, output_len]), ps)
+        full = max(peak - self.held - (cached_len + ps - 1) // ps, 0)
+        total = self.admitted + self.reserve + demand
+        owner = plan.owner.index
+        pages = tuple(full if i == owner else n for i, n in enumerate(total.pages))
+        return self.storage.allocator.admits(KVDemand(pages, full, total.state_slots), self.reclaimable)

@@ -1,7 +1,18 @@
 """The pools engines use today, next to kvchain, on the same byte budget, trace and scheduler loop.
 
-Every pool here runs the same allocator, prefix tree and admission code as kvchain; each baseline
-changes only what its design changes, so a comparison isolates the memory layout:
+Two kinds of baseline. The engines, each with its own memory layout and its own scheduling policy
+(`sim/policies.py`), so a comparison measures what a user of that engine would see:
+
+* `vllm-hybrid`: `uniform-page`'s layout with vLLM's policy: admit while the chunk's blocks fit
+  with the watermark kept free, allocate on demand, preempt the newest running request by
+  recompute when one cannot grow; prefix caching on whole blocks, state kept at block boundaries.
+* `sglang-static`: `static-default`'s split with sglang's policy: new requests charged their prompt
+  and output, running ones `new_token_ratio` (0.7 decaying to 0.1) x their remaining output;
+  decodes retracted when a step cannot grow.
+* `ideal`: the physical limit: bytes exactly as needed (one-token pages, no padding, no fixed
+  split) and perfect knowledge of each request's output length, reserved exactly.
+
+And the layouts alone, with kvchain's own admission, so a comparison isolates the memory layout:
 
 * `static-default`: fixed pools per kind that cannot borrow each other's bytes (emulated as a
   ceiling on each band's live pages): the state pool gets `state_ratio` state bytes per attention
@@ -14,7 +25,9 @@ changes only what its design changes, so a comparison isolates the memory layout
   padded up to whole groups), an attention page is enlarged to a block of tokens big enough that
   its bytes reach one recurrent state's, state is padded to that page, and prefix caching (and
   state checkpoints) work in whole blocks.
-* `kvchain`: the unified chain: every sub-pool takes any free bytes, pages of each band's own size.
+* `kvchain`: the unified chain: every sub-pool takes any free bytes, pages of each band's own size,
+  with its admission mode (`optimistic` by default, or `exact`); `kvchain-exact` is the same pool
+  with `exact` admission, to run both modes side by side.
 """
 
 from __future__ import annotations
@@ -33,12 +46,15 @@ from ..memory.arena import arena_layout
 from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
 from ..sizing import PlanSizing, size_plan
 from .kvchain_pool import KVChainPool
+from .policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
 
 #: The defaults of the engines whose static split these baselines model.
 DEFAULT_WINDOW_RATIO = 0.8
 DEFAULT_STATE_RATIO = 0.9
 #: Uniform pages round the enlarged attention block to this many tokens.
 UNIFORM_BLOCK_ALIGN = 16
+#: The ideal pool's page: one token, so nothing is rounded.
+IDEAL_PAGE_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,8 @@ class PoolConfig:
     checkpoint_interval: int | None = None
     #: how the prefix tree caches recurrent state; every pool uses the same one
     strategy: CheckpointStrategy = CheckpointStrategy.NO_BUFFER
+    #: kvchain's admission mode, also used by the layout-only baselines (see `admission_policy`)
+    admission: str = "optimistic"
 
 
 def _sizing(plan: KVStoragePlan, cfg: PoolConfig) -> PlanSizing:
@@ -69,8 +87,21 @@ def kvchain_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     plan = plan_kv_storage(decls, page_size=cfg.page_size)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
     pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy,
-                       checkpoint_interval=_checkpoint(plan, cfg))
+                       checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = "kvchain"
+    return pool
+
+
+def ideal_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
+    """The physical limit: the chain with one-token pages (no page rounding, so a checkpoint or
+    a cached sequence end can land on any token), no padding, no fixed split, and the real output
+    length of every request reserved exactly (it never retracts and reserves nothing unused)."""
+    plan = plan_kv_storage(decls, page_size=IDEAL_PAGE_TOKENS)
+    storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
+    interval = cfg.checkpoint_interval or (default_checkpoint_interval(plan) if plan.state is not None else None)
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy, checkpoint_interval=interval,
+                       policy=IdealPolicy())
+    pool.name = "ideal"
     return pool
 
 
@@ -109,9 +140,16 @@ def static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, split: StaticSpli
     chain_bytes = arena_layout(plan, sizing.arena_bytes).chain_bytes
     storage.allocator.caps = static_caps(plan, chain_bytes, split)
     pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy,
-                       checkpoint_interval=_checkpoint(plan, cfg))
+                       checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = name
     pool.split = split
+    return pool
+
+
+def sglang_static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
+    """`static-default`'s fixed split with sglang's scheduling policy (`SglangPolicy`)."""
+    pool = static_pool(decls, cfg, name="sglang-static")
+    pool.policy = SglangPolicy()
     return pool
 
 
@@ -191,10 +229,25 @@ def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     plan, layout = uniform_plan(decls, cfg.page_size)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
     interval = layout.block_tokens if plan.state is not None else None
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy, checkpoint_interval=interval)
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy, checkpoint_interval=interval,
+                       policy=admission_policy(cfg.admission))
     pool.name = "uniform-page"
     pool.uniform = layout
     return pool
 
 
-POOLS = ("kvchain", "static-default", "static-best", "uniform-page")
+def vllm_hybrid_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
+    """`uniform-page`'s layout (equal-byte pages, padded layer groups, block-sized attention pages
+    for recurrent state, prefix caching and state entries on block boundaries) with vLLM's
+    scheduling policy (`VllmPolicy`)."""
+    pool = uniform_pool(decls, cfg)
+    pool.policy = VllmPolicy()
+    pool.name = "vllm-hybrid"
+    return pool
+
+
+#: engines with their own policies, then the layout-only baselines
+POOLS = ("kvchain", "vllm-hybrid", "sglang-static", "ideal", "static-default", "static-best", "uniform-page",
+         "kvchain-exact")
+#: what `kvchain simulate` compares by default
+DEFAULT_POOLS = ("kvchain", "vllm-hybrid", "sglang-static", "ideal")

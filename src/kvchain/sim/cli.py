@@ -11,6 +11,7 @@ from ..cli_common import add_model_args, load_model
 from ..cli_common import byte_size as _byte_size
 from ..cli_common import positive_int as _positive_int
 from ..errors import InputError
+from .policies import ADMISSION_MODES
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -21,8 +22,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--requests", type=_positive_int, default=2000, help="requests to generate or replay (default 2000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pools", default="kvchain,static-default,static-best,uniform-page",
-                   help="comma-separated pools to compare")
+    p.add_argument("--pools", default="kvchain,vllm-hybrid,sglang-static,ideal",
+                   help="comma-separated pools to compare (default: kvchain, the engines and the ideal bound; also "
+                        "static-default, static-best, uniform-page: the layouts alone under kvchain's admission)")
+    p.add_argument("--admission", default="optimistic", choices=list(ADMISSION_MODES),
+                   help="kvchain's admission: optimistic (default: reserve the prompt and an estimate of the output, "
+                        "retract when a step cannot grow) or exact (reserve every output in full, never retract)")
+    p.add_argument("--priority", action="store_true",
+                   help="priority scheduling: admit by each request's priority (a trace's 'priority' field; lower "
+                        "is more important), preempting less important running requests when admission says "
+                        "that makes room")
     p.add_argument("--page-size", type=_positive_int, default=64)
     p.add_argument("--context", type=_positive_int, default=32768, help="context length (default 32768)")
     p.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
@@ -74,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the workload has no requests")
     cfg = PoolConfig(args.budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
-                     strategy=CheckpointStrategy(args.strategy))
+                     strategy=CheckpointStrategy(args.strategy), admission=args.admission)
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running,
-                            StepTimeModel.parse(args.step_time) if args.step_time else None)
+                            StepTimeModel.parse(args.step_time) if args.step_time else None, priority=args.priority)
     console = Console(stderr=True)
     total = len(pools) + (1 if "static-best" in pools else 0)
     with Progress(console=console, transient=True, disable=args.json) as progress:

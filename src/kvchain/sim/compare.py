@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -10,13 +11,17 @@ from dataclasses import dataclass, field
 from ..decl import KVLayerDecl
 from ..errors import InputError
 from .baselines import (
+    DEFAULT_POOLS,
     POOLS,
     PoolConfig,
     StaticSplit,
+    ideal_pool,
     kvchain_pool,
+    sglang_static_pool,
     static_best_split,
     static_pool,
     uniform_pool,
+    vllm_hybrid_pool,
 )
 from .request import SimRequest
 from .runner import PoolResult, StepTimeModel, run_pool
@@ -31,6 +36,8 @@ class SchedulerConfig:
     max_batched_tokens: int = 8192
     max_running: int = 256
     step_time: StepTimeModel | None = None
+    #: priority scheduling: waiting requests by priority, and preemption of less important work
+    priority: bool = False
 
 
 @dataclass
@@ -43,7 +50,8 @@ class Comparison:
     def result(self, pool: str) -> PoolResult:
         return next(r for r in self.results if r.pool == pool)
 
-    def ratios(self, metric: str = "throughput", base: str = "kvchain") -> dict[str, float]:
+    def ratios(self, metric: str = "steps", base: str = "kvchain") -> dict[str, float]:
+        """Each pool's `metric` over `base`'s (default: whole-run steps over kvchain's)."""
         if base not in {r.pool for r in self.results}:
             return {}
         b = getattr(self.result(base), metric) or 0.0
@@ -53,12 +61,22 @@ class Comparison:
 def _make(name: str, decls, cfg: PoolConfig, split: StaticSplit | None):
     if name == "kvchain":
         return kvchain_pool(decls, cfg)
+    if name == "kvchain-exact":
+        pool = kvchain_pool(decls, dataclasses.replace(cfg, admission="exact"))
+        pool.name = "kvchain-exact"
+        return pool
     if name == "static-default":
         return static_pool(decls, cfg)
     if name == "static-best":
         return static_pool(decls, cfg, split or StaticSplit(), name="static-best")
     if name == "uniform-page":
         return uniform_pool(decls, cfg)
+    if name == "vllm-hybrid":
+        return vllm_hybrid_pool(decls, cfg)
+    if name == "sglang-static":
+        return sglang_static_pool(decls, cfg)
+    if name == "ideal":
+        return ideal_pool(decls, cfg)
     raise InputError(f"unknown pool {name!r} (known: {', '.join(POOLS)})")
 
 
@@ -66,19 +84,20 @@ def _run_one(args) -> tuple[PoolResult, list[StepRecord]]:
     name, decls, cfg, split, requests, sched = args
     pool = _make(name, decls, cfg, split)
     result, stats = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens,
-                             max_running=sched.max_running, step_time=sched.step_time)
+                             max_running=sched.max_running, step_time=sched.step_time, priority=sched.priority)
     return result, stats.history
 
 
 def _sweep_score(args) -> tuple[float, float, float]:
-    """Throughput at saturation, ties broken by whole-run throughput, then by the shorter queue."""
+    """Fewest whole-run steps, ties broken by throughput at saturation, then by the shorter queue."""
     split, decls, cfg, requests, sched = args
     pool = static_pool(decls, cfg, split, name="static-best")
-    result, _ = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens, max_running=sched.max_running)
-    return round(result.throughput, 6), round(result.throughput_overall, 6), -result.queue_delay
+    result, _ = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens, max_running=sched.max_running,
+                         priority=sched.priority)
+    return -result.steps, round(result.throughput, 6), -result.queue_delay
 
 
-def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[SimRequest], pools: Sequence[str] = POOLS,
+def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[SimRequest], pools: Sequence[str] = DEFAULT_POOLS,
             sched: SchedulerConfig = SchedulerConfig(), jobs: int | None = None,
             progress: Callable[[str], None] | None = None) -> Comparison:
     """Run every pool in `pools` over `requests`; `jobs` worker processes (default: the cores)."""
@@ -99,7 +118,7 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[SimReq
             sample = requests[:SWEEP_REQUESTS]
             tasks = [(split, decls, cfg, sample, sched) for split in grid]
             scores = list(executor.map(_sweep_score, tasks)) if executor else [_sweep_score(t) for t in tasks]
-            sweep = {f"window {s.window_ratio} state {s.state_ratio}": v[0] for s, v in zip(grid, scores)}
+            sweep = {f"window {s.window_ratio} state {s.state_ratio}": -v[0] for s, v in zip(grid, scores)}
             best = grid[max(range(len(grid)), key=lambda i: scores[i])]
             if progress:
                 progress("static-best split chosen")

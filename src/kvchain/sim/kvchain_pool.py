@@ -19,11 +19,18 @@ from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
 from ..errors import CapacityError
 from ..plan import PoolKind
-from ..prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
+from ..prefill_budget import (
+    Admission,
+    ChainPrefillBudget,
+    Decision,
+    ProjectedPrefillBudget,
+    mamba_prefill_chunk_grid,
+)
 from ..requests import NO_SLOT
 from ..sizing import pages_for
 from ..storage import KVStorage
 from ..units import format_bytes
+from .policies import ExactPolicy, SchedulePolicy
 from .protocol import PoolFull, PoolStats
 from .request import SimRequest
 
@@ -33,7 +40,7 @@ class KVChainPool:
 
     def __init__(self, storage: KVStorage, *, prefix_cache: bool = True,
                  strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER,
-                 checkpoint_interval: int | None = None, new_token_ratio: float = 1.0) -> None:
+                 checkpoint_interval: int | None = None, policy: SchedulePolicy | None = None) -> None:
         self.storage = storage
         self.chain = storage.allocator
         self.plan = storage.plan
@@ -46,9 +53,12 @@ class KVChainPool:
             CheckpointStrategy.NO_BUFFER else None
         self.tree = UnifiedRadixCache(storage, strategy, self.checkpoint_interval) if prefix_cache else None
         self.shares = prefix_cache
-        self.new_token_ratio = new_token_ratio
+        #: what admission charges and who gives way on a full pool (default: exact reservation)
+        self.policy = policy if policy is not None else ExactPolicy()
         self.tracking = self.has_state and prefix_cache and strategy is CheckpointStrategy.EXTRA_BUFFER
         self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0}
+        #: the waiting request at the head of the queue and the locks on its cached match
+        self._pin: tuple[SimRequest, dict] | None = None
 
     # -- demand ----------------------------------------------------------------------------------------
 
@@ -86,28 +96,47 @@ class KVChainPool:
 
     def _reserve(self, running: list[SimRequest]) -> KVDemand:
         """What running requests may still take, all together: the rest of their full-attention
-        tokens (output scaled by the expected share of it they generate) and a page per window for
-        each one's next step (or the rest of its prompt)."""
-        n_bands = len(self.plan.sub_pools)
+        tokens (the rest of the prompt, and the output the policy keeps reserved) and a page per
+        window for each one's next step (or the rest of its prompt); plus the policy's watermark."""
+        watermark = self._watermark()
         if not running:
-            return KVDemand.zero(n_bands)
+            return watermark
         ps = self.page_size
-        computed = np.fromiter((r.computed for r in running), np.int64, len(running))
-        prompt = np.fromiter((r.input_len for r in running), np.int64, len(running))
-        left_out = np.fromiter((max(r.max_new - r.generated, 0) for r in running), np.int64, len(running))
-        have = (computed + ps - 1) // ps
+        n = len(running)
+        held = self.storage.table.seq_lens[np.fromiter((r.row for r in running), np.int64, n)]  # this step's growth included
+        prompt = np.maximum(np.fromiter((r.input_len for r in running), np.int64, n), held)
+        out = np.fromiter((self.policy.reserve_output(r) for r in running), np.int64, n)
+        have = (held + ps - 1) // ps
         prompt_left = np.maximum((prompt + ps - 1) // ps - have, 0)
-        full_left = np.maximum((prompt + left_out + ps - 1) // ps - have, 0)
-        full = prompt_left + np.ceil((full_left - prompt_left) * self.new_token_ratio).astype(np.int64)
+        full = np.maximum((prompt + out + ps - 1) // ps - have, 0)
         total = int(full.sum())
         window = int(np.minimum(full, 1 + prompt_left).sum())
         pages = tuple(total if p.kind is PoolKind.FULL else window if p.kind is PoolKind.WINDOW else 0
                       for p in self.plan.sub_pools)
-        return KVDemand(pages, total, 0)
+        return KVDemand(pages, total, 0) + watermark
+
+    def _watermark(self) -> KVDemand:
+        """The policy's watermark as full-attention pages kept free (a share of the chain's bytes)."""
+        share = self.policy.watermark
+        if share <= 0:
+            return KVDemand.zero(len(self.plan.sub_pools))
+        owner = self.plan.owner
+        n = int(share * self.chain.layout.chain_bytes // max(owner.page_bytes, 1))
+        return KVDemand(tuple(n if p is owner else 0 for p in self.plan.sub_pools), n, 0)
 
     def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> ChainPrefillBudget:
+        if self.policy.projected:
+            ps = self.page_size
+            lens = self.storage.table.seq_lens[np.fromiter((r.row for r in running), np.int64, len(running))]
+            return ProjectedPrefillBudget(
+                self.storage, self._reserve(running), frees_coming, self.checkpoint_interval, self.shares,
+                reclaimable_pages(self.storage, self.tree),
+                lengths=[max(r.input_len, int(n)) for r, n in zip(running, lens)],
+                remaining=[self.policy.reserve_output(r) for r in running],
+                held=int(((lens + ps - 1) // ps).sum()))
         return ChainPrefillBudget(self.storage, self._reserve(running), frees_coming, self.checkpoint_interval,
-                                  self.shares, reclaimable_pages(self.storage, self.tree))
+                                  self.shares, reclaimable_pages(self.storage, self.tree),
+                                  chunk_only=self.policy.chunk_only)
 
     def next_chunk(self, req: SimRequest, token_limit: int) -> int:
         return mamba_prefill_chunk_grid(req.computed, token_limit, req.input_len, self.checkpoint_interval)
@@ -139,11 +168,93 @@ class KVChainPool:
         except CapacityError as e:
             raise PoolFull(str(e)) from e
 
+    # -- retraction -----------------------------------------------------------------------------------
+
+    def held_pages(self, reqs: list[SimRequest]) -> np.ndarray:
+        """Pages per band (state band: slots) each request would give back if it were retracted now:
+        the pages past its tree-shared prefix (each window: those still bound there), its state slot
+        and its tracking slot. Shape [len(reqs), bands]."""
+        table = self.storage.table
+        out = np.zeros((len(reqs), len(self.plan.sub_pools)), dtype=np.int64)
+        for i, req in enumerate(reqs):
+            own = table.own_pages(np.array([req.row]))
+            for band in self.chain.bands:
+                kind = band.pool.kind
+                if kind is PoolKind.FULL:
+                    out[i, band.pool.index] = len(own)
+                elif kind is PoolKind.WINDOW:
+                    out[i, band.pool.index] = int(np.count_nonzero(band.ids.v2p[own] >= 0))
+                else:
+                    out[i, band.pool.index] = int(table.state_slot[req.row] != NO_SLOT) + int(
+                        req.pool_state.get("tracking", -1) >= 0)
+        return out
+
+    def growth_pages(self, reqs: list[SimRequest], new_lens: list[int]) -> np.ndarray:
+        """Pages per band each request's growth to its new length takes (as `extend` would)."""
+        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        table = self.storage.table
+        grow = pages_for_arr(np.asarray(new_lens, dtype=np.int64), self.page_size) - pages_for_arr(
+            table.seq_lens[rows], self.page_size)
+        slot = (table.state_slot[rows] == NO_SLOT).astype(np.int64)
+        return np.stack([slot if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools], axis=1)
+
+    def retract_victims(self, plan: list[tuple[SimRequest, int]], candidates: list[SimRequest]
+                        ) -> list[SimRequest] | None:
+        """The shortest prefix of `candidates` (in the policy's order) whose retraction lets the rest
+        of the step's `plan` grow: for each prefix, `fits_after_frees` is asked whether what the
+        others still need fits once the victims' pages and what the prefix cache could evict are
+        given back. The walk stops at the first yes; None (retract nothing) when no prefix does."""
+        reqs = [r for r, _ in plan]
+        need = self.growth_pages(reqs, [n for _, n in plan]).sum(axis=0) if plan else np.zeros(
+            len(self.plan.sub_pools), dtype=np.int64)
+        index = {id(r): i for i, r in enumerate(reqs)}
+        growth = self.growth_pages(reqs, [n for _, n in plan]) if plan else None
+        held = self.held_pages(candidates)
+        reclaim = np.asarray(reclaimable_pages(self.storage, self.tree) or (0,) * len(self.plan.sub_pools))
+        freed = reclaim.copy()
+        for k, victim in enumerate(candidates):
+            freed = freed + held[k]
+            i = index.get(id(victim))
+            if i is not None:
+                need = need - growth[i]
+            if self.chain.fits_after_frees(need.tolist(), freed.tolist()):
+                return candidates[: k + 1]
+        return None
+
+    def admit_victims(self, running: list[SimRequest], req: SimRequest, candidates: list[SimRequest],
+                      token_limit: int) -> list[SimRequest] | None:
+        """Priority preemption that asks admission: the shortest prefix of `candidates` (less
+        important running requests, in the policy's order) such that `req` would be admitted, its
+        first chunk included, once they are gone (their pages given back, their reservations
+        dropped). None when no prefix makes room: nothing is preempted."""
+        if not candidates:
+            return None
+        held = self.held_pages(candidates)
+        reclaim = np.asarray(reclaimable_pages(self.storage, self.tree) or (0,) * len(self.plan.sub_pools))
+        chunk = mamba_prefill_chunk_grid(0, token_limit, req.input_len, self.checkpoint_interval)
+        if chunk <= 0:
+            return None
+        probe = ChainPrefillBudget(self.storage, KVDemand.zero(len(self.plan.sub_pools)), False,
+                                   self.checkpoint_interval, self.shares, chunk_only=self.policy.chunk_only)
+        demand = probe._demand(req.input_len, self.policy.admit_output(req), 0, chunk)
+        gone: set[int] = set()
+        freed = reclaim.copy()
+        for k, victim in enumerate(candidates):
+            gone.add(id(victim))
+            freed = freed + held[k]
+            rest = [r for r in running if id(r) not in gone]
+            total = self._reserve(rest) + demand
+            if self.chain.admits(total, tuple(int(x) for x in freed)):
+                return candidates[: k + 1]
+        return None
+
     # -- admission --------------------------------------------------------------------------------------
 
     def try_admit(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int) -> Admission:
         storage = self.storage
         table = storage.table
+        if self._pin is not None and self._pin[0] is not req:
+            self.relieve()
         if not table.free_rows:
             return Admission(Decision.WAIT, reason="no free request row")
         state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0}
@@ -158,24 +269,26 @@ class KVChainPool:
                 state["node"] = match.node
                 state["window_lock"] = self.tree.lock_window(match.node, cached)
                 state["checkpoint"] = cached
+        self.relieve()  # the lock just taken (if any) replaces the one the request held while waiting
         if cached:  # what the match just locked is no longer reclaimable
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
-        output_left = max(req.max_new - req.generated, 0)
         if match is not None and match.branch:  # the first chunk ends where the branch leaves the tree
             token_limit = min(token_limit, match.branch - cached)
-        a = ctx.consider(req.input_len, output_left, cached, token_limit)
+        a = ctx.consider(req.input_len, self.policy.admit_output(req), cached, token_limit)
         if a.decision is Decision.ADMIT and not self._make_room(self._admit_demand(cached + a.chunk_len, cached)):
-            ctx.admitted = ctx.admitted + (KVDemand.zero(len(a.demand.pages)) if a.demand is None else
-                                           _negate(a.demand))
-            ctx.admitted_count -= 1
+            ctx.withdraw(a)
             a = Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
         if a.decision is not Decision.ADMIT:
-            self._unlock(state)
             if cached and (a.decision is Decision.ABORT or not ctx._waiting_frees_memory()):
+                self._unlock(state)
                 # the match itself pins what it would need: start over without it, from an emptied cache
                 self.tree.evict_all()
                 ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
                 return self._admit_fresh(ctx, req, token_limit, state)
+            if cached and a.decision is Decision.WAIT and self.policy.pins_waiting:
+                self._pin = (req, state)  # the head keeps its match while it waits
+            else:
+                self._unlock(state)
             return a
         first = cached + a.chunk_len
         row = storage.alloc_row()
@@ -189,17 +302,24 @@ class KVChainPool:
                 state["tracking"] = int(storage.alloc_state_slots(1)[0])
         except CapacityError:
             self._release(row, state)
+            ctx.withdraw(a)
             return Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
+        ctx.took(a, self._taken(first, cached))
+        ctx.reclaimable = reclaimable_pages(self.storage, self.tree)  # the take may have evicted some
         req.row = row
         req.cached = cached
         req.computed = first
         req.pool_state = state
         return a
 
+    def _taken(self, first: int, cached: int) -> KVDemand:
+        pages = self._admit_demand(first, cached)
+        return KVDemand(tuple(pages), pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
+
     def _admit_fresh(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int, state: dict) -> Admission:
         """Admission with no cached prefix (after dropping a match that pinned the memory it needed)."""
         storage = self.storage
-        a = ctx.consider(req.input_len, max(req.max_new - req.generated, 0), 0, token_limit)
+        a = ctx.consider(req.input_len, self.policy.admit_output(req), 0, token_limit)
         if a.decision is not Decision.ADMIT:
             return a
         if not self._make_room(self._admit_demand(a.chunk_len, 0)):
@@ -214,8 +334,20 @@ class KVChainPool:
         except CapacityError:
             self._release(row, state)
             return Admission(Decision.ABORT, reason="unschedulable: the first chunk does not fit an emptied pool")
+        ctx.took(a, self._taken(a.chunk_len, 0))
+        ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
         req.row, req.cached, req.computed, req.pool_state = row, 0, a.chunk_len, state
         return a
+
+    def relieve(self) -> bool:
+        """Give up the waiting head's hold on its cached match (so the cache may evict it when a
+        running request needs the room). True when there was one."""
+        if self._pin is None:
+            return False
+        _, state = self._pin
+        self._pin = None
+        self._unlock(state)
+        return True
 
     def _admit_demand(self, first: int, cached: int) -> list[int]:
         ps = self.page_size

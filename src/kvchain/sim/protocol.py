@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..prefill_budget import Admission
+from .policies import SchedulePolicy
 from .request import SimRequest
 
 
@@ -28,6 +29,8 @@ class PoolStats:
 class Pool(Protocol):
     name: str
     page_size: int
+    #: what admission charges and who gives way on a full pool (`sim/policies.py`)
+    policy: SchedulePolicy
 
     def arrival_check(self, req: SimRequest) -> str | None:
         """None when the request could ever run (its max_new may be clipped to what fits); else
@@ -54,6 +57,19 @@ class Pool(Protocol):
 
     def preempt(self, req: SimRequest) -> None:
         """Give all of a running request's memory back; it recomputes later."""
+
+    def retract_victims(self, plan: list[tuple[SimRequest, int]], candidates: list[SimRequest]
+                        ) -> list[SimRequest] | None:
+        """The shortest prefix of `candidates` whose retraction lets the rest of the step's plan
+        grow (asked of the allocator, nothing changed); None when no prefix does."""
+
+    def admit_victims(self, running: list[SimRequest], req: SimRequest, candidates: list[SimRequest],
+                      token_limit: int) -> list[SimRequest] | None:
+        """The shortest prefix of `candidates` after whose preemption admission would take `req`;
+        None when no prefix does."""
+
+    def relieve(self) -> bool:
+        """Give up holds that only waiting work has on memory; True when one was given up."""
 
     def stats(self) -> PoolStats: ...
 

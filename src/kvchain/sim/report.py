@@ -10,43 +10,65 @@ from .compare import Comparison
 
 
 def comparison_json(model, args, result: Comparison) -> dict:
-    ratios = result.ratios()
+    steps = result.ratios("steps")
+    throughput = result.ratios("throughput")
     return {
         "model": model.name,
         "budget_bytes": args.budget,
         "workload": args.trace or args.workload,
         "requests": result.results[0].requests if result.results else 0,
-        "results": [{**r.to_dict(), "throughput_vs_kvchain": ratios.get(r.pool)} for r in result.results],
+        "admission": getattr(args, "admission", None),
+        "results": [{**r.to_dict(), "steps_vs_kvchain": steps.get(r.pool),
+                     "kvchain_steps_ratio": (1 / steps[r.pool]) if steps.get(r.pool) else None,
+                     "throughput_vs_kvchain": throughput.get(r.pool)} for r in result.results],
         "static_best_split": None if result.static_best is None else {
             "window_ratio": result.static_best.window_ratio, "state_ratio": result.static_best.state_ratio},
         "static_best_sweep": result.sweep,
     }
 
 
+def _p(d: dict | None, key: str, fmt: str) -> str:
+    return format(d[key], fmt) if d and key in d else "-"
+
+
 def render_comparison(model, args, result: Comparison, console: Console | None = None) -> None:
+    """Whole-run figures first (steps to serve the trace, kvchain's steps over each pool's, seconds
+    and tokens/s with the step-time model, TTFT/TPOT, preemptions, recomputed tokens); the
+    saturation figures after them."""
     console = console or Console()
     if not console.is_terminal:
-        console = Console(width=160)
-    ratios = result.ratios()
+        console = Console(width=200)
+    steps = result.ratios("steps")
+    timed = bool(result.results) and result.results[0].seconds is not None
     table = Table(title=f"{model.name} · {format_bytes(args.budget)} · {args.trace or args.workload} · "
                         f"{result.results[0].requests} requests", title_justify="left")
-    cols = ["pool", "tok/step", "vs kvchain", "running", "utilisation", "tok/step (run)", "peak", "hit rate",
-            "queue delay", "preempted", "aborted", "rejected", "finished"]
-    if result.results and result.results[0].seconds is not None:
-        cols.insert(3, "tok/s (model)")
+    cols = ["pool", "steps", "kvchain/pool"]
+    if timed:
+        cols += ["seconds", "tok/s", "TTFT p50/p99 (s)", "TPOT p50/p99 (ms)"]
+    else:
+        cols += ["TTFT p50/p99 (steps)", "TPOT p50/p99 (steps)"]
+    cols += ["preempted", "recomputed", "hit rate", "tok/step (sat)", "running (sat)", "utilisation", "peak",
+             "aborted", "rejected", "finished"]
     for c in cols:
         table.add_column(c, justify="left" if c == "pool" else "right")
     for r in result.results:
-        row = [r.pool, f"{r.throughput:.1f}", f"{ratios.get(r.pool, float('nan')):.2f}x", f"{r.mean_concurrency:.1f}",
-               f"{r.utilisation:.1%}", f"{r.throughput_overall:.1f}", str(r.peak_running), f"{r.hit_rate:.1%}",
-               f"{r.queue_delay:.0f}",
-               str(r.preemptions), str(r.aborted), str(r.rejected), str(r.finished)]
-        if r.seconds is not None:
-            row.insert(3, f"{r.tokens_per_second:.0f}")
+        ratio = steps.get(r.pool)
+        row = [r.pool, str(r.steps), f"{1 / ratio:.3f}x" if ratio else "-"]
+        if timed:
+            row += [f"{r.seconds:.1f}", f"{r.tokens_per_second:.0f}",
+                    f"{_p(r.ttft_s, 'p50', '.2f')}/{_p(r.ttft_s, 'p99', '.2f')}",
+                    f"{_p(r.tpot_s and {k: v * 1e3 for k, v in r.tpot_s.items()}, 'p50', '.1f')}/"
+                    f"{_p(r.tpot_s and {k: v * 1e3 for k, v in r.tpot_s.items()}, 'p99', '.1f')}"]
+        else:
+            row += [f"{_p(r.ttft_steps, 'p50', '.0f')}/{_p(r.ttft_steps, 'p99', '.0f')}",
+                    f"{_p(r.tpot_steps, 'p50', '.2f')}/{_p(r.tpot_steps, 'p99', '.2f')}"]
+        row += [str(r.preemptions), str(r.recomputed_tokens), f"{r.hit_rate:.1%}", f"{r.throughput:.1f}",
+                f"{r.mean_concurrency:.1f}", f"{r.utilisation:.1%}", str(r.peak_running),
+                str(r.aborted), str(r.rejected), str(r.finished)]
         table.add_row(*row)
     console.print(table)
-    console.print("tok/step, running and utilisation at saturation (steps that ended with requests waiting); "
-                  "tok/step (run) over the whole run, drain included")
+    console.print("steps: to serve the whole trace; kvchain/pool: kvchain's steps over the pool's (below 1: kvchain "
+                  "serves it in fewer); (sat): at saturation, the steps that ended with requests waiting")
     if result.static_best is not None:
         console.print(f"static-best split (oracle, swept on the trace): window ratio {result.static_best.window_ratio}, "
                       f"state ratio {result.static_best.state_ratio}")

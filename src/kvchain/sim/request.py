@@ -26,6 +26,7 @@ class SimRequest:
     max_new: int  # what the client asked for (the memory clip may lower it)
     output_len: int  # how many tokens it will really generate (<= max_new)
     output: np.ndarray | None = None  # the token ids it generates (synthesised when None)
+    priority: int = 0  # lower is more important (priority scheduling); ties by arrival
     phase: Phase = Phase.PENDING
     reason: str = ""
     # runtime, owned by the scheduler and the pool
@@ -35,7 +36,9 @@ class SimRequest:
     cached: int = 0  # prompt tokens the prefix cache supplied
     admitted_step: int = -1
     finished_step: int = -1
+    first_token_step: int = -1  # the step that sampled its first output token
     preemptions: int = 0
+    lost_tokens: int = 0  # KV computed before its latest retraction, to compute again
     pool_state: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,22 +1,21 @@
 """Run a workload through one pool with the scheduler loop and summarise what it served.
 
-Metrics (per pool): output tokens per step, mean and peak running requests, memory utilisation
-(live bytes / budget), prefix-cache hit rate (prompt tokens the cache supplied / prompt tokens
-admitted), mean queueing delay in steps, preemptions, aborts and rejections. An optional step-time
-model turns steps into seconds (off by default).
+The figures users quote lead: whole-run steps to serve the trace, the prefill tokens spent (and of
+them, the tokens recomputed after retractions), preemptions, time to first token and time per
+output token percentiles in steps, and, with the step-time model, the same in seconds with
+output tokens per second. An optional step-time model turns steps into seconds (off by default).
 
-`throughput`, `mean_concurrency` and `utilisation` are measured at saturation: over the steps that
-ended with requests waiting, where what the pool holds, not what arrives, sets the pace. A finite
-trace ends with a drain (the last sessions' turns, the longest outputs) that every pool spends the
-same way, and over the whole run that tail would dilute the difference the memory layout makes;
-`throughput_overall` and `concurrency_overall` (whole run) are reported next to them. A pool that
-never saturated reports its whole-run figures."""
+Secondary: `throughput`, `mean_concurrency` and `utilisation` at saturation, over the steps that
+ended with requests waiting, where what the pool holds, not what arrives, sets the pace (a pool
+that never saturated reports its whole-run figures); `throughput_overall` and
+`concurrency_overall` over the whole run; prefix-cache hit rate (prompt tokens the cache supplied
+/ prompt tokens admitted), mean queueing delay in steps, aborts and rejections."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -75,26 +74,35 @@ class PoolResult:
     aborted: int
     rejected: int
     output_tokens: int
+    prefill_tokens: int = 0
+    recomputed_tokens: int = 0  # of prefill_tokens, computed again after a retraction
+    priority_preemptions: int = 0
+    ttft_steps: dict[str, float] = field(default_factory=dict)  # p50/p90/p99, arrival to first token
+    tpot_steps: dict[str, float] = field(default_factory=dict)  # p50/p90/p99, per output token after it
     seconds: float | None = None
     tokens_per_second: float | None = None
+    ttft_s: dict[str, float] | None = None
+    tpot_s: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def run_pool(pool: Pool, requests: list[SimRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
-             step_time: StepTimeModel | None = None, max_steps: int = 10**7,
+             step_time: StepTimeModel | None = None, max_steps: int = 10**7, priority: bool = False,
              on_step: Callable[[Scheduler], None] | None = None) -> tuple[PoolResult, SchedulerStats]:
     """Run fresh copies of `requests` through `pool` until every one finished, aborted or was rejected."""
     reqs = [copy.deepcopy(r) for r in requests]
-    sched = Scheduler(pool, max_batched_tokens=max_batched_tokens, max_running=max_running)
+    sched = Scheduler(pool, max_batched_tokens=max_batched_tokens, max_running=max_running, priority=priority)
     sched.add(reqs)
+    ends: list[float] = []  # with the step-time model: the time each step ends
     seconds = 0.0 if step_time is not None else None
     while not sched.idle and sched.step_no < max_steps:
         record = sched.step()
         if step_time is not None:
             kv = sum(r.computed for r in sched.running)
             seconds += step_time.seconds(record.output_tokens + record.prefill_tokens, kv)
+            ends.append(seconds)
         if on_step is not None:
             on_step(sched)
     stats = sched.stats
@@ -121,10 +129,33 @@ def run_pool(pool: Pool, requests: list[SimRequest], *, max_batched_tokens: int 
         aborted=sum(r.phase is Phase.ABORTED for r in reqs),
         rejected=sum(r.phase is Phase.REJECTED for r in reqs),
         output_tokens=stats.output_tokens,
+        prefill_tokens=stats.prefill_tokens,
+        recomputed_tokens=stats.recomputed_tokens,
+        priority_preemptions=stats.priority_preemptions,
+        ttft_steps=_percentiles([r.first_token_step - r.arrival + 1 for r in reqs if r.first_token_step >= 0]),
+        tpot_steps=_percentiles([(r.finished_step - r.first_token_step) / (r.generated - 1)
+                                 for r in reqs if r.phase is Phase.FINISHED and r.generated > 1]),
         seconds=seconds,
         tokens_per_second=(stats.output_tokens / seconds) if seconds else None,
     )
+    if step_time is not None:
+        end = np.asarray(ends)
+        start = np.concatenate([[0.0], end[:-1]])  # when each step begins
+        done = [r for r in reqs if r.first_token_step >= 0]
+        result.ttft_s = _percentiles([end[r.first_token_step] - start[min(r.arrival, len(end) - 1)] for r in done])
+        result.tpot_s = _percentiles([(end[r.finished_step] - end[r.first_token_step]) / (r.generated - 1)
+                                      for r in done if r.phase is Phase.FINISHED and r.generated > 1])
     return result, stats
+
+
+PERCENTILES = (50, 90, 99)
+
+
+def _percentiles(values: list) -> dict[str, float]:
+    if not values:
+        return {}
+    q = np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, q)}
 
 
 def _mean(values: list) -> float:

@@ -1,19 +1,29 @@
 """A model-free serving loop: it admits, chunks, decodes and finishes requests through any `Pool`.
 
-Each step: arrivals join the waiting queue (or are rejected at arrival); running requests get their
-next prefill chunk or one decode token (on a full pool the newest running request is preempted and
-recomputes later); waiting requests are admitted first come first served under a token budget and
-a running cap; then the step's "forward" happens (tokens appear; no model runs), the pool takes
-checkpoints and retires window rows, and finished requests are cached and freed."""
+Each step, as the engines schedule: arrivals join the waiting queue (or are rejected at arrival);
+running decodes get one token each, then running prefills their next chunk, all within one token
+budget; when the step cannot grow, the pool's policy decides who gives way (running prefills pause
+first where it says so, then running requests are retracted in its order, as few as make room,
+and recompute later; a step that paused or retracted admits nothing); waiting requests are admitted first come first served (by priority, then
+arrival, under priority scheduling) under the budget left and the running cap, a more important
+request preempting less important running work when admission says that makes room; then the
+step's "forward" happens (tokens appear; no model runs), the pool takes checkpoints and retires
+window rows, and finished requests are cached and freed."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import KVChainError
 from ..prefill_budget import Decision
+from .policies import ExactPolicy, SchedulePolicy
 from .protocol import Pool, PoolFull
 from .request import Phase, SimRequest
+
+
+class SchedulerStuck(KVChainError):
+    """The loop cannot make progress: a scheduler or pool bug, never an outcome of a workload."""
 
 
 @dataclass
@@ -33,6 +43,12 @@ class SchedulerStats:
     prefill_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    #: KV tokens computed again after a retraction (prefill tokens spent twice), cache hits excluded
+    recomputed_tokens: int = 0
+    #: prompt tokens a retracted request found cached when it came back (not counted as hits)
+    recompute_cached_tokens: int = 0
+    #: admissions that preempted less important running work
+    priority_preemptions: int = 0
     finished: int = 0
     aborted: int = 0
     rejected: int = 0
@@ -42,10 +58,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, pool: Pool, *, max_batched_tokens: int = 8192, max_running: int = 256,
-                 max_wait_steps: int | None = None) -> None:
+                 max_wait_steps: int | None = None, priority: bool = False) -> None:
         if max_batched_tokens <= 0 or max_running <= 0:
             raise ValueError("max_batched_tokens and max_running must be positive")
         self.pool = pool
+        self.policy: SchedulePolicy = getattr(pool, "policy", None) or ExactPolicy()
+        #: order the waiting queue by priority and let important requests preempt less important ones
+        self.priority = priority
+        self._retracted = self._paused = False
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
         #: a request admitted nowhere for this many steps while nothing runs is a scheduler bug
@@ -80,56 +100,95 @@ class Scheduler:
                 req.phase = Phase.WAITING
                 self.waiting.append(req)
 
+    def _plan(self, decodes: list[SimRequest], prefills: list[SimRequest], paused: set[int],
+              budget: int) -> tuple[list[tuple[SimRequest, int]], int]:
+        plan: list[tuple[SimRequest, int]] = []
+        left = budget
+        for req in decodes:
+            if left <= 0:
+                break
+            plan.append((req, req.computed + 1))
+            left -= 1
+        for req in prefills:
+            if left <= 0:
+                break
+            if id(req) in paused:
+                continue
+            chunk = self.pool.next_chunk(req, left)
+            if chunk > 0:
+                plan.append((req, req.computed + chunk))
+                left -= chunk
+        return plan, left
+
     def _grow_running(self, budget: int) -> tuple[list[tuple[SimRequest, int]], int]:
-        """Next chunk for running prefills, one token for decodes. On a full pool, prefill chunks
-        shrink first (down to the pool's smallest chunk); then the newest request is preempted."""
-        prefill_cap = budget
-        min_chunk = getattr(self.pool, "min_chunk", 1)
+        """One token for each running decode, then the next chunk of each running prefill, within
+        the token budget. When the pool cannot grow them all: a waiting request's hold on cached
+        pages is given up; running prefills pause (newest first) where the policy says so, while
+        something else still grows; then the fewest running requests, in the policy's victim
+        order, whose retraction lets the rest grow (the pool asks `fits_after_frees`) are
+        retracted. Retracting every grower always makes room, so the walk always ends."""
+        paused: set[int] = set()
         while True:
-            plan: list[tuple[SimRequest, int]] = []
-            left = budget
-            prefills = 0
-            for req in self.running:
-                if req.prefilling:
-                    chunk = self.pool.next_chunk(req, min(left, prefill_cap))
-                    if chunk > 0:
-                        prefills += 1
-                        plan.append((req, req.computed + chunk))
-                        left -= chunk
-                elif left > 0:
-                    plan.append((req, req.computed + 1))
-                    left -= 1
+            decodes = [r for r in self.running if not r.prefilling]
+            prefills = [r for r in self.running if r.prefilling]
+            plan, left = self._plan(decodes, prefills, paused, budget)
             if not plan:
                 return plan, left
             try:
                 self.pool.extend([r for r, _ in plan], [n for _, n in plan])
                 return plan, left
             except PoolFull:
-                if prefills and prefill_cap > min_chunk:
-                    prefill_cap = max(min_chunk, prefill_cap // 2)
+                pass
+            relieve = getattr(self.pool, "relieve", None)
+            if relieve is not None and relieve():  # a waiting request's hold on cached pages goes first
+                continue
+            if self.policy.pauses_prefills and len(plan) > 1:  # something else still grows
+                growing = [r for r, _ in plan if r.prefilling]
+                if growing:
+                    paused.add(id(max(growing, key=lambda r: (r.admitted_step, r.rid))))
+                    self._paused = True
                     continue
-                victim = max(self.running, key=lambda r: (r.admitted_step, r.rid))
+            victims = self.pool.retract_victims(plan, self.policy.victim_order(self.running))
+            if not victims:
+                raise SchedulerStuck(f"step {self.step_no}: {len(plan)} running requests cannot grow and no "
+                                     f"retraction of the {len(self.running)} running makes room")
+            for victim in victims:
                 self._preempt(victim)
-                prefill_cap = budget
+            self.policy.on_retract(victims, self.running)
 
     def _preempt(self, req: SimRequest) -> None:
         self.pool.preempt(req)
         self.running.remove(req)
         req.phase = Phase.WAITING
+        req.lost_tokens = max(req.lost_tokens, req.computed)
         req.computed = 0
         req.row = -1
         req.preemptions += 1
         self.stats.preemptions += 1
+        self._retracted = True
         self.waiting.appendleft(req)
+
+    def _next_waiting(self) -> SimRequest:
+        if self.priority and len(self.waiting) > 1:
+            best = min(self.waiting, key=lambda r: (r.priority, r.arrival, r.rid))
+            if best is not self.waiting[0]:
+                self.waiting.remove(best)
+                self.waiting.appendleft(best)
+        return self.waiting[0]
 
     def _admit(self, budget: int) -> list[tuple[SimRequest, int]]:
         admitted: list[tuple[SimRequest, int]] = []
-        if not self.waiting:
-            return admitted
+        if not self.waiting or ((self._retracted or self._paused) and not self.policy.admit_after_retract):
+            return admitted  # memory is overcommitted already: new work would only add to it
         ctx = self.pool.begin_pass(self.running, frees_coming=bool(self.running))
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+            req = self._next_waiting()
             a = self.pool.try_admit(ctx, req, budget)
+            # a more important request preempts less important work (first in a pass only, so the
+            # rebuilt pass loses nothing admitted before it)
+            if a.decision is Decision.WAIT and self.priority and not admitted and self._preempt_for(req, budget):
+                ctx = self.pool.begin_pass(self.running, frees_coming=bool(self.running))
+                a = self.pool.try_admit(ctx, req, budget)
             if a.decision is Decision.WAIT:
                 break  # first come first served
             self.waiting.popleft()
@@ -141,15 +200,36 @@ class Scheduler:
             req.phase = Phase.RUNNING
             req.admitted_step = self.step_no
             self.running.append(req)
-            self.stats.cached_tokens += req.cached
+            if req.preemptions:
+                self.stats.recompute_cached_tokens += req.cached  # its own pages, cached at retraction
+            else:
+                self.stats.cached_tokens += req.cached
             admitted.append((req, req.computed))  # the pool already took cached + first chunk
             budget -= a.chunk_len
         return admitted
 
+    def _preempt_for(self, req: SimRequest, budget: int) -> bool:
+        """Preempt less important running requests for `req` when admission says that makes room
+        (the pool asks `admits` for each prefix of the victims); nothing when none does."""
+        lower = [r for r in self.policy.victim_order(self.running) if r.priority > req.priority]
+        victims = self.pool.admit_victims(self.running, req, lower, budget) if lower else None
+        if not victims:
+            return False
+        for victim in victims:
+            self._preempt(victim)
+        self.stats.priority_preemptions += 1
+        self.waiting.remove(req)
+        self.waiting.appendleft(req)
+        return True
+
     def step(self) -> StepRecord:
         self._arrivals()
+        self._retracted = self._paused = False
+        self.policy.on_step()
         plan, budget = self._grow_running(self.max_batched_tokens)
         admitted = self._admit(budget)
+        if self._retracted:  # a priority preemption in admission retracted part of the plan
+            plan = [(r, n) for r, n in plan if r.phase is Phase.RUNNING]
         # the forward: every planned request advances to its new length; the last prompt chunk
         # samples the first output token (a recomputed request already has its tokens)
         out_tokens = prefill_tokens = 0
@@ -157,11 +237,14 @@ class Scheduler:
         for req, new_len in plan:
             was_prefilling = req.prefilling
             grown = new_len - req.computed
+            if req.lost_tokens:
+                self.stats.recomputed_tokens += max(0, min(new_len, req.lost_tokens) - req.computed)
             req.computed = new_len
             if was_prefilling:
                 prefill_tokens += grown
                 if not req.prefilling and req.generated == 0:
                     req.generated = 1
+                    req.first_token_step = self.step_no
                     out_tokens += 1
             else:
                 req.generated += 1
@@ -169,8 +252,11 @@ class Scheduler:
             stepped.append(req)
         for req, _ in admitted:
             prefill_tokens += req.computed - req.cached
+            if req.lost_tokens:
+                self.stats.recomputed_tokens += max(0, min(req.computed, req.lost_tokens) - req.cached)
             if not req.prefilling and req.generated == 0:
                 req.generated = 1
+                req.first_token_step = self.step_no
                 out_tokens += 1
             stepped.append(req)
         if stepped:
@@ -178,6 +264,7 @@ class Scheduler:
         for req in list(self.running):
             if not req.prefilling and req.done:
                 self.pool.finish(req)
+                self.policy.on_finish(req)
                 self.running.remove(req)
                 req.phase = Phase.FINISHED
                 req.finished_step = self.step_no
@@ -195,7 +282,7 @@ class Scheduler:
         if self.max_wait_steps and not self.running and self.waiting and not admitted:
             head = self.waiting[0]
             if self.step_no - head.arrival > self.max_wait_steps:
-                raise RuntimeError(f"request {head.rid} waited {self.step_no - head.arrival} steps with nothing running")
+                raise SchedulerStuck(f"request {head.rid} waited {self.step_no - head.arrival} steps with nothing running")
         return record
 
     def run(self, max_steps: int = 10**7, progress=None) -> SchedulerStats:

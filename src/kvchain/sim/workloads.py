@@ -402,6 +402,7 @@ class _Line:
     max_new: int | None
     rid: int | None
     hash_ids: list[Any]
+    priority: int = 0
 
 
 def _number(obj: dict, key: str, where: str, *, integer: bool, required: bool = True) -> Any:
@@ -445,8 +446,9 @@ def _parse_line(obj: Any, where: str, lineno: int, block_tokens: int) -> _Line:
         raise InputError(f"{where}: {len(hash_ids)} hash_ids but input_length {input_length} spans only "
                          f"{blocks} blocks of {block_tokens} tokens (wrong block_tokens? `kvchain simulate "
                          "--block-tokens` sets the trace's block size)")
+    priority = _number(obj, "priority", where, integer=True, required=False) or 0
     return _Line(lineno, -1 if step is None else step, -1.0 if time_ms is None else float(time_ms),
-                 input_length, output_length, max_new, rid, hash_ids)
+                 input_length, output_length, max_new, rid, hash_ids, priority)
 
 
 def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int = 512,
@@ -516,7 +518,8 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
         max_new = ln.max_new if ln.max_new is not None else max(ln.output_length,
                                                                math.ceil(ln.output_length * max_new_slack))
         rid = ln.rid if ln.rid is not None else next(free)
-        out.append(SimRequest(rid, ln.step, prompt, max_new, ln.output_length, output=_tokens(rng, max_new)))
+        out.append(SimRequest(rid, ln.step, prompt, max_new, ln.output_length, output=_tokens(rng, max_new),
+                              priority=ln.priority))
     return out
 
 
@@ -553,6 +556,7 @@ def save_trace(requests: list[SimRequest], path: str | Path, ms_per_step: float 
             "arrival_step": int(req.arrival),
             "rid": int(req.rid),
             "max_new": int(req.max_new),
+            **({"priority": int(req.priority)} if req.priority else {}),
         }))
     try:
         path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")

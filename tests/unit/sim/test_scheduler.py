@@ -65,6 +65,38 @@ def test_every_admitted_request_finishes_and_nothing_leaks(seed, window, state, 
     assert sched.stats.finished > 0
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), window=st.sampled_from([0, 16]), state=st.booleans(),
+       chain_kib=st.integers(10, 30), policy=st.sampled_from(["optimistic", "vllm", "sglang", "ideal"]),
+       budget=st.sampled_from([16, 64]))
+def test_retracting_policies_finish_everything_and_leak_nothing(seed, window, state, chain_kib, policy, budget):
+    """Under the policies that admit optimistically and retract (kvchain `optimistic`, vLLM, sglang)
+    and the ideal projection: every admitted request finishes (retracted ones recompute), the tree
+    verifies every step, nothing leaks at idle; the recomputed tokens never exceed the prefill
+    tokens spent."""
+    from kvchain.sim.policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
+
+    pool = world(chain_kib=chain_kib, window=window, state=state)
+    pool.policy = {"optimistic": admission_policy("optimistic"), "vllm": VllmPolicy(), "sglang": SglangPolicy(),
+                   "ideal": IdealPolicy()}[policy]
+    requests = workload(seed)
+    sched = _run(pool, requests, budget=budget)
+    for req in requests:
+        if req.admitted_step >= 0:
+            assert req.phase is Phase.FINISHED and req.generated == req.output_len, (req.rid, req.reason)
+    assert sched.stats.recomputed_tokens <= sched.stats.prefill_tokens
+
+
+def test_exact_admission_never_retracts():
+    """`exact` reserves every output in full: over random workloads on pools small enough that an
+    admission reserving running outputs short would retract, no step ever fails to grow, so
+    nothing is preempted."""
+    for seed in range(6):
+        pool = world(chain_kib=6 + seed, window=16 if seed % 2 else 0, state=seed % 3 != 0)
+        sched = _run(pool, workload(seed, max_output=60), budget=64, check_every_step=False)
+        assert sched.stats.preemptions == 0 and sched.stats.recomputed_tokens == 0
+
+
 def test_forced_checkpoint_stalls_still_finish(monkeypatch):
     """LIM-3/4/5: with no free slot for checkpoints half of the time, admitted requests still finish and
     never hold more window rows than priced (checked every step)."""

@@ -16,18 +16,19 @@ def test_json_has_every_pool_and_the_fields_scripts_read(capsys, tmp_path):
     plot = tmp_path / "run.png"
     assert main([*SMALL, "--json", "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["pool"] for r in out["results"]] == ["kvchain", "static-default", "static-best", "uniform-page"]
+    assert [r["pool"] for r in out["results"]] == ["kvchain", "vllm-hybrid", "sglang-static", "ideal"]
     for r in out["results"]:
         for key in ("pool", "steps", "throughput", "mean_concurrency", "peak_running", "utilisation",
-                    "preemptions", "aborted", "throughput_overall", "throughput_vs_kvchain"):
+                    "preemptions", "aborted", "throughput_overall", "throughput_vs_kvchain", "steps_vs_kvchain",
+                    "recomputed_tokens", "prefill_tokens", "ttft_steps", "tpot_steps"):
             assert key in r
         assert r["finished"] == 30
-    assert out["static_best_split"] is not None and out["static_best_sweep"]
+    assert out["static_best_split"] is None
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_table_names_the_pools_and_the_split(capsys):
-    assert main([*SMALL, "--pools", "kvchain,static-best"]) == 0
+    assert main([*SMALL, "--pools", "kvchain,static-best", "--step-time", "base_ms=8"]) == 0
     out = capsys.readouterr().out
     assert "kvchain" in out and "static-best" in out and "static-best split" in out
 
@@ -56,3 +57,25 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_trace_priorities_reach_the_scheduler(tmp_path, capsys):
+    """A trace's `priority` field is read (lower is more important); `--admission exact` never
+    preempts on its own, and with `--priority` the only preemptions are those that make room for
+    a more important request."""
+    from kvchain.sim.workloads import load_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 900, "output_length": 200,
+                                         "priority": 2 - i % 3}) + "\n" for i in range(24)))
+    assert sorted({r.priority for r in load_trace(trace)}) == [0, 1, 2]
+    base = ["simulate", "--model", "llama-3.1-8b", "--budget", "1GiB", "--trace", str(trace), "--jobs", "1",
+            "--pools", "kvchain", "--admission", "exact", "--json"]
+    runs = []
+    for extra in ([], ["--priority"]):
+        assert main([*base, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["results"][0])
+    plain, prio = runs
+    assert plain["finished"] == prio["finished"] == 24
+    assert plain["preemptions"] == 0
+    assert prio["priority_preemptions"] > 0 and prio["preemptions"] >= prio["priority_preemptions"]
