@@ -17,6 +17,7 @@ from ..alloc.demand import DemandPurpose, KVDemand, request_demand
 from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
+from ..engine.steps import Forward, Launched, StepSequence
 from ..errors import CapacityError
 from ..plan import PoolKind
 from ..prefill_budget import (
@@ -57,6 +58,9 @@ class KVChainPool:
         self.policy = policy if policy is not None else ExactPolicy()
         self.tracking = self.has_state and prefix_cache and strategy is CheckpointStrategy.EXTRA_BUFFER
         self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0}
+        #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
+        #: simulator never flushes opportunistically (its numbers count no compaction between steps)
+        self.steps: StepSequence[list[SimRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
         #: the waiting request at the head of the queue and the locks on its cached match
         self._pin: tuple[SimRequest, dict] | None = None
 
@@ -355,7 +359,15 @@ class KVChainPool:
         slots = (1 if self.has_state else 0) + (1 if self.tracking else 0)
         return [slots if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools]
 
-    # -- after the forward ---------------------------------------------------------------------------
+    # -- the forward and after it ----------------------------------------------------------------------
+
+    def forward(self, reqs: list[SimRequest]) -> None:
+        """Run the step's forward through the step sequence: launched and recorded (no kernels, its
+        writes unknown), the write-after-read barrier, then processed at once (`processed`)."""
+        self.steps.step(_NO_KERNELS, reqs, flush=False)
+
+    def _on_processed(self, launched: Launched[list[SimRequest]]) -> None:
+        self.processed(launched.payload)
 
     def processed(self, reqs: list[SimRequest]) -> None:
         storage = self.storage
@@ -498,7 +510,11 @@ class KVChainPool:
 
     def check_idle(self) -> None:
         held = self.tree.held_pages() if self.tree is not None else None
-        self.storage.check_idle(held)
+        self.steps.check_idle(held)
+
+
+#: the simulator's forward: no kernel runs, only the sequence's bookkeeping
+_NO_KERNELS = Forward(lambda step: None)
 
 
 def pages_for_arr(tokens: np.ndarray, page_size: int) -> np.ndarray:

@@ -49,6 +49,10 @@ class Pool(Protocol):
         """Grow running requests' KV to new lengths, making room from the cache if needed.
         Raises PoolFull with nothing changed."""
 
+    def forward(self, reqs: list[SimRequest]) -> None:
+        """The step's forward over `reqs`, through the one step sequence (`engine/steps.py`): launched,
+        recorded, processed; processing calls `processed`."""
+
     def processed(self, reqs: list[SimRequest]) -> None:
         """After a step's forward: take checkpoints, retire window rows."""
 

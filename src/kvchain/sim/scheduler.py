@@ -260,7 +260,7 @@ class Scheduler:
                 out_tokens += 1
             stepped.append(req)
         if stepped:
-            self.pool.processed(stepped)
+            self.pool.forward(stepped)
         for req in list(self.running):
             if not req.prefilling and req.done:
                 self.pool.finish(req)

@@ -247,3 +247,21 @@ def test_a_running_prompt_is_shared_with_requests_that_arrive_while_it_runs(wind
     assert second.admitted_step < first.finished_step  # it ran while the first one did
     assert second.cached >= 128, second.cached
     assert sched.stats.finished == 2
+
+
+def test_the_loop_drives_the_one_step_sequence():
+    """Every step that computes tokens is one forward of the step sequence (`engine/steps.py`):
+    launched, recorded with the pool, processed at once, and nothing is left in flight at idle."""
+    pool = world(chain_kib=200, window=16, state=True)
+    launched = []
+    original = pool.storage.record_forward
+
+    def recording(record, *args, **kwargs):
+        launched.append(record.step)
+        return original(record, *args, **kwargs)
+
+    pool.storage.record_forward = recording
+    sched = _run(pool, workload(3, n=30, shared=0.5, prefix_len=32, spread=4), check_every_step=False)
+    busy = sum(1 for h in sched.stats.history if h.output_tokens or h.prefill_tokens)
+    assert pool.steps.stats.launched == pool.steps.stats.processed == busy == len(launched) > 0
+    assert not pool.steps.in_flight
