@@ -11,15 +11,8 @@ from kvchain.alloc.signals import NetworkTransfer
 from kvchain.errors import InputError
 from kvchain.storage_roles import PDTransfers
 from support.chains import allocator_state, same_state
+from support.contracts import compaction_always_pressed  # noqa: F401 (an autouse fixture)
 from support.modeled import modeled_storage, request
-
-
-@pytest.fixture(autouse=True)
-def _compaction_always_pressed(monkeypatch):
-    """Every band counts as short of room, so `flush_opportunistic` closes the holes it can."""
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION", "1.0")
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "64")
-
 
 
 def _send(device, name="send"):
