@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvchain.alloc.signals import NetworkTransfer
 from kvchain.device import ModeledDevice
 from kvchain.engine import Forward, StepSequence
 from kvchain.testing.overlap import overlap_storage
@@ -39,3 +40,14 @@ def request(storage, length):
     row = storage.alloc_row()
     vtok = storage.alloc_extend(np.array([row]), np.array([length]))
     return row, vtok
+
+
+def full_pages(storage, row):
+    """The physical full-attention pages `row` holds now."""
+    return storage.physical_pages("full", storage.table.pages_of(row))
+
+
+def network_transfer(device, name="send", sends=True):
+    """A PD transfer on the network stream, done at the event `{name} done`: a send reads its pages,
+    a receive (`sends=False`) writes them."""
+    return NetworkTransfer(name, sends=sends, done=device.record(device.stream("network"), f"{name} done"))
