@@ -16,10 +16,12 @@ def modeled_storage(seed: int = 0, **kwargs):
     return storage, device
 
 
-def launch_forward(storage, rows=None, vtok=None, writes_known=True, label=None):
+def launch_forward(storage, rows=None, vtok=None, writes_known=True, label=None, shared_read_end=False):
     """Launch a forward that writes the given virtual tokens, through the step sequence's launch
     without its barrier (a test applies that itself); returns its launch record, which `process`
-    takes in whatever order the test wants."""
+    takes in whatever order the test wants. With `shared_read_end` the forward declares the end of
+    its shared reads (`record.shared_read_done`, a second kernel runs after it), which the barrier
+    then waits instead of the whole forward stream (LIFE-4, LIFE-5)."""
     device = storage.device
     writes = None
     if writes_known:
@@ -28,7 +30,11 @@ def launch_forward(storage, rows=None, vtok=None, writes_known=True, label=None)
     def reads(step: int) -> None:
         device.launch(device.forward_stream, None, label=label or f"forward:{step}")
 
-    return StepSequence(storage, war_barrier=False).launch(Forward(reads, ids=writes), None).record
+    def rest(step: int) -> None:
+        device.launch(device.forward_stream, None, label=f"{label or f'forward:{step}'}:write")
+
+    forward = Forward(reads, rest if shared_read_end else None, ids=writes)
+    return StepSequence(storage, war_barrier=False).launch(forward, None).record
 
 
 def process(storage, record):
