@@ -16,6 +16,7 @@ from kvchain.decl import (
     kv_layer_decls,
 )
 from kvchain.errors import InputError, PlanError
+from kvchain.models.small import small_hybrid
 from kvchain.plan import Placement, PoolKind, plan_kv_storage
 
 MHA8 = MHA(8, 64)
@@ -59,7 +60,7 @@ def test_chain_order_and_placement():
 
 
 def test_single_full_pool_is_the_down_end():
-    plan = plan_kv_storage(kv_layer_decls([KVPart(MLA(512, 64), FullLifetime())] * 3), page_size=1)
+    plan = plan_kv_storage(small_hybrid(MLA(512, 64), blocks=3), page_size=1)
     assert plan.up_end is None and plan.floats == ()
     assert plan.down_end.placement is Placement.DOWN_END
 
@@ -79,7 +80,7 @@ def test_refuses_two_geometries_in_one_sub_pool():
 def test_fused_draft_window_the_target_lacks_gets_its_own_band():
     """DECL-8, WIN-3: the draft's window becomes its own band; the target's primary window keeps
     the first window tree slot even though the draft's window is longer."""
-    target = kv_layer_decls([KVPart(MHA8, FullLifetime()), KVPart(MHA8, WindowLifetime(128))])
+    target = small_hybrid(MHA8, (128,))
     draft = kv_layer_decls([KVPart(MHA8, WindowLifetime(1024))])
     plan = plan_kv_storage(target, page_size=16, draft=draft)
     assert [p.name for p in plan.sub_pools] == ["draft_window1024", "window128", "full"]
@@ -88,7 +89,7 @@ def test_fused_draft_window_the_target_lacks_gets_its_own_band():
 
 
 def test_fused_draft_window_of_a_shared_lifetime_joins_the_target_band():
-    target = kv_layer_decls([KVPart(MHA8, FullLifetime()), KVPart(MHA8, WindowLifetime(128))])
+    target = small_hybrid(MHA8, (128,))
     draft = kv_layer_decls([KVPart(MHA8, WindowLifetime(128))])
     plan = plan_kv_storage(target, page_size=16, draft=draft)
     assert plan.by_name("window128").layer_ids == (1, 2)
@@ -97,13 +98,13 @@ def test_fused_draft_window_of_a_shared_lifetime_joins_the_target_band():
 def test_recurrent_draft_needs_the_target_state_band_with_checkpoints():
     """DECL-9."""
     draft = kv_layer_decls([KVPart(SSM, StateLifetime())])
-    no_state = kv_layer_decls([KVPart(MHA8, FullLifetime())])
+    no_state = small_hybrid(MHA8)
     with pytest.raises(PlanError, match="no state band"):
         plan_kv_storage(no_state, draft=draft)
-    no_checkpoint = kv_layer_decls([[KVPart(MHA8, FullLifetime()), KVPart(SSM, StateLifetime())]])
+    no_checkpoint = small_hybrid(MHA8, state=SSM)
     with pytest.raises(PlanError, match="no checkpoint interval"):
         plan_kv_storage(no_checkpoint, draft=draft)
-    ok = kv_layer_decls([[KVPart(MHA8, FullLifetime()), KVPart(SSM, StateLifetime(128))]])
+    ok = small_hybrid(MHA8, state=SSM, checkpoint_interval=128)
     plan = plan_kv_storage(ok, draft=draft)
     assert plan.state.layer_ids == (0, 1) and plan.state.draft_layer_ids == (1,)
 

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvchain.decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from kvchain.decl import MHA, State, StateTensor
 from kvchain.errors import BudgetError, InputError
 from kvchain.memory.arena import arena_layout
+from kvchain.models.small import small_hybrid
 from kvchain.plan import plan_kv_storage
 from kvchain.sizing import check_bs1_floor, fixed_allocations, size_plan, window_peak_pages
 
@@ -25,12 +17,11 @@ SSM = State((StateTensor("conv", (512, 3)), StateTensor("ssm", (8, 64, 16), "flo
 
 
 def _plan(window=True, state=True, page_size=64):
-    layers = [KVPart(MHA8, FullLifetime())] * 2
-    if window:
-        layers += [KVPart(MHA8, WindowLifetime(1024))] * 4
-    if state:
-        layers += [KVPart(SSM, StateLifetime())] * 6
-    return plan_kv_storage(kv_layer_decls(layers), page_size=page_size)
+    """Two blocks of a full-attention layer and two 1024-token window layers, with a state layer
+    after each attention layer: sub-pools of 2 full, 4 window and 6 state layers."""
+    decls = small_hybrid(MHA8, (1024, 1024) if window else (), state=SSM if state else None, state_layers=True,
+                         blocks=2)
+    return plan_kv_storage(decls, page_size=page_size)
 
 
 def test_budget_is_spent_fixed_then_state_then_tokens():

@@ -9,15 +9,8 @@ import pytest
 
 from kvchain.errors import InvariantError
 from kvchain.storage_roles import ForwardHooks
-from support.chains import allocator_state, same_state
+from support.contracts import assert_unchanged
 from support.modeled import launch_forward, modeled_storage, process, request
-
-
-def _unchanged(storage, call, match):
-    before = allocator_state(storage)
-    with pytest.raises(InvariantError, match=match):
-        call()
-    assert same_state(before, allocator_state(storage))
 
 
 def test_the_storage_plays_the_role():
@@ -64,7 +57,7 @@ def test_unknown_writes_are_a_writer_everywhere_until_processed():
 def test_a_second_launch_before_the_first_is_recorded_raises():
     storage, device = modeled_storage()
     record = storage.forward_launched()
-    _unchanged(storage, storage.forward_launched, r"forward_steps\.launch_open")
+    assert_unchanged(storage, storage.forward_launched, InvariantError, r"forward_steps\.launch_open")
     storage.record_forward(record, device.record(device.forward_stream, "done"), None)
 
 
@@ -74,9 +67,10 @@ def test_records_take_the_open_launch_and_a_fresh_event():
     done = device.record(device.forward_stream, "done")
     storage.record_forward(first, done, None)
     second = storage.forward_launched()
-    _unchanged(storage, lambda: storage.record_forward(first, device.record(device.forward_stream, "x"), None),
-               r"forward_steps\.record_order")
-    _unchanged(storage, lambda: storage.record_forward(second, done, None), r"forward_steps\.fresh_event")
+    assert_unchanged(storage, lambda: storage.record_forward(first, device.record(device.forward_stream, "x"), None),
+                     InvariantError, r"forward_steps\.record_order")
+    assert_unchanged(storage, lambda: storage.record_forward(second, done, None), InvariantError,
+                     r"forward_steps\.fresh_event")
     storage.record_forward(second, device.record(device.forward_stream, "done 2"), None)
 
 
@@ -84,11 +78,12 @@ def test_steps_are_processed_in_launch_order_and_only_once_recorded():
     storage, device = modeled_storage()
     first = launch_forward(storage)
     second = launch_forward(storage)
-    _unchanged(storage, lambda: storage.forward_processed(second), r"forward_steps\.process_order")
+    assert_unchanged(storage, lambda: storage.forward_processed(second), InvariantError,
+                     r"forward_steps\.process_order")
     process(storage, first)
     process(storage, second)
     third = storage.forward_launched()
-    _unchanged(storage, lambda: storage.forward_processed(third), r"forward_steps\.unrecorded")
+    assert_unchanged(storage, lambda: storage.forward_processed(third), InvariantError, r"forward_steps\.unrecorded")
     storage.record_forward(third, device.record(device.forward_stream, "done"), None)
     process(storage, third)
     storage.check_idle()

@@ -5,19 +5,11 @@ host."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvchain.errors import CapacityError, InputError
 from kvchain.storage_roles import HostTier
-from support.chains import allocator_state, same_state
+from support.contracts import assert_unchanged
 from support.modeled import modeled_storage, request
-
-
-def _unchanged(storage, call, error, match):
-    before = allocator_state(storage)
-    with pytest.raises(error, match=match):
-        call()
-    assert same_state(before, allocator_state(storage))
 
 
 def test_the_storage_plays_the_role():
@@ -51,9 +43,9 @@ def test_a_page_two_reservations_cover_stays_fixed_until_both_end():
 def test_a_load_the_arena_cannot_serve_raises_and_changes_nothing():
     storage, _ = modeled_storage(chain_kib=16)
     most = storage.allocator.owner.grid.n_grid
-    _unchanged(storage, lambda: storage.alloc_load("full", most + 1), CapacityError, f"{most + 1}")
-    _unchanged(storage, lambda: storage.alloc_load("full", -1), InputError, "load of -1 pages")
-    _unchanged(storage, lambda: storage.alloc_load("nope", 1), InputError, "nope")
+    assert_unchanged(storage, lambda: storage.alloc_load("full", most + 1), CapacityError, f"{most + 1}")
+    assert_unchanged(storage, lambda: storage.alloc_load("full", -1), InputError, "load of -1 pages")
+    assert_unchanged(storage, lambda: storage.alloc_load("nope", 1), InputError, "nope")
 
 
 def test_a_recorded_copy_orders_the_next_writer_on_a_stream_until_it_ends():
@@ -85,7 +77,7 @@ def test_a_load_copy_writes_its_pages_and_a_backup_reads_them():
     backup = storage.record_host_transfer("backup", False, {"full": backed}, device.record(device.stream("copy"), "b"))
     assert [(u.writes, u.hazard.name) for u in owner.usage.on(pages)] == [(False, "FIXED"), (True, "COPY_WRITE")]
     assert [(u.writes, u.hazard.name) for u in owner.usage.on(backed)] == [(False, "COPY_READ")]
-    _unchanged(storage, lambda: storage.record_host_transfer("x", False, {"nope": backed}, None), InputError, "nope")
+    assert_unchanged(storage, lambda: storage.record_host_transfer("x", False, {"nope": backed}, None), InputError, "nope")
     for t in (load, backup):
         storage.end_host_transfer(t)
     storage.end_load_reservations("full", reservation)

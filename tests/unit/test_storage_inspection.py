@@ -12,12 +12,7 @@ from kvchain.errors import InvariantError
 from kvchain.storage import StorageStats
 from kvchain.storage_roles import Inspection
 from support.chains import allocator_state, same_state, small_storage
-
-
-def _row(storage, length):
-    row = storage.alloc_row()
-    storage.alloc_extend(np.array([row]), np.array([length]))
-    return row
+from support.modeled import request
 
 
 def test_the_storage_plays_the_role():
@@ -26,7 +21,7 @@ def test_the_storage_plays_the_role():
 
 def test_stats_count_pages_and_bytes_without_changing_anything():
     storage = small_storage(page_size=2)
-    _row(storage, 5)
+    request(storage, 5)
     before = allocator_state(storage)
     stats = storage.stats()
     assert same_state(before, allocator_state(storage))
@@ -41,9 +36,9 @@ def test_stats_count_pages_and_bytes_without_changing_anything():
 
 def test_expected_live_pages_follow_the_rows():
     storage = small_storage(page_size=2, windows=(4,))
-    row = _row(storage, 12)
+    row, _ = request(storage, 12)
     storage.advance(np.array([row]))
-    shared = _row(storage, 4)
+    shared, _ = request(storage, 4)
     storage.release_to_tree(shared, 1)  # the tree's page is not the row's
     expected = storage.expected_live_pages()
     assert expected["full"] == 6 + 1 and expected["state"] == 2
@@ -67,7 +62,7 @@ def test_check_idle_raises_on_a_leak_unless_told_to_log(monkeypatch, caplog):
 def test_check_idle_always_raises_on_lost_bytes(monkeypatch):
     monkeypatch.setenv("KVCHAIN_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "0")
     storage = small_storage()
-    _row(storage, 4)
+    request(storage, 4)
     storage.allocator.owner.n_live += 1  # a count that no page state backs
     with pytest.raises(InvariantError, match=r"chain\.byte_accounting"):
         storage.check_idle({"full": 1})

@@ -7,23 +7,11 @@ import numpy as np
 import pytest
 
 from kvchain.alloc.band import VACATED
-from kvchain.alloc.signals import NetworkTransfer
 from kvchain.errors import InputError
 from kvchain.storage_roles import PDTransfers
 from support.chains import allocator_state, same_state
-from support.modeled import modeled_storage, request
-
-
-@pytest.fixture(autouse=True)
-def _compaction_always_pressed(monkeypatch):
-    """Every band counts as short of room, so `flush_opportunistic` closes the holes it can."""
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION", "1.0")
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "64")
-
-
-
-def _send(device, name="send"):
-    return NetworkTransfer(name, sends=True, done=device.record(device.stream("network"), f"{name} done"))
+from support.contracts import compaction_always_pressed  # noqa: F401 (an autouse fixture)
+from support.modeled import full_pages, modeled_storage, network_transfer, request
 
 
 def test_the_storage_plays_the_role():
@@ -34,9 +22,9 @@ def test_a_send_holds_its_pages_until_released_and_a_second_end_changes_nothing(
     storage, device = modeled_storage()
     owner = storage.allocator.owner
     row, _ = request(storage, 8)
-    physical = storage.physical_pages("full", storage.table.pages_of(row))
+    physical = full_pages(storage, row)
     epoch = storage.allocator.epoch.value
-    send = _send(device)
+    send = network_transfer(device)
     storage.record_network_transfer(send, {"full": physical})
     assert storage.allocator.epoch.value != epoch  # capacity answers may change
     assert [u.writes for u in owner.usage.on(physical)] == [False]
@@ -54,8 +42,8 @@ def test_a_receive_writes_its_pages():
     storage, device = modeled_storage()
     owner = storage.allocator.owner
     row, _ = request(storage, 4)
-    physical = storage.physical_pages("full", storage.table.pages_of(row))
-    receive = NetworkTransfer("rx", sends=False, done=device.record(device.stream("network"), "rx done"))
+    physical = full_pages(storage, row)
+    receive = network_transfer(device, "rx", sends=False)
     storage.record_network_transfer(receive, {"full": physical})
     assert [u.writes for u in owner.usage.on(physical)] == [True]
     storage.end_network_transfer(receive)
@@ -87,8 +75,8 @@ def test_receive_holds_nest_and_publishing_twice_changes_nothing():
 def test_unknown_sub_pools_raise_and_change_nothing():
     storage, device = modeled_storage()
     row, _ = request(storage, 4)
-    physical = storage.physical_pages("full", storage.table.pages_of(row))
-    for call in (lambda: storage.record_network_transfer(_send(device), {"nope": physical}),
+    physical = full_pages(storage, row)
+    for call in (lambda: storage.record_network_transfer(network_transfer(device), {"nope": physical}),
                  lambda: storage.hold_receive_rows("rx", {"nope": physical})):
         before = allocator_state(storage)
         with pytest.raises(InputError, match="nope"):

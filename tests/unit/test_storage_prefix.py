@@ -5,11 +5,10 @@ window alone."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvchain.errors import InputError, InvariantError
 from kvchain.storage_roles import PrefixSharing
-from support.chains import allocator_state, same_state
+from support.contracts import assert_unchanged
 from support.modeled import modeled_storage
 
 
@@ -33,13 +32,6 @@ def _cached(storage, length=8):
 def _held(storage, vpages):
     chain = storage.allocator
     return {b.name: int((b.ids.v2p[vpages] >= 0).sum()) for b in chain.bands}
-
-
-def _unchanged(storage, call, error, match):
-    before = allocator_state(storage)
-    with pytest.raises(error, match=match):
-        call()
-    assert same_state(before, allocator_state(storage))
 
 
 def test_the_storage_plays_the_role():
@@ -67,12 +59,12 @@ def test_a_prefix_needs_a_fresh_row_and_whole_pages():
     storage, _ = _storage()
     vpages, window_lo = _cached(storage)
     row = storage.alloc_row()
-    _unchanged(storage, lambda: storage.assign_prefix(row, vpages, 7, window_lo), InputError, "whole pages: 7 tokens")
+    assert_unchanged(storage, lambda: storage.assign_prefix(row, vpages, 7, window_lo), InputError, "whole pages: 7 tokens")
     storage.alloc_extend(np.array([row]), np.array([2]))
-    _unchanged(storage, lambda: storage.assign_prefix(row, vpages, 8, window_lo), InvariantError,
-               r"requests\.row_state")
-    _unchanged(storage, lambda: storage.assign_prefix(row + 1, vpages, 8, window_lo), InvariantError,
-               r"requests\.row_state")
+    assert_unchanged(storage, lambda: storage.assign_prefix(row, vpages, 8, window_lo), InvariantError,
+                     r"requests\.row_state")
+    assert_unchanged(storage, lambda: storage.assign_prefix(row + 1, vpages, 8, window_lo), InvariantError,
+                     r"requests\.row_state")
 
 
 def test_release_to_tree_never_shrinks_what_the_tree_holds():
@@ -93,7 +85,7 @@ def test_free_window_rows_frees_one_window_alone():
     assert after["window8"] == 0 and {k: v for k, v in after.items() if k != "window8"} == {
         k: v for k, v in before.items() if k != "window8"}
     storage.check_idle(after)
-    _unchanged(storage, lambda: storage.free_window_rows("window99", vpages), InputError, "window99")
+    assert_unchanged(storage, lambda: storage.free_window_rows("window99", vpages), InputError, "window99")
 
 
 def test_rehome_moves_a_window_binding_without_a_take_or_copy():
@@ -108,11 +100,11 @@ def test_rehome_moves_a_window_binding_without_a_take_or_copy():
     assert np.array_equal(band.ids.v2p[dst], physical) and (band.ids.v2p[src] < 0).all()
     assert storage.stats().live_pages == live
     assert (storage.move_epoch, device.counters.launches) == (epoch, launches)
-    _unchanged(storage, lambda: storage.rehome_window("window8", src, dst), InvariantError,
-               r"chain\.window_segment_bound")
-    _unchanged(storage, lambda: storage.rehome_window("window16", src, dst), InvariantError,
-               r"chain\.window_segment_bound")  # window16 binds both: the targets are taken
-    _unchanged(storage, lambda: storage.rehome_window("nope", dst, src), InputError, "nope")
+    assert_unchanged(storage, lambda: storage.rehome_window("window8", src, dst), InvariantError,
+                     r"chain\.window_segment_bound")
+    assert_unchanged(storage, lambda: storage.rehome_window("window16", src, dst), InvariantError,
+                     r"chain\.window_segment_bound")  # window16 binds both: the targets are taken
+    assert_unchanged(storage, lambda: storage.rehome_window("nope", dst, src), InputError, "nope")
 
 
 def test_bind_window_names_loaded_pages_by_owner_ids():
@@ -124,4 +116,4 @@ def test_bind_window_names_loaded_pages_by_owner_ids():
     assert np.array_equal(storage.physical_pages("window8", vpages), pages)
     storage.end_load_reservations("window8", reservation)
     storage.check_idle(_held(storage, vpages))
-    _unchanged(storage, lambda: storage.bind_window("nope", vpages, pages), InputError, "nope")
+    assert_unchanged(storage, lambda: storage.bind_window("nope", vpages, pages), InputError, "nope")

@@ -9,27 +9,8 @@ import pytest
 from kvchain.errors import CapacityError, InputError, InvariantError
 from kvchain.storage_roles import RowsAndTakes
 from support.chains import Payloads, allocator_state, same_state, small_storage
-from support.modeled import modeled_storage
-
-
-@pytest.fixture(autouse=True)
-def _compaction_always_pressed(monkeypatch):
-    """Every band counts as short of room, so `flush_opportunistic` closes the holes it can."""
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION", "1.0")
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "64")
-
-
-
-def _row(storage, length):
-    row = storage.alloc_row()
-    return row, storage.alloc_extend(np.array([row]), np.array([length]))
-
-
-def _unchanged(storage, call, error, match=None):
-    before = allocator_state(storage)
-    with pytest.raises(error, match=match):
-        call()
-    assert same_state(before, allocator_state(storage))
+from support.contracts import assert_unchanged, compaction_always_pressed  # noqa: F401 (an autouse fixture)
+from support.modeled import modeled_storage, request
 
 
 def test_the_storage_plays_the_role():
@@ -50,7 +31,7 @@ def test_no_free_row_raises_capacity_and_changes_nothing():
     storage = small_storage(rows=2)
     rows = [storage.alloc_row(), storage.alloc_row()]
     free_before = storage.table.free_rows
-    _unchanged(storage, storage.alloc_row, CapacityError, r"all 2 rows in use")
+    assert_unchanged(storage, storage.alloc_row, CapacityError, r"all 2 rows in use")
     assert storage.table.free_rows == free_before == 0 and len(rows) == 2
 
 
@@ -73,7 +54,7 @@ def test_virtual_ids_survive_a_move_physical_ids_do_not():
     payloads = Payloads(storage)
     rows = []
     for _ in range(4):
-        row, vtok = _row(storage, 8)
+        row, vtok = request(storage, 8)
         payloads.write_tokens(np.array([row]), vtok)
         payloads.write_slots(np.array([row]))
         rows.append(row)
@@ -97,27 +78,27 @@ def test_virtual_ids_survive_a_move_physical_ids_do_not():
 ])
 def test_extend_rejects_bad_input_and_changes_nothing(rows, lens, match):
     storage = small_storage()
-    _row(storage, 4)
-    _unchanged(storage, lambda: storage.alloc_extend(np.array(rows), np.array(lens)), InputError, match)
+    request(storage, 4)
+    assert_unchanged(storage, lambda: storage.alloc_extend(np.array(rows), np.array(lens)), InputError, match)
 
 
 def test_extend_never_shrinks_a_row():
     storage = small_storage()
-    row, _ = _row(storage, 6)
-    _unchanged(storage, lambda: storage.alloc_extend(np.array([row]), np.array([4])), InputError, "current length")
+    row, _ = request(storage, 6)
+    assert_unchanged(storage, lambda: storage.alloc_extend(np.array([row]), np.array([4])), InputError, "current length")
 
 
 def test_extend_past_the_arena_raises_capacity_and_changes_nothing():
     storage = small_storage(chain_kib=8, context=4096)
     row = storage.alloc_row()
-    _unchanged(storage, lambda: storage.alloc_extend(np.array([row]), np.array([4000])), CapacityError)
+    assert_unchanged(storage, lambda: storage.alloc_extend(np.array([row]), np.array([4000])), CapacityError)
     assert storage.seq_len(row) == 0
 
 
 def test_decode_adds_one_token_per_row():
     storage = small_storage(page_size=2)
-    a, _ = _row(storage, 1)
-    b, _ = _row(storage, 2)
+    a, _ = request(storage, 1)
+    b, _ = request(storage, 2)
     vtok = storage.alloc_decode(np.array([a, b]))
     t = storage.table
     assert vtok.tolist() == [t.page_table[a, 0] * 2 + 1, t.page_table[b, 1] * 2]
@@ -126,15 +107,15 @@ def test_decode_adds_one_token_per_row():
 
 def test_decode_rejects_full_or_unused_rows():
     storage = small_storage(context=8)
-    row, _ = _row(storage, 8)
-    _unchanged(storage, lambda: storage.alloc_decode(np.array([row])), InputError, "context length 8")
-    _unchanged(storage, lambda: storage.alloc_decode(np.array([row + 1])), InputError, "in use")
-    _unchanged(storage, lambda: storage.alloc_decode(np.array([50])), InputError, "outside the table")
+    row, _ = request(storage, 8)
+    assert_unchanged(storage, lambda: storage.alloc_decode(np.array([row])), InputError, "context length 8")
+    assert_unchanged(storage, lambda: storage.alloc_decode(np.array([row + 1])), InputError, "in use")
+    assert_unchanged(storage, lambda: storage.alloc_decode(np.array([50])), InputError, "outside the table")
 
 
 def test_advance_frees_window_pages_only():
     storage = small_storage(page_size=2, windows=(4,))
-    row, _ = _row(storage, 16)
+    row, _ = request(storage, 16)
     owner_pages = storage.table.pages_of(row).copy()
     live = dict(storage.stats().live_pages)
     freed = storage.advance(np.array([row]))
@@ -147,7 +128,7 @@ def test_advance_frees_window_pages_only():
 
 def test_free_rows_returns_rows_pages_and_slots():
     storage = small_storage()
-    rows = [_row(storage, n)[0] for n in (3, 9)]
+    rows = [request(storage, n)[0] for n in (3, 9)]
     storage.free_rows(np.array(rows))
     assert not storage.table.active[rows].any() and storage.table.free_rows == storage.table.rows - 1
     assert set(storage.stats().live_pages.values()) == {0}
@@ -160,16 +141,16 @@ def test_free_rows_returns_rows_pages_and_slots():
 
 def test_free_of_a_row_not_in_use_raises_and_changes_nothing():
     storage = small_storage()
-    row, _ = _row(storage, 4)
-    _unchanged(storage, lambda: storage.free_rows(np.array([row, row + 1])), InvariantError, r"requests\.row_state")
-    _unchanged(storage, lambda: storage.free_rows(np.array([77])), InputError, "outside the table")
+    row, _ = request(storage, 4)
+    assert_unchanged(storage, lambda: storage.free_rows(np.array([row, row + 1])), InvariantError, r"requests\.row_state")
+    assert_unchanged(storage, lambda: storage.free_rows(np.array([77])), InputError, "outside the table")
 
 
 def test_state_slots_need_a_state_sub_pool():
     storage = small_storage(state=False)
     for call in (lambda: storage.alloc_state_slots(1), lambda: storage.free_state_slots(np.array([0])),
                  lambda: storage.copy_state(np.array([0]), np.array([1]))):
-        _unchanged(storage, call, InputError, "no state sub-pool")
+        assert_unchanged(storage, call, InputError, "no state sub-pool")
     storage.free_state_slots(np.array([], dtype=np.int64))  # nothing to free: no error
 
 
@@ -178,8 +159,8 @@ def test_state_slots_are_taken_whole_or_not_at_all():
     slots = storage.alloc_state_slots(3)
     assert len(set(slots.tolist())) == 3 and storage.stats().live_pages["state"] == 3
     free = len(storage.allocator.slot_free)
-    _unchanged(storage, lambda: storage.alloc_state_slots(free + 1), CapacityError, f"{free} free slot ids")
-    _unchanged(storage, lambda: storage.alloc_state_slots(-1), InputError, "-1 slots")
+    assert_unchanged(storage, lambda: storage.alloc_state_slots(free + 1), CapacityError, f"{free} free slot ids")
+    assert_unchanged(storage, lambda: storage.alloc_state_slots(-1), InputError, "-1 slots")
     storage.free_state_slots(slots)
     assert storage.stats().live_pages["state"] == 0
     storage.check_idle()
@@ -200,20 +181,20 @@ def test_copy_state_of_an_unbound_slot_raises_and_queues_nothing():
     src, dst = storage.alloc_state_slots(2)
     storage.free_state_slots(np.array([src]))
     launches, waits = device.counters.launches, device.counters.stream_waits
-    _unchanged(storage, lambda: storage.copy_state(np.array([src]), np.array([dst])), InvariantError,
-               r"band\.free_of_bound_page")
+    assert_unchanged(storage, lambda: storage.copy_state(np.array([src]), np.array([dst])), InvariantError,
+                     r"band\.free_of_bound_page")
     assert (device.counters.launches, device.counters.stream_waits) == (launches, waits)
-    _unchanged(storage, lambda: storage.copy_state(np.array([dst]), np.array([dst, dst])), InputError, "onto 2")
+    assert_unchanged(storage, lambda: storage.copy_state(np.array([dst]), np.array([dst, dst])), InputError, "onto 2")
 
 
 def test_no_take_or_free_between_a_launch_and_its_record():
     storage, device = modeled_storage()
-    row, _ = _row(storage, 4)
+    row, _ = request(storage, 4)
     other = storage.alloc_row()
     record = storage.forward_launched()
     for call in (lambda: storage.alloc_extend(np.array([other]), np.array([4])),
                  lambda: storage.alloc_decode(np.array([row])),
                  lambda: storage.free_rows(np.array([row]))):
-        _unchanged(storage, call, InvariantError, "between the launch")
+        assert_unchanged(storage, call, InvariantError, "between the launch")
     storage.record_forward(record, device.record(device.forward_stream, "done"), None)
 

@@ -10,19 +10,8 @@ import pytest
 from kvchain.errors import InputError, InvariantError
 from kvchain.storage_roles import Translation
 from support.chains import allocator_state, same_state, small_storage
-
-
-@pytest.fixture(autouse=True)
-def _compaction_always_pressed(monkeypatch):
-    """Every band counts as short of room, so `flush_opportunistic` closes the holes it can."""
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION", "1.0")
-    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "64")
-
-
-
-def _row(storage, length):
-    row = storage.alloc_row()
-    return row, storage.alloc_extend(np.array([row]), np.array([length]))
+from support.contracts import compaction_always_pressed  # noqa: F401 (an autouse fixture)
+from support.modeled import request
 
 
 def test_the_storage_plays_the_role():
@@ -31,7 +20,7 @@ def test_the_storage_plays_the_role():
 
 def test_iteration_ids_are_physical_tokens_per_sub_pool():
     storage = small_storage(page_size=2)
-    row, vtok = _row(storage, 5)
+    row, vtok = request(storage, 5)
     before = allocator_state(storage)
     ids = storage.iteration_ids(vtok, np.array([row]))
     assert same_state(before, allocator_state(storage))
@@ -46,7 +35,7 @@ def test_iteration_ids_are_physical_tokens_per_sub_pool():
 
 def test_an_unbound_page_reads_the_sink():
     storage = small_storage(page_size=2, windows=(4,))
-    row, _ = _row(storage, 12)
+    row, _ = request(storage, 12)
     assert storage.advance(np.array([row])) > 0
     band = storage.allocator.bands[storage.plan.by_name("window4").index]
     retired = storage.table.window_lo[row, 0]
@@ -63,7 +52,7 @@ def test_runner_ids_give_minus_one_for_a_row_without_a_slot():
 
 def test_physical_ids_hold_until_the_move_epoch_changes():
     storage = small_storage(page_size=2, chain_kib=24)
-    rows = [_row(storage, 8)[0] for _ in range(4)]
+    rows = [request(storage, 8)[0] for _ in range(4)]
     pages = storage.table.pages_of(rows[-1])
     physical, epoch = storage.physical_pages("full", pages), storage.move_epoch
     storage.free_rows(np.array(rows[:1]))  # a free moves nothing
@@ -75,7 +64,7 @@ def test_physical_ids_hold_until_the_move_epoch_changes():
 
 def test_translating_an_unbound_id_or_an_unknown_sub_pool_raises():
     storage = small_storage()
-    _, vtok = _row(storage, 4)
+    _, vtok = request(storage, 4)
     free_page = storage.allocator.virtual_free.view()[-1:]
     with pytest.raises(InvariantError, match=r"band\.free_of_bound_page"):
         storage.physical_pages("full", free_page)

@@ -165,14 +165,7 @@ class Band(BandState):
             if net.any():
                 self._vacate(ids[net])
                 ids = ids[~net]
-        if key is not None:
-            self.state[ids] = PENDING
-            self.pending.add(key.step, key.event, ids)
-            self.n_pending += len(ids)
-        else:
-            self.state[ids] = HOLE
-            self.holes.push(ids)
-            self.n_holes += len(ids)
+        self._release(ids, key)
         return self._after_free()
 
     def _release(self, ids: np.ndarray, key: LaunchRecord | None) -> None:

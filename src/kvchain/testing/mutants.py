@@ -24,50 +24,52 @@ class Mutant:
     fault: str  # the fault point it switches on
 
 
-_MUTANTS = (
-    Mutant("skip_war_barrier", checks.UNORDERED_OVERLAP,
-           "the schedule stream never waits the running forward's shared reads (LIFE-4)", faults.SKIP_WAR_BARRIER),
-    Mutant("free_to_holes", checks.LOST_WRITE,
-           "a page freed under a running forward becomes a hole at once, not pending (LIFE-24)", faults.FREE_TO_HOLES),
-    Mutant("skip_settle_wait", checks.UNORDERED_OVERLAP,
-           "settling a pending batch does not make the schedule stream wait its forward (LIFE-29)",
-           faults.SKIP_SETTLE_WAIT),
-    Mutant("skip_zeroing", checks.CROSS_DTYPE_BYTES, "attention pages are not zeroed on hand-out (ALLOC-20)",
-           faults.SKIP_ZEROING),
-    Mutant("unzeroed_growth", checks.CROSS_DTYPE_BYTES,
-           "a state page's bytes reach an attention page: pages a band grows over are not zeroed, only "
-           "reused holes (ALLOC-20)", faults.UNZEROED_GROWTH),
-    Mutant("reuse_vacated", checks.LOST_WRITE,
-           "a move's source is reused at once, though a running forward may still read it (COMP-18)",
-           faults.REUSE_VACATED),
-    Mutant("move_without_writer_wait", checks.LOST_WRITE,
-           "a move copies its sources without waiting their unfinished writers (COMP-17)", faults.SKIP_WRITER_WAITS),
-    Mutant("skip_fence_waits", checks.UNORDERED_OVERLAP,
-           "writes over fenced bytes and relocations over pages a forward reads do not wait (COMP-20)",
-           faults.SKIP_FENCE_WAITS),
-    Mutant("skip_copy_clearance", checks.UNORDERED_OVERLAP,
-           "the next writer of a page a host copy still uses does not wait the copy (LEDG-15, LEDG-19)",
-           faults.SKIP_COPY_CLEARANCE),
-    Mutant("read_after_settle", checks.HOST_READ_AFTER_WAIT,
-           "urgent recovery settles (stream waits) before its host read-ahead (LIFE-41)", faults.READ_AFTER_SETTLE),
-    Mutant("free_on_fired_event", checks.RANK_DIVERGENCE,
-           "a free decides on whether the running forward's event fired (device.query): fired, the page "
-           "becomes a hole at once (LIFE-39)", faults.FREE_ON_FIRED_EVENT),
-    Mutant("holes_by_fired_event", checks.RANK_DIVERGENCE,
-           "a take prefers holes whose uses' events already fired (device.query), not by retirement "
-           "(LEDG-31, LIFE-39)", faults.HOLES_BY_FIRED_EVENT),
-    Mutant("never_end_uses", checks.LEDGER_LEAK, "a host copy's or network transfer's ledger uses never end (LEDG-3/4)",
-           faults.NEVER_END_USES),
-    Mutant("keep_fences", checks.LEDGER_LEAK, "fences left by a forward outlive its retirement (LEDG-5)",
-           faults.KEEP_FENCES),
-    Mutant("release_network_early", checks.UNORDERED_OVERLAP,
-           "a host wait for network transfers releases them without waiting, so their pages are reused while "
-           "the transfer engine still reads or writes them (PD-2, LEDG-4)", faults.RELEASE_NETWORK_EARLY),
-    Mutant("lose_move_copy", checks.LOST_WRITE,
-           "a move rebinds its pages to their destinations but its copy never lands (COMP-16)", faults.LOSE_MOVE_COPY),
+#: one row per mutant: the fault point it switches on, the check that must catch it, and what goes
+#: wrong. A mutant is named after its fault point, but for the names in `_NAMED`.
+_TABLE: tuple[tuple[str, str, str], ...] = (
+    (faults.SKIP_WAR_BARRIER, checks.UNORDERED_OVERLAP,
+     "the schedule stream never waits the running forward's shared reads (LIFE-4)"),
+    (faults.FREE_TO_HOLES, checks.LOST_WRITE,
+     "a page freed under a running forward becomes a hole at once, not pending (LIFE-24)"),
+    (faults.SKIP_SETTLE_WAIT, checks.UNORDERED_OVERLAP,
+     "settling a pending batch does not make the schedule stream wait its forward (LIFE-29)"),
+    (faults.SKIP_ZEROING, checks.CROSS_DTYPE_BYTES,
+     "attention pages are not zeroed on hand-out (ALLOC-20)"),
+    (faults.UNZEROED_GROWTH, checks.CROSS_DTYPE_BYTES,
+     "a state page's bytes reach an attention page: pages a band grows over are not zeroed, only reused "
+     "holes (ALLOC-20)"),
+    (faults.REUSE_VACATED, checks.LOST_WRITE,
+     "a move's source is reused at once, though a running forward may still read it (COMP-18)"),
+    (faults.SKIP_WRITER_WAITS, checks.LOST_WRITE,
+     "a move copies its sources without waiting their unfinished writers (COMP-17)"),
+    (faults.SKIP_FENCE_WAITS, checks.UNORDERED_OVERLAP,
+     "writes over fenced bytes and relocations over pages a forward reads do not wait (COMP-20)"),
+    (faults.SKIP_COPY_CLEARANCE, checks.UNORDERED_OVERLAP,
+     "the next writer of a page a host copy still uses does not wait the copy (LEDG-15, LEDG-19)"),
+    (faults.READ_AFTER_SETTLE, checks.HOST_READ_AFTER_WAIT,
+     "urgent recovery settles (stream waits) before its host read-ahead (LIFE-41)"),
+    (faults.FREE_ON_FIRED_EVENT, checks.RANK_DIVERGENCE,
+     "a free decides on whether the running forward's event fired (device.query): fired, the page becomes "
+     "a hole at once (LIFE-39)"),
+    (faults.HOLES_BY_FIRED_EVENT, checks.RANK_DIVERGENCE,
+     "a take prefers holes whose uses' events already fired (device.query), not by retirement (LEDG-31, "
+     "LIFE-39)"),
+    (faults.NEVER_END_USES, checks.LEDGER_LEAK,
+     "a host copy's or network transfer's ledger uses never end (LEDG-3/4)"),
+    (faults.KEEP_FENCES, checks.LEDGER_LEAK,
+     "fences left by a forward outlive its retirement (LEDG-5)"),
+    (faults.RELEASE_NETWORK_EARLY, checks.UNORDERED_OVERLAP,
+     "a host wait for network transfers releases them without waiting, so their pages are reused while the"
+     " transfer engine still reads or writes them (PD-2, LEDG-4)"),
+    (faults.LOSE_MOVE_COPY, checks.LOST_WRITE,
+     "a move rebinds its pages to their destinations but its copy never lands (COMP-16)"),
 )
+_NAMED = {faults.SKIP_WRITER_WAITS: "move_without_writer_wait"}
 
-MUTANTS: dict[str, Mutant] = {m.name: m for m in _MUTANTS}
+MUTANTS: dict[str, Mutant] = {
+    m.name: m for m in (Mutant(_NAMED.get(fault, fault), target, description, fault)
+                        for fault, target, description in _TABLE)
+}
 
 
 def get(name: str) -> Mutant:

@@ -14,27 +14,18 @@ from kvchain.alloc.demand import (
     request_demand,
     span_pages,
 )
-from kvchain.decl import (
-    MHA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from kvchain.decl import MHA, State, StateTensor
 from kvchain.errors import InputError
+from kvchain.models.small import small_hybrid
 from kvchain.plan import plan_kv_storage
 
 SSM = State((StateTensor("ssm", (4, 4), "float32"),))
 
 
 def _plan(checkpoint=None, page_size=16):
-    return plan_kv_storage(kv_layer_decls([
-        [KVPart(MHA(1, 8), FullLifetime()), KVPart(SSM, StateLifetime(checkpoint))],
-        KVPart(MHA(1, 8), WindowLifetime(64)),
-    ]), page_size=page_size)
+    """Full attention with the state on its layer, then a 64-token window."""
+    return plan_kv_storage(small_hybrid(MHA(1, 8), (64,), state=SSM, checkpoint_interval=checkpoint),
+                           page_size=page_size)
 
 
 def test_rules_are_a_table():

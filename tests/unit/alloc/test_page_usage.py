@@ -10,7 +10,7 @@ from kvchain.alloc.band import VACATED, allocator_operation
 from kvchain.alloc.page_usage import CLEARANCE, Consumer, Hazard
 from kvchain.alloc.signals import NetworkTransfer
 from kvchain.errors import CapacityError, InvariantError, TransferTimeoutError
-from support.modeled import launch_forward, modeled_storage, process, request
+from support.modeled import full_pages, launch_forward, modeled_storage, network_transfer, process, request
 
 C, H = Consumer, Hazard
 
@@ -62,17 +62,24 @@ def _base_and_frontier(storage, rows):
     return max(rows, key=lambda r: pages[r].max()), min(rows, key=lambda r: pages[r].min())
 
 
+def _three_requests():
+    """A 16 KiB chain recording its decisions, holding three 8-token requests: the storage, its
+    device, each row's virtual tokens, and the rows nearest the owner's base and its frontier."""
+    storage, dev = modeled_storage(chain_kib=16)
+    storage.allocator.decisions = []
+    vtok = dict(request(storage, 8) for _ in range(3))
+    base, frontier = _base_and_frontier(storage, list(vtok))
+    return storage, dev, vtok, base, frontier
+
+
 def test_backup_does_not_hold_a_move_but_fences_its_source():
     """HIC-3, COMP-19, LEDG-3, LEDG-5: a move of a page a backup reads does not wait it; the
     vacated source stays a hole its next writer waits the copy for, fenced until the backup's
     record ends."""
-    storage, dev = modeled_storage(chain_kib=16)
+    storage, dev, _vtok, base, frontier = _three_requests()
     chain = storage.allocator
-    chain.decisions = []
     owner = chain.owner
-    rows = [request(storage, 8)[0] for _ in range(3)]
-    base, frontier = _base_and_frontier(storage, rows)
-    phys = storage.physical_pages("full", storage.table.pages_of(frontier))
+    phys = full_pages(storage, frontier)
     done = dev.record(dev.stream("copy"), "backup done")
     transfer = storage.record_host_transfer("backup", False, {"full": phys}, done)
     storage.free_rows(np.array([base]))
@@ -131,8 +138,8 @@ def test_network_send_vacates_freed_pages_until_released():
     storage, dev = modeled_storage()
     owner = storage.allocator.owner
     row, _ = request(storage, 8)
-    phys = storage.physical_pages("full", storage.table.pages_of(row))
-    send = NetworkTransfer("send", sends=True, done=dev.record(dev.stream("network"), "send done"))
+    phys = full_pages(storage, row)
+    send = network_transfer(dev)
     storage.record_network_transfer(send, {"full": phys})
     storage.free_rows(np.array([row]))
     assert (owner.state[phys] == VACATED).all() and owner.n_vacated == 2 and owner.n_holes == 0
@@ -165,8 +172,8 @@ def _relief_setup(send_at_frontier: bool):
     base, frontier = _base_and_frontier(storage, rows)
     kept = frontier if send_at_frontier else base
     dev.launch(dev.stream("network"), None, label="the transfer engine sends")
-    send = NetworkTransfer("send", sends=True, done=dev.record(dev.stream("network"), "send done"))
-    storage.record_network_transfer(send, {"full": storage.physical_pages("full", storage.table.pages_of(kept))})
+    send = network_transfer(dev)
+    storage.record_network_transfer(send, {"full": full_pages(storage, kept)})
     storage.free_rows(np.array([r for r in rows if r != kept]))
     window = chain.window_bands[0]
     storage.allocator.flush(window, 0)
@@ -207,13 +214,10 @@ def test_transfer_wait_deadline_names_the_transfers(monkeypatch):
 
 def test_receive_holds_keep_opportunistic_compaction_away():
     """PD-8, COMP-10: a band holding receive rows awaiting publication is left alone."""
-    storage, _ = modeled_storage(chain_kib=16)
-    chain = storage.allocator
-    owner = chain.owner
-    rows = [request(storage, 8)[0] for _ in range(3)]
-    base, frontier = _base_and_frontier(storage, rows)
-    receive = next(r for r in rows if r not in (base, frontier))
-    hold = storage.hold_receive_rows("rx", {"full": storage.physical_pages("full", storage.table.pages_of(receive))})
+    storage, _, vtok, base, frontier = _three_requests()
+    owner = storage.allocator.owner
+    receive = next(r for r in vtok if r not in (base, frontier))
+    hold = storage.hold_receive_rows("rx", {"full": full_pages(storage, receive)})
     storage.free_rows(np.array([base]))
     assert storage.allocator.flush(owner, max_moves=64) == 0
     storage.published(hold)
@@ -224,13 +228,10 @@ def test_receive_holds_keep_opportunistic_compaction_away():
 
 def test_opportunistic_flush_never_waits_an_unretired_forward():
     """COMP-5, COMP-9: it stops at a source an unfinished forward writes instead of waiting."""
-    storage, dev = modeled_storage(chain_kib=16)
+    storage, dev, vtok, base, frontier = _three_requests()
     owner = storage.allocator.owner
-    rows = [request(storage, 8) for _ in range(3)]
-    base, frontier = _base_and_frontier(storage, [r for r, _ in rows])
-    frontier_vtok = dict(rows)[frontier]
     storage.free_rows(np.array([base]))
-    rec = launch_forward(storage, np.array([frontier]), frontier_vtok)  # writes the frontier pages
+    rec = launch_forward(storage, np.array([frontier]), vtok[frontier])  # writes the frontier pages
     waits = dev.counters.stream_waits
     assert storage.allocator.flush(owner, max_moves=64) == 0  # the first source is written by the running forward
     assert dev.counters.stream_waits == waits
@@ -240,12 +241,8 @@ def test_opportunistic_flush_never_waits_an_unretired_forward():
 
 def test_speculative_forward_freezes_compaction_until_it_retires():
     """LIFE-36, COMP-14, COMP-15: unknown writes: nothing moves opportunistically; urgent waits it."""
-    storage, _dev = modeled_storage(chain_kib=16)
-    chain = storage.allocator
-    chain.decisions = []
-    owner = chain.owner
-    rows = [request(storage, 8)[0] for _ in range(3)]
-    base, _frontier = _base_and_frontier(storage, rows)
+    storage, _, _vtok, base, _frontier = _three_requests()
+    owner = storage.allocator.owner
     storage.free_rows(np.array([base]))
     rec = launch_forward(storage, writes_known=False)
     assert storage.allocator.flush(owner, max_moves=64) == 0
@@ -275,7 +272,7 @@ def test_ledger_is_empty_at_quiescence():
     storage, dev = modeled_storage()
     row, vtok = request(storage, 8)
     rec = launch_forward(storage, np.array([row]), vtok)
-    phys = storage.physical_pages("full", storage.table.pages_of(row))
+    phys = full_pages(storage, row)
     backup = storage.record_host_transfer("b", False, {"full": phys}, dev.record(dev.stream("copy"), "b"))
     send = NetworkTransfer("s", sends=True, done=dev.record(dev.stream("network"), "s"))
     storage.record_network_transfer(send, {"full": phys})

@@ -86,12 +86,8 @@ def test_war_barrier_without_a_shared_read_end_waits_the_whole_forward_stream(mo
     assert dev._tail["schedule"] >= tail
     process(storage, rec)
     # a forward that declares its shared-read end: the barrier waits that event only
-    storage.order_forward_after_schedule()
-    rec2 = storage.forward_launched()
-    dev.launch(dev.forward_stream, None, label="reads")
-    shared = dev.record(dev.forward_stream, "shared_read_done")
-    dev.launch(dev.forward_stream, None, label="writes")
-    storage.record_forward(rec2, dev.record(dev.forward_stream, "done"), None, shared_read_done=shared)
+    rec2 = launch_forward(storage, writes_known=False, shared_read_end=True)
+    shared = rec2.shared_read_done
     waits.clear()
     storage.apply_war_barrier()
     assert waits == [("schedule", shared)]
@@ -151,10 +147,8 @@ def test_war_barrier_is_on_for_every_device(make, monkeypatch):
         storage.apply_war_barrier()
         assert [s for s, _ in waits] == ["schedule"] and waits[0][1].stream is device.forward_stream
         process(storage, rec)
-        storage.order_forward_after_schedule()
-        rec2 = storage.forward_launched()
-        shared = device.record(device.forward_stream, "shared_read_done")
-        storage.record_forward(rec2, device.record(device.forward_stream, "done"), None, shared_read_done=shared)
+        rec2 = launch_forward(storage, writes_known=False, shared_read_end=True)
+        shared = rec2.shared_read_done
         waits.clear()
         storage.apply_war_barrier()
         assert waits == [("schedule", shared)]

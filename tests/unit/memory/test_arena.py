@@ -8,30 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-from kvchain.decl import (
-    MHA,
-    MLA,
-    FullLifetime,
-    KVPart,
-    State,
-    StateLifetime,
-    StateTensor,
-    WindowLifetime,
-    kv_layer_decls,
-)
+from kvchain.decl import MHA, MLA, FullLifetime, KVPart, State, StateTensor, WindowLifetime, kv_layer_decls
 from kvchain.layout.host import host_layout, page_envelope_pair
 from kvchain.layout.views import SubPoolView
 from kvchain.memory.arena import KVArena, arena_layout
+from kvchain.models.small import small_hybrid
 from kvchain.plan import plan_kv_storage
+
+SSM = State((StateTensor("conv", (6, 3)), StateTensor("ssm", (2, 4), "float32")))
 
 
 def _plan(page_size=4):
-    return plan_kv_storage(kv_layer_decls([
-        [KVPart(MHA(2, 8), FullLifetime()), KVPart(State((StateTensor("conv", (6, 3)),
-                                                          StateTensor("ssm", (2, 4), "float32"))), StateLifetime())],
-        KVPart(MHA(1, 8, v_head_dim=4), WindowLifetime(16)),
-        KVPart(MHA(2, 8), FullLifetime()),
-    ]), page_size=page_size)
+    """Two blocks of full attention (the state on its layer) and a 16-token window whose V is
+    narrower than its K: each sub-pool's page holds two layers."""
+    decls = small_hybrid(MHA(2, 8), (16,), window_geometry=MHA(1, 8, v_head_dim=4), state=SSM, blocks=2)
+    return plan_kv_storage(decls, page_size=page_size)
 
 
 def test_grids_and_sinks():
