@@ -186,16 +186,6 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
             self.held += self._taken[-1]
         return a
 
-    def took(self, a: Admission, taken: KVDemand) -> None:
-        """The pool took `taken` of an admitted request's demand right away (its first chunk, its
-        state slots): those pages are live now, so the pass stops counting them as still to come."""
-        if a.demand is None:
-            return
-        self.admitted = KVDemand(
-            tuple(x - min(d, t) for x, d, t in zip(self.admitted.pages, a.demand.pages, taken.pages)),
-            self.admitted.virtual_pages - min(a.demand.virtual_pages, taken.virtual_pages),
-            self.admitted.state_slots - min(a.demand.state_slots, taken.state_slots))
-
     def withdraw(self, a: Admission) -> None:
         super().withdraw(a)
         self.lengths.pop()
