@@ -1,0 +1,61 @@
+"""`ForwardBatch`: what one batched forward reads and writes in the pool, already translated.
+
+A step serves every scheduled request in one forward: its new tokens are packed end to end into one
+sequence (`[1, T]`, request b's tokens at `q_starts[b]:q_starts[b+1]`), as ragged engines pack
+prefill chunks and decodes together. The page tables and write locations are physical ids that the
+host translated once for the step (`KVStorage.runner_ids`, `KVStorage.iteration_ids`, IDS-8/9); the
+kernels only index the sub-pool views with them and never translate ids themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..layout.views import SubPoolView
+
+
+@dataclass
+class ForwardBatch:
+    """One forward's inputs, on the model's device.
+
+    - `q_starts` (host, `[B+1]`): request b's new tokens are rows `q_starts[b]:q_starts[b+1]` of the
+      packed sequence; `prefix_lens[b]` tokens of it are already in the pool (its first new token
+      sits at position `prefix_lens[b]`), `seq_lens[b] = prefix_lens[b] + new tokens`.
+    - `page_tables[pool]` (`[B, P]`, int64): physical pages of each request's virtual pages in the
+      attention sub-pool `pool`; a page the sub-pool does not bind (a retired window row) reads that
+      sub-pool's sink page, whose bytes mean nothing: a window kernel masks it by position.
+    - `write_locs[pool]` (`[T]`, int64): physical token id (`page * page_size + offset`) where each
+      new token's K/V goes in `pool`.
+    - `state_slots` (`[B]`, int64): each request's physical state slot (read, then written back);
+      `state_fresh[b]`: the request's recurrent state starts from zeros (its first chunk, no
+      checkpoint restored), so the slot's old bytes are not read.
+    - `layer_pool`: layer id -> the sub-pool holding that layer's KV or state."""
+
+    q_starts: np.ndarray
+    prefix_lens: np.ndarray
+    seq_lens: np.ndarray
+    page_size: int
+    views: dict[str, SubPoolView]
+    layer_pool: dict[int, str]
+    page_tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    write_locs: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_slots: torch.Tensor | None = None
+    state_fresh: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def new_lens(self) -> np.ndarray:
+        return self.seq_lens - self.prefix_lens
+
+    def pool_of(self, layer_id: int) -> SubPoolView:
+        """The view of the sub-pool that holds `layer_id`."""
+        return self.views[self.layer_pool[layer_id]]
+
+    def decode_only(self) -> bool:
+        """Every request adds one token: one vectorised kernel serves the whole batch."""
+        return bool((self.new_lens == 1).all())
