@@ -32,6 +32,7 @@ from .decl import (
 )
 from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
 from .engine import Forward, MetadataUpload, StepResult, StepSequence
+from .engine.pool import KVChainPool
 from .errors import (
     BudgetError,
     CapacityError,
@@ -51,7 +52,6 @@ from .plan import KVStoragePlan, SubPool, plan_kv_storage
 from .prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
 from .sim.baselines import PoolConfig
 from .sim.compare import Comparison, SchedulerConfig, compare
-from .sim.kvchain_pool import KVChainPool
 from .sim.scheduler import Scheduler
 from .sim.workloads import load_trace, save_trace, workload_from_name
 from .sizing import PlanSizing, check_bs1_floor, size_plan

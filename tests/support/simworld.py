@@ -7,10 +7,10 @@ import numpy as np
 from kvchain.build import build_kv_storage
 from kvchain.cache.radix import CheckpointStrategy
 from kvchain.decl import MHA, State, StateTensor
+from kvchain.engine.pool import KVChainPool
+from kvchain.engine.request import ScheduledRequest
 from kvchain.models.small import small_hybrid
 from kvchain.plan import plan_kv_storage
-from kvchain.sim.kvchain_pool import KVChainPool
-from kvchain.sim.request import SimRequest
 from kvchain.sizing import size_plan
 
 
@@ -41,6 +41,6 @@ def workload(seed, n=40, max_prompt=60, max_output=30, shared=0.5, prefix_len=32
         else:
             prompt = rng.integers(1, 10_000, int(rng.integers(1, max_prompt + prefix_len)))
         max_new = int(rng.integers(1, max_output + 1))
-        out.append(SimRequest(i, int(rng.integers(0, max(1, n // spread))), prompt, max_new,
+        out.append(ScheduledRequest(i, int(rng.integers(0, max(1, n // spread))), prompt, max_new,
                               int(rng.integers(1, max_new + 1))))
     return out

@@ -1,7 +1,7 @@
 """The pools engines use today, next to kvchain, on the same byte budget, trace and scheduler loop.
 
 Two kinds of baseline. The engines, each with its own memory layout and its own scheduling policy
-(`sim/policies.py`), so a comparison measures what a user of that engine would see:
+(`engine/policies.py`), so a comparison measures what a user of that engine would see:
 
 * `vllm-hybrid`: `uniform-page`'s layout with vLLM's policy: admit while the chunk's blocks fit
   with the watermark kept free, allocate on demand, preempt the newest running request by
@@ -41,12 +41,12 @@ from ..build import build_kv_storage
 from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy
 from ..decl import KVLayerDecl
+from ..engine.policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
+from ..engine.pool import KVChainPool
 from ..layout.entry import PageEnvelope
 from ..memory.arena import arena_layout
 from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
 from ..sizing import PlanSizing, size_plan
-from .kvchain_pool import KVChainPool
-from .policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
 
 #: The defaults of the engines whose static split these baselines model.
 DEFAULT_WINDOW_RATIO = 0.8

@@ -10,8 +10,8 @@ from ..cache.radix import CheckpointStrategy
 from ..cli_common import add_model_args, load_model
 from ..cli_common import byte_size as _byte_size
 from ..cli_common import positive_int as _positive_int
+from ..engine.policies import ADMISSION_MODES
 from ..errors import InputError
-from .policies import ADMISSION_MODES
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from ..decl import KVLayerDecl
+from ..engine.request import ScheduledRequest
 from ..errors import InputError
 from .baselines import (
     DEFAULT_POOLS,
@@ -23,7 +24,6 @@ from .baselines import (
     uniform_pool,
     vllm_hybrid_pool,
 )
-from .request import SimRequest
 from .runner import PoolResult, StepTimeModel, run_pool
 from .scheduler import StepRecord
 
@@ -97,7 +97,7 @@ def _sweep_score(args) -> tuple[float, float, float]:
     return -result.steps, round(result.throughput, 6), -result.queue_delay
 
 
-def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[SimRequest], pools: Sequence[str] = DEFAULT_POOLS,
+def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[ScheduledRequest], pools: Sequence[str] = DEFAULT_POOLS,
             sched: SchedulerConfig = SchedulerConfig(), jobs: int | None = None,
             progress: Callable[[str], None] | None = None) -> Comparison:
     """Run every pool in `pools` over `requests`; `jobs` worker processes (default: the cores)."""

@@ -3,72 +3,57 @@ loop for side-by-side comparison (and a model runner can attach later)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
+from ..engine.policies import SchedulePolicy
+from ..engine.pool import PoolStats
+from ..engine.request import ScheduledRequest
 from ..prefill_budget import Admission
-from .policies import SchedulePolicy
-from .request import SimRequest
-
-
-class PoolFull(Exception):
-    """An extension the pool cannot serve even after it made what room it could; nothing changed."""
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    live_bytes: int  # bytes held by running requests and the prefix cache
-    budget_bytes: int
-    cached_bytes: int  # of live_bytes, what only the prefix cache holds
-
-    @property
-    def utilisation(self) -> float:
-        return self.live_bytes / max(1, self.budget_bytes)
 
 
 class Pool(Protocol):
     name: str
     page_size: int
-    #: what admission charges and who gives way on a full pool (`sim/policies.py`)
+    #: what admission charges and who gives way on a full pool (`engine/policies.py`)
     policy: SchedulePolicy
 
-    def arrival_check(self, req: SimRequest) -> str | None:
+    def arrival_check(self, req: ScheduledRequest) -> str | None:
         """None when the request could ever run (its max_new may be clipped to what fits); else
         the reason it is rejected at arrival, with the numbers."""
 
-    def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> object:
+    def begin_pass(self, running: list[ScheduledRequest], frees_coming: bool) -> object:
         """Context for one admission pass (what running requests still need, what is reclaimable)."""
 
-    def try_admit(self, pass_ctx: object, req: SimRequest, token_limit: int) -> Admission:
+    def try_admit(self, pass_ctx: object, req: ScheduledRequest, token_limit: int) -> Admission:
         """Decide, and on ADMIT take the request's row and its first chunk (after its cached prefix)."""
 
-    def next_chunk(self, req: SimRequest, token_limit: int) -> int:
+    def next_chunk(self, req: ScheduledRequest, token_limit: int) -> int:
         """How many more prompt tokens a running prefill computes this step (0: wait a step)."""
 
-    def extend(self, reqs: list[SimRequest], new_lens: list[int]) -> None:
+    def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
         """Grow running requests' KV to new lengths, making room from the cache if needed.
         Raises PoolFull with nothing changed."""
 
-    def forward(self, reqs: list[SimRequest]) -> None:
+    def forward(self, reqs: list[ScheduledRequest]) -> None:
         """The step's forward over `reqs`, through the one step sequence (`engine/steps.py`): launched,
         recorded, processed; processing calls `processed`."""
 
-    def processed(self, reqs: list[SimRequest]) -> None:
+    def processed(self, reqs: list[ScheduledRequest]) -> None:
         """After a step's forward: take checkpoints, retire window rows."""
 
-    def finish(self, req: SimRequest) -> None:
+    def finish(self, req: ScheduledRequest) -> None:
         """Cache what can be reused and free the rest."""
 
-    def preempt(self, req: SimRequest) -> None:
+    def preempt(self, req: ScheduledRequest) -> None:
         """Give all of a running request's memory back; it recomputes later."""
 
-    def retract_victims(self, plan: list[tuple[SimRequest, int]], candidates: list[SimRequest]
-                        ) -> list[SimRequest] | None:
+    def retract_victims(self, plan: list[tuple[ScheduledRequest, int]], candidates: list[ScheduledRequest]
+                        ) -> list[ScheduledRequest] | None:
         """The shortest prefix of `candidates` whose retraction lets the rest of the step's plan
         grow (asked of the allocator, nothing changed); None when no prefix does."""
 
-    def admit_victims(self, running: list[SimRequest], req: SimRequest, candidates: list[SimRequest],
-                      token_limit: int) -> list[SimRequest] | None:
+    def admit_victims(self, running: list[ScheduledRequest], req: ScheduledRequest, candidates: list[ScheduledRequest],
+                      token_limit: int) -> list[ScheduledRequest] | None:
         """The shortest prefix of `candidates` after whose preemption admission would take `req`;
         None when no prefix does."""
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..engine.request import Phase, ScheduledRequest
 from .protocol import Pool
-from .request import Phase, SimRequest
 from .scheduler import Scheduler, SchedulerStats
 
 
@@ -88,7 +88,7 @@ class PoolResult:
         return asdict(self)
 
 
-def run_pool(pool: Pool, requests: list[SimRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
+def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
              step_time: StepTimeModel | None = None, max_steps: int = 10**7, priority: bool = False,
              on_step: Callable[[Scheduler], None] | None = None) -> tuple[PoolResult, SchedulerStats]:
     """Run fresh copies of `requests` through `pool` until every one finished, aborted or was rejected."""

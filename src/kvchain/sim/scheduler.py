@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..engine.policies import ExactPolicy, SchedulePolicy
+from ..engine.pool import PoolFull
+from ..engine.request import Phase, ScheduledRequest
 from ..errors import KVChainError
 from ..prefill_budget import Decision
-from .policies import ExactPolicy, SchedulePolicy
-from .protocol import Pool, PoolFull
-from .request import Phase, SimRequest
+from .protocol import Pool
 
 
 class SchedulerStuck(KVChainError):
@@ -70,14 +71,14 @@ class Scheduler:
         self.max_running = max_running
         #: a request admitted nowhere for this many steps while nothing runs is a scheduler bug
         self.max_wait_steps = max_wait_steps
-        self.pending: deque[SimRequest] = deque()
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.done: list[SimRequest] = []
+        self.pending: deque[ScheduledRequest] = deque()
+        self.waiting: deque[ScheduledRequest] = deque()
+        self.running: list[ScheduledRequest] = []
+        self.done: list[ScheduledRequest] = []
         self.stats = SchedulerStats()
         self.step_no = 0
 
-    def add(self, requests: list[SimRequest]) -> None:
+    def add(self, requests: list[ScheduledRequest]) -> None:
         for req in sorted(requests, key=lambda r: (r.arrival, r.rid)):
             req.phase = Phase.PENDING
             self.pending.append(req)
@@ -100,9 +101,9 @@ class Scheduler:
                 req.phase = Phase.WAITING
                 self.waiting.append(req)
 
-    def _plan(self, decodes: list[SimRequest], prefills: list[SimRequest], paused: set[int],
-              budget: int) -> tuple[list[tuple[SimRequest, int]], int]:
-        plan: list[tuple[SimRequest, int]] = []
+    def _plan(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], paused: set[int],
+              budget: int) -> tuple[list[tuple[ScheduledRequest, int]], int]:
+        plan: list[tuple[ScheduledRequest, int]] = []
         left = budget
         for req in decodes:
             if left <= 0:
@@ -120,7 +121,7 @@ class Scheduler:
                 left -= chunk
         return plan, left
 
-    def _grow_running(self, budget: int) -> tuple[list[tuple[SimRequest, int]], int]:
+    def _grow_running(self, budget: int) -> tuple[list[tuple[ScheduledRequest, int]], int]:
         """One token for each running decode, then the next chunk of each running prefill, within
         the token budget. When the pool cannot grow them all: a waiting request's hold on cached
         pages is given up; running prefills pause (newest first) where the policy says so, while
@@ -156,7 +157,7 @@ class Scheduler:
                 self._preempt(victim)
             self.policy.on_retract(victims, self.running)
 
-    def _preempt(self, req: SimRequest) -> None:
+    def _preempt(self, req: ScheduledRequest) -> None:
         self.pool.preempt(req)
         self.running.remove(req)
         req.phase = Phase.WAITING
@@ -168,7 +169,7 @@ class Scheduler:
         self._retracted = True
         self.waiting.appendleft(req)
 
-    def _next_waiting(self) -> SimRequest:
+    def _next_waiting(self) -> ScheduledRequest:
         if self.priority and len(self.waiting) > 1:
             best = min(self.waiting, key=lambda r: (r.priority, r.arrival, r.rid))
             if best is not self.waiting[0]:
@@ -176,8 +177,8 @@ class Scheduler:
                 self.waiting.appendleft(best)
         return self.waiting[0]
 
-    def _admit(self, budget: int) -> list[tuple[SimRequest, int]]:
-        admitted: list[tuple[SimRequest, int]] = []
+    def _admit(self, budget: int) -> list[tuple[ScheduledRequest, int]]:
+        admitted: list[tuple[ScheduledRequest, int]] = []
         if not self.waiting or ((self._retracted or self._paused) and not self.policy.admit_after_retract):
             return admitted  # memory is overcommitted already: new work would only add to it
         ctx = self.pool.begin_pass(self.running, frees_coming=bool(self.running))
@@ -208,7 +209,7 @@ class Scheduler:
             budget -= a.chunk_len
         return admitted
 
-    def _preempt_for(self, req: SimRequest, budget: int) -> bool:
+    def _preempt_for(self, req: ScheduledRequest, budget: int) -> bool:
         """Preempt less important running requests for `req` when admission says that makes room
         (the pool asks `admits` for each prefix of the victims); nothing when none does."""
         lower = [r for r in self.policy.victim_order(self.running) if r.priority > req.priority]
@@ -233,7 +234,7 @@ class Scheduler:
         # the forward: every planned request advances to its new length; the last prompt chunk
         # samples the first output token (a recomputed request already has its tokens)
         out_tokens = prefill_tokens = 0
-        stepped: list[SimRequest] = []
+        stepped: list[ScheduledRequest] = []
         for req, new_len in plan:
             was_prefilling = req.prefilling
             grown = new_len - req.computed

@@ -1,6 +1,6 @@
 """Seeded synthetic workloads and trace replay for the model-free scheduler.
 
-Every generator is `fn(n_requests, seed, **params) -> list[SimRequest]`: deterministic for a seed,
+Every generator is `fn(n_requests, seed, **params) -> list[ScheduledRequest]`: deterministic for a seed,
 request ids 0..n-1 in arrival order, arrivals integer scheduler steps from a Poisson process whose
 long-run rate is `rate` requests per step. Token ids are drawn from a seeded generator over
 [1, 2**31), so parts meant to be shared are byte-identical (a prefix tree matches them) and parts
@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.request import ScheduledRequest
 from ..errors import InputError
-from .request import SimRequest
 
 VOCAB = 2**31  # token ids are drawn from [1, VOCAB): collisions between unrelated parts are ~2**-31
 
-Workload = Callable[..., list[SimRequest]]
+Workload = Callable[..., list[ScheduledRequest]]
 
 
 # -- shared helpers -------------------------------------------------------------------------------
@@ -104,13 +104,13 @@ def _output(rng: np.random.Generator, output_len: int, slack: float, room: int) 
     return max_new, _tokens(rng, max_new)
 
 
-def _finalize(specs: list[_Spec]) -> list[SimRequest]:
+def _finalize(specs: list[_Spec]) -> list[ScheduledRequest]:
     """Sort by arrival (ties keep generation order), number 0..n-1, floor arrivals to steps."""
     order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
     out = []
     for rid, i in enumerate(order):
         s = specs[i]
-        out.append(SimRequest(rid, math.floor(s.arrival), s.prompt, s.max_new, s.output_len,
+        out.append(ScheduledRequest(rid, math.floor(s.arrival), s.prompt, s.max_new, s.output_len,
                               output=s.output))
     return out
 
@@ -153,7 +153,7 @@ def _sessions(rng: np.random.Generator, n: int, *, rate: float, mean_turns: floa
 
 def chat(n_requests: int, seed: int, *, rate: float = 0.5, prompt_median: float = 1000.0,
          prompt_sigma: float = 1.0, output_median: float = 300.0, output_sigma: float = 0.8,
-         max_len: int = 16384, max_new_slack: float = 1.0) -> list[SimRequest]:
+         max_len: int = 16384, max_new_slack: float = 1.0) -> list[ScheduledRequest]:
     """Independent requests with lognormal prompt (median 1000) and output (median 300) lengths."""
     rng = _rng(n_requests, seed)
     _common(rate, max_len, max_new_slack)
@@ -171,7 +171,7 @@ def chat(n_requests: int, seed: int, *, rate: float = 0.5, prompt_median: float 
 def multi_turn(n_requests: int, seed: int, *, rate: float = 0.5, turns: float = 4.0, system_len: int = 0,
                user_median: float = 200.0, user_sigma: float = 1.0, output_median: float = 300.0,
                output_sigma: float = 0.8, think_steps: float = 100.0, prefill_per_step: int = 8192,
-               max_len: int = 16384, max_new_slack: float = 1.0) -> list[SimRequest]:
+               max_len: int = 16384, max_new_slack: float = 1.0) -> list[ScheduledRequest]:
     """Chat sessions: each turn's prompt is the previous turn's prompt + its output + a new user message."""
     rng = _rng(n_requests, seed)
     _common(rate, max_len, max_new_slack)
@@ -201,7 +201,7 @@ def long_doc_qa(n_requests: int, seed: int, *, rate: float = 0.5, n_docs: int = 
                 doc_max: int = 30720, question_median: float = 40.0, question_sigma: float = 0.6,
                 output_median: float = 100.0, output_sigma: float = 0.8, max_len: int = 32768,
                 max_new_slack: float = 1.0, prime_docs: bool = False,
-                prefill_per_step: int = 8192) -> list[SimRequest]:
+                prefill_per_step: int = 8192) -> list[ScheduledRequest]:
     """A few long documents (8k-30k tokens), each asked many short questions (the document is the shared prefix).
 
     With `prime_docs`, the first requests (counted in n_requests) are the documents alone with a
@@ -237,7 +237,7 @@ def agentic(n_requests: int, seed: int, *, rate: float = 0.5, prefix_len: int = 
             task_median: float = 200.0, task_sigma: float = 0.8, iterations: float = 8.0,
             tool_median: float = 300.0, tool_sigma: float = 1.0, output_median: float = 40.0,
             output_sigma: float = 0.5, tool_steps: float = 10.0, prefill_per_step: int = 8192,
-            max_len: int = 16384, max_new_slack: float = 1.0) -> list[SimRequest]:
+            max_len: int = 16384, max_new_slack: float = 1.0) -> list[ScheduledRequest]:
     """Agent loops over a long shared prefix (system prompt + tools); each call appends the last tool output."""
     rng = _rng(n_requests, seed)
     _common(rate, max_len, max_new_slack)
@@ -284,7 +284,7 @@ MIXED_RATE = 4.0
 def mixed(n_requests: int, seed: int, *, rate: float = MIXED_RATE, chat: float = MIXED_FRACTIONS["chat"],
           multi_turn: float = MIXED_FRACTIONS["multi_turn"], long_doc_qa: float = MIXED_FRACTIONS["long_doc_qa"],
           agentic: float = MIXED_FRACTIONS["agentic"],
-          params: dict[str, dict[str, Any]] | None = None) -> list[SimRequest]:
+          params: dict[str, dict[str, Any]] | None = None) -> list[ScheduledRequest]:
     """A saturating mix of chat, multi_turn, long_doc_qa and agentic (fractions as parameters),
     interleaved by arrival; each part's defaults are overridden by MIXED_DEFAULTS, then `params`."""
     rng = _rng(n_requests, seed)
@@ -299,7 +299,7 @@ def mixed(n_requests: int, seed: int, *, rate: float = MIXED_RATE, chat: float =
     _check(not unknown, f"mixed params name unknown workloads: {', '.join(unknown)}")
     counts = _apportion(n_requests, [f / total for f in fractions.values()])
     seeds = rng.integers(0, 2**63 - 1, size=len(fractions))
-    merged: list[tuple[int, int, int, SimRequest]] = []
+    merged: list[tuple[int, int, int, ScheduledRequest]] = []
     for k, ((name, frac), count, sub_seed) in enumerate(zip(fractions.items(), counts, seeds)):
         if count == 0:
             continue
@@ -355,7 +355,7 @@ def _lookup(name: str) -> Workload:
     return WORKLOADS[name]
 
 
-def workload_from_name(name: str, n_requests: int, seed: int, **params: Any) -> list[SimRequest]:
+def workload_from_name(name: str, n_requests: int, seed: int, **params: Any) -> list[ScheduledRequest]:
     """Build a named workload. Unknown names or parameters raise InputError; string values (from a
     command line) are converted to the type of the parameter's default."""
     return _lookup(name)(n_requests, seed, **_validated(name, params))
@@ -452,7 +452,7 @@ def _parse_line(obj: Any, where: str, lineno: int, block_tokens: int) -> _Line:
 
 
 def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int = 512,
-               max_new_slack: float = 1.0, limit: int | None = None, seed: int = 0) -> list[SimRequest]:
+               max_new_slack: float = 1.0, limit: int | None = None, seed: int = 0) -> list[ScheduledRequest]:
     """Replay a JSONL trace (Mooncake fields plus ours) as requests. Blocks with the same hash id
     become identical token blocks, so the trace's prefix sharing reaches the prefix tree; blocks
     without one are fresh tokens. Arrival step = (timestamp - first timestamp) / ms_per_step,
@@ -518,7 +518,7 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
         max_new = ln.max_new if ln.max_new is not None else max(ln.output_length,
                                                                math.ceil(ln.output_length * max_new_slack))
         rid = ln.rid if ln.rid is not None else next(free)
-        out.append(SimRequest(rid, ln.step, prompt, max_new, ln.output_length, output=_tokens(rng, max_new),
+        out.append(ScheduledRequest(rid, ln.step, prompt, max_new, ln.output_length, output=_tokens(rng, max_new),
                               priority=ln.priority))
     return out
 
@@ -537,7 +537,7 @@ def prompt_hash_ids(prompt: np.ndarray, block_tokens: int, ids: dict[bytes, int]
     return out
 
 
-def save_trace(requests: list[SimRequest], path: str | Path, ms_per_step: float = 50.0, *,
+def save_trace(requests: list[ScheduledRequest], path: str | Path, ms_per_step: float = 50.0, *,
                block_tokens: int = 512) -> None:
     """Write requests as a JSONL trace that `load_trace` reads back to equivalent requests: same
     arrivals, lengths, max_new, ids, and the same prefix sharing at block granularity (hash ids

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvchain.alloc.demand import KVDemand
+from kvchain.engine.request import ScheduledRequest
 from kvchain.errors import CapacityError
-from kvchain.sim.request import SimRequest
 from kvchain.sim.scheduler import Scheduler
 from support.chains import small_storage
 from support.simworld import world
@@ -72,13 +72,13 @@ def test_a_full_prefix_cache_does_not_block_admission():
     for _ in range(40):  # distinct prompts, one at a time: each one's pages end up in the tree
         sched = Scheduler(pool, max_batched_tokens=64, max_running=4)
         prompt = rng.integers(1, 10_000, 40)
-        sched.add([SimRequest(rid, 0, prompt, max_new=4, output_len=4)])
+        sched.add([ScheduledRequest(rid, 0, prompt, max_new=4, output_len=4)])
         sched.run()
         rid += 1
     held = pool.tree.held_pages()[pool.chain.owner.name]
     assert held >= pool.chain.owner.grid.n_grid - 11, "the tree should hold nearly every owner page"
     sched = Scheduler(pool, max_batched_tokens=64, max_running=4)
-    fresh = SimRequest(rid, 0, rng.integers(1, 10_000, 40), max_new=4, output_len=4)
+    fresh = ScheduledRequest(rid, 0, rng.integers(1, 10_000, 40), max_new=4, output_len=4)
     sched.add([fresh])
     sched.step()
     assert fresh in sched.running or fresh.generated, f"not admitted: {fresh.phase} {fresh.reason}"

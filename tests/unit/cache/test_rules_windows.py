@@ -13,10 +13,10 @@ from kvchain.cache.radix import CheckpointStrategy, UnifiedRadixCache
 from kvchain.decl import MHA, FullLifetime, KVPart, WindowLifetime, kv_layer_decls
 from kvchain.device.base import PageAccess
 from kvchain.device.modeled import clock_leq
+from kvchain.engine.request import ScheduledRequest
 from kvchain.errors import CapacityError
 from kvchain.plan import plan_kv_storage
 from kvchain.prefill_budget import Decision, mamba_prefill_chunk_grid
-from kvchain.sim.request import SimRequest
 from kvchain.sizing import size_plan
 from kvchain.testing.checks import META_BAND, Granules, OverlapTracker
 from support.chains import small_storage
@@ -406,9 +406,9 @@ def test_the_floor_applies_only_when_the_cache_shares_prefixes():
     steps = [4, 8, 4, 12]  # lengths 16, 20, 28, 32, 44
     ps = 4
     eager = _run_prefill(world(chain_kib=64, window=8, interval=16, prefix_cache=False),
-                         SimRequest(0, 0, _tokens(64), 4, 4), steps)
+                         ScheduledRequest(0, 0, _tokens(64), 4, 4), steps)
     assert eager == [(n - 8) // ps for n in (16, 20, 28, 32, 44)]
-    held = _run_prefill(world(chain_kib=64, window=8, interval=16), SimRequest(0, 0, _tokens(64), 4, 4), steps)
+    held = _run_prefill(world(chain_kib=64, window=8, interval=16), ScheduledRequest(0, 0, _tokens(64), 4, 4), steps)
     assert held == [(g - 8) // ps for g in (16, 16, 16, 32, 32)]
 
 
@@ -435,7 +435,7 @@ def test_with_sharing_a_prefill_moves_its_window_only_when_the_tree_takes_a_chec
     pool = world(chain_kib=64, window=8, interval=16)
     storage = pool.storage
     freed = _counting_advance(storage)
-    req = SimRequest(0, 0, _tokens(96), 4, 4)
+    req = ScheduledRequest(0, 0, _tokens(96), 4, 4)
     los = _run_prefill(pool, req, [])
     taken = [pool.stats_counters["checkpoints"]]
     for n in [4, 6, 6, 4, 10, 2, 16, 8]:  # lengths 20, 26, 32, 36, 46, 48, 64, 72
@@ -455,7 +455,7 @@ def test_a_stalled_checkpoint_is_abandoned_so_the_window_stays_within_its_price(
     point anyway, so the row keeps no more window rows than admission priced."""
     pool = world(chain_kib=64, window=8, interval=16)
     storage = pool.storage
-    req = SimRequest(0, 0, _tokens(96), 4, 4)
+    req = ScheduledRequest(0, 0, _tokens(96), 4, 4)
     ctx = pool.begin_pass([], frees_coming=False)
     assert pool.try_admit(ctx, req, 16).decision is Decision.ADMIT
 
@@ -488,11 +488,11 @@ def test_a_chunk_shorter_than_the_grid_tracks_no_checkpoint():
     assert mamba_prefill_chunk_grid(16, 15, 100, 16) == 0
     assert mamba_prefill_chunk_grid(0, 10, 100, 16) == 0
     pool = world(chain_kib=64, window=8, interval=16)
-    req = SimRequest(0, 0, _tokens(64), 4, 4)
+    req = ScheduledRequest(0, 0, _tokens(64), 4, 4)
     ctx = pool.begin_pass([], frees_coming=False)
     a = pool.try_admit(ctx, req, 12)
     assert a.decision is Decision.WAIT and req.row < 0
-    assert pool.next_chunk(SimRequest(1, 0, _tokens(64), 4, 4), 15) == 0
+    assert pool.next_chunk(ScheduledRequest(1, 0, _tokens(64), 4, 4), 15) == 0
     _run_prefill(pool, req, [])
     nodes = sum(1 for _ in pool.tree._nodes())
     before = dict(pool.stats_counters)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvchain.prefill_budget import Decision, peak_pages
-from kvchain.sim.policies import (
+from kvchain.engine.policies import (
     DecayingRatioPolicy,
     ExactPolicy,
     IdealPolicy,
@@ -16,7 +15,8 @@ from kvchain.sim.policies import (
     VllmPolicy,
     admission_policy,
 )
-from kvchain.sim.request import Phase, SimRequest
+from kvchain.engine.request import Phase, ScheduledRequest
+from kvchain.prefill_budget import Decision, peak_pages
 from kvchain.sim.scheduler import Scheduler
 from support.simworld import world
 
@@ -31,7 +31,7 @@ def tiny(policy, prefix_cache=False):
 
 
 def req(rid, prompt, max_new, *, arrival=0, priority=0, output=None):
-    return SimRequest(rid, arrival, np.arange(1, prompt + 1, dtype=np.int32) + 1000 * rid, max_new,
+    return ScheduledRequest(rid, arrival, np.arange(1, prompt + 1, dtype=np.int32) + 1000 * rid, max_new,
                       max_new if output is None else output, priority=priority)
 
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvchain.alloc.demand import retained_window, span_pages
 from kvchain.cache.radix import CheckpointStrategy
+from kvchain.engine.request import Phase, ScheduledRequest
 from kvchain.errors import CapacityError
 from kvchain.plan import PoolKind
-from kvchain.sim.request import Phase, SimRequest
 from kvchain.sim.scheduler import Scheduler
 from support.simworld import workload, world
 
@@ -74,7 +74,7 @@ def test_retracting_policies_finish_everything_and_leak_nothing(seed, window, st
     and the ideal projection: every admitted request finishes (retracted ones recompute), the tree
     verifies every step, nothing leaks at idle; the recomputed tokens never exceed the prefill
     tokens spent."""
-    from kvchain.sim.policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
+    from kvchain.engine.policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
 
     pool = world(chain_kib=chain_kib, window=window, state=state)
     pool.policy = {"optimistic": admission_policy("optimistic"), "vllm": VllmPolicy(), "sglang": SglangPolicy(),
@@ -156,10 +156,10 @@ def test_multi_turn_windows_reuse_the_previous_turn():
     """A window model (no state) reuses a whole previous turn: its window rows are retained at the
     sequence end."""
     pool = world(chain_kib=100, window=16, state=False)
-    first = SimRequest(0, 0, np.arange(1, 41), max_new=9, output_len=9)
+    first = ScheduledRequest(0, 0, np.arange(1, 41), max_new=9, output_len=9)
     sched = _run(pool, [first])
     history = first.tokens(first.computed)
-    second = SimRequest(1, sched.step_no, np.concatenate([history, np.arange(500, 510)]), max_new=4, output_len=4)
+    second = ScheduledRequest(1, sched.step_no, np.concatenate([history, np.arange(500, 510)]), max_new=4, output_len=4)
     sched2 = Scheduler(pool, max_batched_tokens=64, max_running=4)
     sched2.add([second])
     sched2.run()
@@ -170,8 +170,8 @@ def test_multi_turn_windows_reuse_the_previous_turn():
 def test_oversize_request_is_rejected_at_arrival_with_numbers():
     """A request larger than an empty pool is rejected at arrival, naming what it needs."""
     pool = world(chain_kib=6, window=8, state=True, context=1024)
-    big = SimRequest(0, 0, np.arange(1, 400), max_new=5, output_len=5)
-    small = SimRequest(1, 0, np.arange(1, 10), max_new=5, output_len=5)
+    big = ScheduledRequest(0, 0, np.arange(1, 400), max_new=5, output_len=5)
+    small = ScheduledRequest(1, 0, np.arange(1, 10), max_new=5, output_len=5)
     sched = _run(pool, [big, small])
     assert big.phase is Phase.REJECTED and "input tokens need" in big.reason and "empty pool" in big.reason
     assert small.phase is Phase.FINISHED
@@ -180,7 +180,7 @@ def test_oversize_request_is_rejected_at_arrival_with_numbers():
 
 def test_a_prompt_past_the_context_length_is_rejected():
     pool = world(chain_kib=60, context=64)
-    req = SimRequest(0, 0, np.arange(1, 100), max_new=5, output_len=5)
+    req = ScheduledRequest(0, 0, np.arange(1, 100), max_new=5, output_len=5)
     _run(pool, [req])
     assert req.phase is Phase.REJECTED and "context length 64" in req.reason
 
@@ -189,7 +189,7 @@ def test_memory_clip_lowers_max_new():
     """ADM-16: the clip and admission share request_demand: an output too long for the pool is
     clipped at arrival instead of rejected."""
     pool = world(chain_kib=6, window=8, state=True, context=4096)
-    req = SimRequest(0, 0, np.arange(1, 20), max_new=10_000, output_len=10_000)
+    req = ScheduledRequest(0, 0, np.arange(1, 20), max_new=10_000, output_len=10_000)
     _run(pool, [req], max_steps=50_000)
     assert req.phase is Phase.FINISHED and req.max_new < 4096 - 19  # memory, not the context, bound it
     assert pool.stats_counters["clipped"] == 2
@@ -201,7 +201,7 @@ def test_unschedulable_request_is_aborted_with_its_reason():
     pool = world(chain_kib=8, window=8, state=True)
     storage = pool.storage
     pinned, _reservation = storage.alloc_load("full", storage.allocator.owner.grid.n_grid // 3)
-    req = SimRequest(0, 0, np.arange(1, 120), max_new=8, output_len=8)
+    req = ScheduledRequest(0, 0, np.arange(1, 120), max_new=8, output_len=8)
     sched = Scheduler(pool, max_batched_tokens=256, max_running=4)
     sched.add([req])
     sched.run(max_steps=100)
@@ -213,8 +213,8 @@ def test_waits_while_running_work_will_free_memory():
     """ADM-9: a request that does not fit now waits while running requests will give memory back,
     and is admitted once they finish."""
     pool = world(chain_kib=10, window=8, state=True)
-    hog = SimRequest(0, 0, np.arange(1, 150), max_new=20, output_len=20)
-    late = SimRequest(1, 1, np.arange(300, 460), max_new=4, output_len=4)
+    hog = ScheduledRequest(0, 0, np.arange(1, 150), max_new=20, output_len=20)
+    late = ScheduledRequest(1, 1, np.arange(300, 460), max_new=4, output_len=4)
     _run(pool, [hog, late], budget=256)
     assert hog.phase is Phase.FINISHED and late.phase is Phase.FINISHED
     assert late.admitted_step > late.arrival  # it waited for the running request, not aborted
@@ -225,9 +225,9 @@ def test_state_matches_land_on_checkpoints(strategy):
     """WIN-9/10: with checkpoints a match ends on the grid; with no_buffer at a sequence end."""
     pool = world(chain_kib=100, window=16, state=True, strategy=strategy, interval=16)
     prefix = np.arange(1, 51)  # 50 tokens
-    a = SimRequest(0, 0, np.concatenate([prefix, [7, 8]]), max_new=3, output_len=3)
+    a = ScheduledRequest(0, 0, np.concatenate([prefix, [7, 8]]), max_new=3, output_len=3)
     _run(pool, [a])
-    b = SimRequest(1, 0, np.concatenate([prefix, [9, 10, 11]]), max_new=3, output_len=3)
+    b = ScheduledRequest(1, 0, np.concatenate([prefix, [9, 10, 11]]), max_new=3, output_len=3)
     _run(pool, [b])
     if strategy is CheckpointStrategy.NO_BUFFER:
         assert b.cached == 0  # a's sequence end is not b's prefix
@@ -241,8 +241,8 @@ def test_a_running_prompt_is_shared_with_requests_that_arrive_while_it_runs(wind
     request that arrives while the first still decodes matches its prompt; the tree never hands out freed pages."""
     pool = world(chain_kib=100, window=window, state=False, context=512)
     prefix = np.arange(1, 161)
-    first = SimRequest(0, 0, np.concatenate([prefix, [7001]]), max_new=30, output_len=30)
-    second = SimRequest(1, 4, np.concatenate([prefix, [7002, 7003]]), max_new=5, output_len=5)
+    first = ScheduledRequest(0, 0, np.concatenate([prefix, [7001]]), max_new=30, output_len=30)
+    second = ScheduledRequest(1, 4, np.concatenate([prefix, [7002, 7003]]), max_new=5, output_len=5)
     sched = _run(pool, [first, second], budget=64)
     assert second.admitted_step < first.finished_step  # it ran while the first one did
     assert second.cached >= 128, second.cached

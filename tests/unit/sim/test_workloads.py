@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
+from kvchain.engine.request import Phase, ScheduledRequest
 from kvchain.errors import InputError
-from kvchain.sim.request import Phase, SimRequest
 from kvchain.sim.scheduler import Scheduler
 from kvchain.sim.workloads import (
     WORKLOADS,
@@ -39,7 +39,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _same(a: list[SimRequest], b: list[SimRequest]) -> bool:
+def _same(a: list[ScheduledRequest], b: list[ScheduledRequest]) -> bool:
     return len(a) == len(b) and all(
         x.rid == y.rid and x.arrival == y.arrival and x.max_new == y.max_new and x.output_len == y.output_len
         and np.array_equal(x.prompt, y.prompt) and np.array_equal(x.output, y.output) for x, y in zip(a, b))
@@ -96,10 +96,10 @@ def test_chat_requests_share_nothing():
     assert len(firsts) == len(reqs)
 
 
-def _sessions(reqs: list[SimRequest]) -> list[list[SimRequest]]:
+def _sessions(reqs: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
     """Chains of turns: a request continues the latest earlier request whose prompt + output it
     starts with."""
-    chains: list[list[SimRequest]] = []
+    chains: list[list[ScheduledRequest]] = []
     for r in reqs:
         for chain in chains:
             last = chain[-1]
@@ -146,7 +146,7 @@ def test_agentic_calls_share_the_system_prefix():
 
 def test_long_doc_questions_share_their_document():
     reqs = workload_from_name("long_doc_qa", 60, 6, n_docs=3, **SMALL["long_doc_qa"])
-    groups: dict[bytes, list[SimRequest]] = {}
+    groups: dict[bytes, list[ScheduledRequest]] = {}
     for r in reqs:
         groups.setdefault(r.prompt[:100].tobytes(), []).append(r)
     assert len(groups) == 3
@@ -191,7 +191,7 @@ def test_names_parameters_and_string_values():
 # -- traces ---------------------------------------------------------------------------------------
 
 
-def _hash_structure(reqs: list[SimRequest], block: int) -> list[list[int]]:
+def _hash_structure(reqs: list[ScheduledRequest], block: int) -> list[list[int]]:
     """Per request, per block: the rid and block index of the first request holding the same
     prefix through that block (the sharing structure, independent of token values)."""
     first: dict[bytes, tuple[int, int]] = {}

@@ -11,13 +11,14 @@ tail), and a stall costs a cache entry, never memory."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..alloc.demand import DemandPurpose, KVDemand, request_demand
 from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
-from ..engine.steps import Forward, Launched, StepSequence
 from ..errors import CapacityError
 from ..plan import PoolKind
 from ..prefill_budget import (
@@ -32,8 +33,23 @@ from ..sizing import pages_for
 from ..storage import KVStorage
 from ..units import format_bytes
 from .policies import ExactPolicy, SchedulePolicy
-from .protocol import PoolFull, PoolStats
-from .request import SimRequest
+from .request import ScheduledRequest
+from .steps import Forward, Launched, StepSequence
+
+
+class PoolFull(Exception):
+    """An extension the pool cannot serve even after it made what room it could; nothing changed."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    live_bytes: int  # bytes held by running requests and the prefix cache
+    budget_bytes: int
+    cached_bytes: int  # of live_bytes, what only the prefix cache holds
+
+    @property
+    def utilisation(self) -> float:
+        return self.live_bytes / max(1, self.budget_bytes)
 
 
 class KVChainPool:
@@ -60,9 +76,9 @@ class KVChainPool:
         self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0}
         #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
         #: simulator never flushes opportunistically (its numbers count no compaction between steps)
-        self.steps: StepSequence[list[SimRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
+        self.steps: StepSequence[list[ScheduledRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
         #: the waiting request at the head of the queue and the locks on its cached match
-        self._pin: tuple[SimRequest, dict] | None = None
+        self._pin: tuple[ScheduledRequest, dict] | None = None
 
     # -- demand ----------------------------------------------------------------------------------------
 
@@ -75,7 +91,7 @@ class KVChainPool:
         return {"checkpoint_interval": self.checkpoint_interval, "shares_prefixes": self.shares,
                 "min_chunk": self.min_chunk}
 
-    def arrival_check(self, req: SimRequest) -> str | None:
+    def arrival_check(self, req: ScheduledRequest) -> str | None:
         """Reject a request larger than an empty pool, with the numbers; clip max_new to memory and
         to the context length."""
         context = self.storage.table.context_len
@@ -98,7 +114,7 @@ class KVChainPool:
             self.stats_counters["clipped"] += 1
         return None
 
-    def _reserve(self, running: list[SimRequest]) -> KVDemand:
+    def _reserve(self, running: list[ScheduledRequest]) -> KVDemand:
         """What running requests may still take, all together: the rest of their full-attention
         tokens (the rest of the prompt, and the output the policy keeps reserved) and a page per
         window for each one's next step (or the rest of its prompt); plus the policy's watermark."""
@@ -128,7 +144,7 @@ class KVChainPool:
         n = int(share * self.chain.layout.chain_bytes // max(owner.page_bytes, 1))
         return KVDemand(tuple(n if p is owner else 0 for p in self.plan.sub_pools), n, 0)
 
-    def begin_pass(self, running: list[SimRequest], frees_coming: bool) -> ChainPrefillBudget:
+    def begin_pass(self, running: list[ScheduledRequest], frees_coming: bool) -> ChainPrefillBudget:
         if self.policy.projected:
             ps = self.page_size
             lens = self.storage.table.seq_lens[np.fromiter((r.row for r in running), np.int64, len(running))]
@@ -142,7 +158,7 @@ class KVChainPool:
                                   self.shares, reclaimable_pages(self.storage, self.tree),
                                   chunk_only=self.policy.chunk_only)
 
-    def next_chunk(self, req: SimRequest, token_limit: int) -> int:
+    def next_chunk(self, req: ScheduledRequest, token_limit: int) -> int:
         return mamba_prefill_chunk_grid(req.computed, token_limit, req.input_len, self.checkpoint_interval)
 
     # -- room -----------------------------------------------------------------------------------------------
@@ -157,7 +173,7 @@ class KVChainPool:
         need_slot = int((table.state_slot[rows] == NO_SLOT).sum())
         return [need_slot if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools]
 
-    def extend(self, reqs: list[SimRequest], new_lens: list[int]) -> None:
+    def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         lens = np.array(new_lens, dtype=np.int64)
         try:
@@ -174,7 +190,7 @@ class KVChainPool:
 
     # -- retraction -----------------------------------------------------------------------------------
 
-    def held_pages(self, reqs: list[SimRequest]) -> np.ndarray:
+    def held_pages(self, reqs: list[ScheduledRequest]) -> np.ndarray:
         """Pages per band (state band: slots) each request would give back if it were retracted now:
         the pages past its tree-shared prefix (each window: those still bound there), its state slot
         and its tracking slot. Shape [len(reqs), bands]."""
@@ -193,7 +209,7 @@ class KVChainPool:
                         req.pool_state.get("tracking", -1) >= 0)
         return out
 
-    def growth_pages(self, reqs: list[SimRequest], new_lens: list[int]) -> np.ndarray:
+    def growth_pages(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> np.ndarray:
         """Pages per band each request's growth to its new length takes (as `extend` would)."""
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         table = self.storage.table
@@ -202,8 +218,8 @@ class KVChainPool:
         slot = (table.state_slot[rows] == NO_SLOT).astype(np.int64)
         return np.stack([slot if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools], axis=1)
 
-    def retract_victims(self, plan: list[tuple[SimRequest, int]], candidates: list[SimRequest]
-                        ) -> list[SimRequest] | None:
+    def retract_victims(self, plan: list[tuple[ScheduledRequest, int]], candidates: list[ScheduledRequest]
+                        ) -> list[ScheduledRequest] | None:
         """The shortest prefix of `candidates` (in the policy's order) whose retraction lets the rest
         of the step's `plan` grow: for each prefix, `fits_after_frees` is asked whether what the
         others still need fits once the victims' pages and what the prefix cache could evict are
@@ -225,8 +241,8 @@ class KVChainPool:
                 return candidates[: k + 1]
         return None
 
-    def admit_victims(self, running: list[SimRequest], req: SimRequest, candidates: list[SimRequest],
-                      token_limit: int) -> list[SimRequest] | None:
+    def admit_victims(self, running: list[ScheduledRequest], req: ScheduledRequest, candidates: list[ScheduledRequest],
+                      token_limit: int) -> list[ScheduledRequest] | None:
         """Priority preemption that asks admission: the shortest prefix of `candidates` (less
         important running requests, in the policy's order) such that `req` would be admitted, its
         first chunk included, once they are gone (their pages given back, their reservations
@@ -254,7 +270,7 @@ class KVChainPool:
 
     # -- admission --------------------------------------------------------------------------------------
 
-    def try_admit(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int) -> Admission:
+    def try_admit(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int) -> Admission:
         storage = self.storage
         table = storage.table
         if self._pin is not None and self._pin[0] is not req:
@@ -320,7 +336,7 @@ class KVChainPool:
         pages = self._admit_demand(first, cached)
         return KVDemand(tuple(pages), pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
 
-    def _admit_fresh(self, ctx: ChainPrefillBudget, req: SimRequest, token_limit: int, state: dict) -> Admission:
+    def _admit_fresh(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int, state: dict) -> Admission:
         """Admission with no cached prefix (after dropping a match that pinned the memory it needed)."""
         storage = self.storage
         a = ctx.consider(req.input_len, self.policy.admit_output(req), 0, token_limit)
@@ -361,15 +377,15 @@ class KVChainPool:
 
     # -- the forward and after it ----------------------------------------------------------------------
 
-    def forward(self, reqs: list[SimRequest]) -> None:
+    def forward(self, reqs: list[ScheduledRequest]) -> None:
         """Run the step's forward through the step sequence: launched and recorded (no kernels, its
         writes unknown), the write-after-read barrier, then processed at once (`processed`)."""
         self.steps.step(_NO_KERNELS, reqs, flush=False)
 
-    def _on_processed(self, launched: Launched[list[SimRequest]]) -> None:
+    def _on_processed(self, launched: Launched[list[ScheduledRequest]]) -> None:
         self.processed(launched.payload)
 
-    def processed(self, reqs: list[SimRequest]) -> None:
+    def processed(self, reqs: list[ScheduledRequest]) -> None:
         storage = self.storage
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         checkpoints = None
@@ -392,7 +408,7 @@ class KVChainPool:
                 if st["window_lock"] is not None:
                     st["window_lock"] = self.tree.advance_window(st["window_lock"], req.computed)
 
-    def checkpoint_into_tree(self, req: SimRequest, at: int) -> None:
+    def checkpoint_into_tree(self, req: ScheduledRequest, at: int) -> None:
         """Hand the state at grid point `at` to the tree with the prefix behind it (WIN-14), if a
         slot can be had; otherwise abandon this checkpoint (the exact retention bound)."""
         storage = self.storage
@@ -422,7 +438,7 @@ class KVChainPool:
             st["tracking"] = replacement
         self.stats_counters["checkpoints"] += 1
 
-    def cache_prefill(self, req: SimRequest) -> None:
+    def cache_prefill(self, req: ScheduledRequest) -> None:
         """Once a prompt is prefilled (a model without recurrent state), hand its whole pages to the
         tree, as engines cache an unfinished request: requests that arrive while it decodes match
         its prompt (a model with state matches only where the tree holds a state). Once per
@@ -431,7 +447,7 @@ class KVChainPool:
         if at > int(self.storage.table.shared_pages[req.row]) * self.page_size:
             self._hand_prefix_to_tree(req, at, -1)
 
-    def _hand_prefix_to_tree(self, req: SimRequest, at: int, slot: int) -> bool:
+    def _hand_prefix_to_tree(self, req: ScheduledRequest, at: int, slot: int) -> bool:
         """Insert the row's first `at` tokens (whole pages) with state `slot` (-1: none), hand their
         pages to the tree and move the row's locks there (where the tree holds part of that prefix
         under other pages, the row moves onto them). False, with nothing changed, when the tree
@@ -458,13 +474,13 @@ class KVChainPool:
 
     # -- the end of a request --------------------------------------------------------------------------
 
-    def finish(self, req: SimRequest) -> None:
+    def finish(self, req: ScheduledRequest) -> None:
         self._cache_and_free(req, end_state=self.strategy is CheckpointStrategy.NO_BUFFER and self.has_state)
 
-    def preempt(self, req: SimRequest) -> None:
+    def preempt(self, req: ScheduledRequest) -> None:
         self._cache_and_free(req, end_state=False)
 
-    def _cache_and_free(self, req: SimRequest, end_state: bool) -> None:
+    def _cache_and_free(self, req: ScheduledRequest, end_state: bool) -> None:
         storage = self.storage
         table = storage.table
         row = req.row

@@ -19,7 +19,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class SimRequest:
+class ScheduledRequest:
     rid: int
     arrival: int  # step
     prompt: np.ndarray  # token ids

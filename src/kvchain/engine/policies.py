@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError
-from .request import SimRequest
+from .request import ScheduledRequest
 
 #: sglang's defaults: the output share charged starts at 0.7 and decays to 0.1 over 600 steps
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -38,7 +38,7 @@ RETRACT_DECODE_STEPS = 20
 VLLM_WATERMARK = 0.01
 
 
-def _by_priority_then_newest(running: Sequence[SimRequest]) -> list[SimRequest]:
+def _by_priority_then_newest(running: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
     """Victims in the order engines with priority scheduling preempt: the least important first
     (the largest priority value), newest admitted first among equals."""
     return sorted(running, key=lambda r: (-r.priority, -r.admitted_step, -r.rid))
@@ -65,24 +65,24 @@ class SchedulePolicy:
     #: request needs the room), so the prefix it will reuse is not evicted under it
     pins_waiting: bool = True
 
-    def admit_output(self, req: SimRequest) -> int:
+    def admit_output(self, req: ScheduledRequest) -> int:
         """Output tokens admission charges a waiting request."""
         return max(req.max_new - req.generated, 0)
 
-    def reserve_output(self, req: SimRequest) -> int:
+    def reserve_output(self, req: ScheduledRequest) -> int:
         """Output tokens still reserved for a running request."""
         return max(req.max_new - req.generated, 0)
 
-    def victim_order(self, running: Sequence[SimRequest]) -> list[SimRequest]:
+    def victim_order(self, running: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         return _by_priority_then_newest(running)
 
     def on_step(self) -> None:
         """Called once per scheduler step."""
 
-    def on_retract(self, victims: Sequence[SimRequest], running: Sequence[SimRequest]) -> None:
+    def on_retract(self, victims: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest]) -> None:
         """Called after `victims` were retracted; `running` is what still runs."""
 
-    def on_finish(self, req: SimRequest) -> None:
+    def on_finish(self, req: ScheduledRequest) -> None:
         """Called when a request finishes."""
 
     def describe(self) -> str:
@@ -107,10 +107,10 @@ class IdealPolicy(SchedulePolicy):
     name: str = "ideal"
     projected: bool = True
 
-    def admit_output(self, req: SimRequest) -> int:
+    def admit_output(self, req: ScheduledRequest) -> int:
         return max(req.output_len - req.generated, 0)
 
-    def reserve_output(self, req: SimRequest) -> int:
+    def reserve_output(self, req: ScheduledRequest) -> int:
         return max(req.output_len - req.generated, 0)
 
 
@@ -136,19 +136,19 @@ class DecayingRatioPolicy(SchedulePolicy):
             raise InputError(f"new-token ratio: need 0 <= floor ({self.floor}) <= init ({self.init}) <= 1")
         self.ratio = self.init
 
-    def admit_output(self, req: SimRequest) -> int:
+    def admit_output(self, req: ScheduledRequest) -> int:
         left = max(req.max_new - req.generated, 0)
         if self.full_new_output:
             return min(left, self.clip)
         return math.ceil(left * self.ratio)
 
-    def reserve_output(self, req: SimRequest) -> int:
+    def reserve_output(self, req: ScheduledRequest) -> int:
         return math.ceil(max(req.max_new - req.generated, 0) * self.ratio)
 
     def on_step(self) -> None:
         self.ratio = max(self.floor, self.ratio - (self.init - self.floor) / max(self.decay_steps, 1))
 
-    def on_retract(self, victims: Sequence[SimRequest], running: Sequence[SimRequest]) -> None:
+    def on_retract(self, victims: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest]) -> None:
         decoded = sum(r.generated for r in running)
         asked = sum(r.max_new for r in running)
         estimate = (decoded + RETRACT_DECODE_STEPS * len(running)) / asked if asked else 1.0
@@ -166,7 +166,7 @@ class SglangPolicy(DecayingRatioPolicy):
     full_new_output: bool = True
     pins_waiting: bool = False
 
-    def victim_order(self, running: Sequence[SimRequest]) -> list[SimRequest]:
+    def victim_order(self, running: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         return sorted(running, key=lambda r: (-r.priority, r.generated, -r.prompt_len, -r.rid))
 
 
@@ -187,24 +187,24 @@ class OnlineEstimatePolicy(SchedulePolicy):
     def __post_init__(self) -> None:
         self.share = self.prior
 
-    def _charge(self, req: SimRequest) -> int:
+    def _charge(self, req: ScheduledRequest) -> int:
         left = max(req.max_new - req.generated, 0)
         expected = math.ceil(req.max_new * self.share) - req.generated
         return min(left, max(expected, 1 if left else 0))
 
-    def admit_output(self, req: SimRequest) -> int:
+    def admit_output(self, req: ScheduledRequest) -> int:
         return self._charge(req)
 
-    def reserve_output(self, req: SimRequest) -> int:
+    def reserve_output(self, req: ScheduledRequest) -> int:
         return self._charge(req)
 
-    def on_finish(self, req: SimRequest) -> None:
+    def on_finish(self, req: ScheduledRequest) -> None:
         self.shares.append(req.output_len / max(req.max_new, 1))
         if len(self.shares) >= self.warmup:
             s = sorted(self.shares[-512:])
             self.share = s[min(len(s) - 1, int(self.quantile * len(s)))]
 
-    def on_retract(self, victims: Sequence[SimRequest], running: Sequence[SimRequest]) -> None:
+    def on_retract(self, victims: Sequence[ScheduledRequest], running: Sequence[ScheduledRequest]) -> None:
         self.share = 1.0
 
 
@@ -222,10 +222,10 @@ class VllmPolicy(SchedulePolicy):
     pauses_prefills: bool = False
     pins_waiting: bool = False
 
-    def admit_output(self, req: SimRequest) -> int:
+    def admit_output(self, req: ScheduledRequest) -> int:
         return 0
 
-    def reserve_output(self, req: SimRequest) -> int:
+    def reserve_output(self, req: ScheduledRequest) -> int:
         return 0
 
 
