@@ -33,6 +33,7 @@ from .decl import (
 from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
 from .engine import Forward, MetadataUpload, StepResult, StepSequence
 from .engine.pool import KVChainPool
+from .engine.scheduler import Scheduler
 from .errors import (
     BudgetError,
     CapacityError,
@@ -52,7 +53,6 @@ from .plan import KVStoragePlan, SubPool, plan_kv_storage
 from .prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
 from .sim.baselines import PoolConfig
 from .sim.compare import Comparison, SchedulerConfig, compare
-from .sim.scheduler import Scheduler
 from .sim.workloads import load_trace, save_trace, workload_from_name
 from .sizing import PlanSizing, check_bs1_floor, size_plan
 from .storage import KVStorage

@@ -158,7 +158,7 @@ class _Watch:
 
 
 def _run_workload(pool, seed=1, n=30):
-    from kvchain.sim.scheduler import Scheduler
+    from kvchain.engine.scheduler import Scheduler
 
     sched = Scheduler(pool, max_batched_tokens=64, max_running=8)
     sched.add(workload(seed, n=n))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..decl import KVLayerDecl
 from ..engine.request import ScheduledRequest
+from ..engine.scheduler import StepRecord
 from ..errors import InputError
 from .baselines import (
     DEFAULT_POOLS,
@@ -25,7 +26,6 @@ from .baselines import (
     vllm_hybrid_pool,
 )
 from .runner import PoolResult, StepTimeModel, run_pool
-from .scheduler import StepRecord
 
 #: static-best sweeps its split on the first requests of the trace, then runs the best on all of it
 SWEEP_REQUESTS = 400

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..engine.protocol import Pool
 from ..engine.request import Phase, ScheduledRequest
-from .protocol import Pool
-from .scheduler import Scheduler, SchedulerStats
+from ..engine.scheduler import Scheduler, SchedulerStats
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import numpy as np
 
 from kvchain.alloc.demand import KVDemand
 from kvchain.engine.request import ScheduledRequest
+from kvchain.engine.scheduler import Scheduler
 from kvchain.errors import CapacityError
-from kvchain.sim.scheduler import Scheduler
 from support.chains import small_storage
 from support.simworld import world
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from kvchain.cache.radix import CheckpointStrategy, UnifiedRadixCache
+from kvchain.engine.scheduler import Scheduler
 from kvchain.models import model_from_preset
 from kvchain.sim.baselines import PoolConfig, kvchain_pool
-from kvchain.sim.scheduler import Scheduler
 from kvchain.sim.workloads import load_trace
 from support.chains import small_storage
 

@@ -16,8 +16,8 @@ from kvchain.engine.policies import (
     admission_policy,
 )
 from kvchain.engine.request import Phase, ScheduledRequest
+from kvchain.engine.scheduler import Scheduler
 from kvchain.prefill_budget import Decision, peak_pages
-from kvchain.sim.scheduler import Scheduler
 from support.simworld import world
 
 PAGES = 15

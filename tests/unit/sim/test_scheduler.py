@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from kvchain.alloc.demand import retained_window, span_pages
 from kvchain.cache.radix import CheckpointStrategy
 from kvchain.engine.request import Phase, ScheduledRequest
+from kvchain.engine.scheduler import Scheduler
 from kvchain.errors import CapacityError
 from kvchain.plan import PoolKind
-from kvchain.sim.scheduler import Scheduler
 from support.simworld import workload, world
 
 

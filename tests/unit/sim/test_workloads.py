@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvchain.engine.request import Phase, ScheduledRequest
+from kvchain.engine.scheduler import Scheduler
 from kvchain.errors import InputError
-from kvchain.sim.scheduler import Scheduler
 from kvchain.sim.workloads import (
     WORKLOADS,
     describe_workloads,

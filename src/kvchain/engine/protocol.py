@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..engine.policies import SchedulePolicy
-from ..engine.pool import PoolStats
-from ..engine.request import ScheduledRequest
 from ..prefill_budget import Admission
+from .policies import SchedulePolicy
+from .pool import PoolStats
+from .request import ScheduledRequest
 
 
 class Pool(Protocol):

@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine.policies import ExactPolicy, SchedulePolicy
-from ..engine.pool import PoolFull
-from ..engine.request import Phase, ScheduledRequest
 from ..errors import KVChainError
 from ..prefill_budget import Decision
+from .policies import ExactPolicy, SchedulePolicy
+from .pool import PoolFull
 from .protocol import Pool
+from .request import Phase, ScheduledRequest
 
 
 class SchedulerStuck(KVChainError):
