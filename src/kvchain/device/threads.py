@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import KVChainError, TransferTimeoutError
+from ..errors import InputError, KVChainError, TransferTimeoutError
 from .base import Device, Event, PageAccess, Stream
 
 
@@ -20,7 +21,8 @@ class ThreadEvent(Event):
 
 
 class _Worker:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, delay: float = 0.0) -> None:
+        self.delay = delay
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"kvchain-stream-{name}", daemon=True)
@@ -33,6 +35,8 @@ class _Worker:
                 return
             try:
                 if kind == "run":
+                    if self.delay:
+                        time.sleep(self.delay)
                     on_start, fn = payload
                     if on_start is not None:
                         on_start()
@@ -50,10 +54,18 @@ class _Worker:
 
 
 class ThreadDevice(Device):
+    """`forward_delay`: seconds each piece of forward-stream work waits before it starts, as a busy
+    accelerator starts a launched kernel late; the host runs on meanwhile, so schedule-stream work
+    queued after the launch really meets the forward still running (tests that show what a missing
+    wait corrupts set it)."""
+
     name = "threads"
 
-    def __init__(self) -> None:
+    def __init__(self, forward_delay: float = 0.0) -> None:
         super().__init__()
+        if forward_delay < 0:
+            raise InputError(f"a forward delay is 0 or more seconds, not {forward_delay}")
+        self.forward_delay = forward_delay
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
 
@@ -61,7 +73,8 @@ class ThreadDevice(Device):
         worker = self._workers.get(stream.name)
         if worker is None:
             with self._lock:
-                worker = self._workers.setdefault(stream.name, _Worker(stream.name))
+                delay = self.forward_delay if stream.name == self.FORWARD else 0.0
+                worker = self._workers.setdefault(stream.name, _Worker(stream.name, delay))
         return worker
 
     def _raise_worker_errors(self) -> None:

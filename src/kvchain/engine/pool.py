@@ -73,7 +73,7 @@ class KVChainPool:
         #: what admission charges and who gives way on a full pool (default: exact reservation)
         self.policy = policy if policy is not None else ExactPolicy()
         self.tracking = self.has_state and prefix_cache and strategy is CheckpointStrategy.EXTRA_BUFFER
-        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0}
+        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0}
         #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
         #: simulator never flushes opportunistically (its numbers count no compaction between steps)
         self.steps: StepSequence[list[ScheduledRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
@@ -401,7 +401,7 @@ class KVChainPool:
             for req in reqs:
                 if req.computed == req.input_len and req.generated <= 1:  # its prompt's prefill just ended
                     self.cache_prefill(req)
-        storage.advance(rows, checkpoints)
+        self.stats_counters["window_retired"] += storage.advance(rows, checkpoints)
         if self.tree is not None:
             for req in reqs:
                 st = req.pool_state

@@ -1,0 +1,221 @@
+"""`ModelPool`: the scheduler's pool with a real forward, under the overlap scheduler.
+
+The scheduler (`scheduler.py`) decides each step exactly as it does in the simulator: admission,
+prefix matches, chunks on the checkpoint grid, decodes, finishes. Here each step's forward runs the
+model through `ModelRunner` on the device's forward stream, and with `overlap` the loop launches
+forward N+1 before it processes forward N (`StepSequence` at depth 1). The host never needs a
+token before it schedules: a decode's input is the token the previous forward sampled, read on the
+forward stream from that forward's output tensor (a future), since the forward stream runs forwards
+in order.
+
+What a step's processing did in the simulator is split here by when it is safe:
+- right after the launch (and after the previous forward was processed, so every token a prefix
+  insert names is known): the state checkpoints, whose copies on the schedule stream wait this
+  forward's state writes and come before the next forward, and window retirement, whose frees pend
+  under this forward (`KVChainPool.processed`);
+- when the forward is processed: the sampled tokens reach their requests; an end-of-sequence token
+  shortens the request, and the scheduler finishes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..cache.radix import CheckpointStrategy
+from ..errors import InvariantError
+from ..plan import PoolKind
+from ..storage import KVStorage
+from .batch import ForwardBatch
+from .pool import KVChainPool
+from .request import ScheduledRequest
+from .runner import ModelRunner
+from .steps import Forward, Launched, StepSequence
+
+
+@dataclass
+class StepOutputs:
+    """What one forward samples: `tokens[i]` is output number `index[i]` of `reqs[i]`, written on the
+    forward stream; readable on the host once the forward is processed."""
+
+    reqs: list[ScheduledRequest]
+    index: list[int]
+    tokens: torch.Tensor
+    logits: torch.Tensor | None = None
+    tokens_in: int = 0
+
+
+@dataclass
+class EngineCounters:
+    forwards: int = 0
+    tokens_in: int = 0
+    sampled: int = 0
+    moved_by_flush: int = 0
+    eos_stops: int = 0
+    #: logits of every sampled token, (request id, output index) -> [vocab], when kept
+    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+class ModelPool(KVChainPool):
+    """`KVChainPool` whose `forward` runs the model. `overlap`: launch each forward before the
+    previous one is processed (depth 1); `war_barrier`: only a test that shows what goes wrong
+    without it turns it off; `eos`: token ids that end a request (empty: run to max_new);
+    `keep_logits`: keep each sampled token's logits (tests compare them with transformers')."""
+
+    name = "kvchain-engine"
+
+    def __init__(self, storage: KVStorage, runner: ModelRunner, *, overlap: bool = True, war_barrier: bool = True,
+                 eos: tuple[int, ...] = (), keep_logits: bool = False, prefix_cache: bool = True,
+                 strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER,
+                 checkpoint_interval: int | None = None) -> None:
+        super().__init__(storage, prefix_cache=prefix_cache, strategy=strategy, checkpoint_interval=checkpoint_interval)
+        self.runner = runner
+        self.steps = StepSequence(storage, depth=1 if overlap else 0, war_barrier=war_barrier,
+                                  on_processed=self._record_outputs)
+        self.eos = np.asarray(sorted(set(eos)), dtype=np.int64)
+        self.keep_logits = keep_logits
+        self.counters = EngineCounters()
+        self.layer_pool = runner.layer_pool
+        self._attention = [p.name for p in self.plan.sub_pools if p.kind is not PoolKind.STATE]
+        #: per request id: outputs the host has read back, and the newest output still in flight
+        #: (the forward's outputs, the output number, its index there); they outlive a preemption
+        self._known: dict[int, int] = {}
+        self._future: dict[int, tuple[StepOutputs, int, int]] = {}
+
+    # -- the forward ---------------------------------------------------------------------------------
+
+    def forward(self, reqs: list[ScheduledRequest]) -> None:
+        """Launch this step's forward, process the one before it (overlap) or this one, then take
+        this step's checkpoints and retire its window rows, then flush between steps."""
+        forward, outputs = self._prepare(reqs)
+        steps = self.steps
+        steps.launch(forward, outputs)
+        steps.process_until(steps.depth)
+        self.processed(reqs)
+        self.counters.moved_by_flush += steps.flush()
+
+    def drain(self) -> None:
+        """Process every forward still in flight (the end of a run)."""
+        self.steps.drain()
+
+    def _prepare(self, reqs: list[ScheduledRequest]) -> tuple[Forward, StepOutputs]:
+        """Translate the step once: packed token ids and positions, page tables, write locations,
+        state slots; the requests that sample and where their logits are."""
+        storage = self.storage
+        table = storage.table
+        ps = self.page_size
+        n = len(reqs)
+        rows = np.fromiter((r.row for r in reqs), np.int64, n)
+        starts = np.empty(n, np.int64)
+        ends = np.empty(n, np.int64)
+        for i, req in enumerate(reqs):
+            st = req.pool_state
+            starts[i] = st.get("kv_len", req.cached)
+            ends[i] = req.computed
+        counts = ends - starts
+        if (counts <= 0).any():
+            raise InvariantError("engine.empty_chunk", f"a scheduled request adds no token ({counts.tolist()})")
+        q_starts = np.zeros(n + 1, np.int64)
+        np.cumsum(counts, out=q_starts[1:])
+        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
+        ids = np.empty(len(positions), np.int64)
+        futures: list[tuple[int, StepOutputs, int]] = []
+        sample_reqs: list[ScheduledRequest] = []
+        sample_index: list[int] = []
+        sample_at: list[int] = []
+        for i, req in enumerate(reqs):
+            lo, hi = int(q_starts[i]), int(q_starts[i + 1])
+            s, e = int(starts[i]), int(ends[i])
+            p = req.prompt_len
+            if s < p:
+                ids[lo: lo + min(e, p) - s] = req.prompt[s: min(e, p)]
+            if e > p:  # output tokens fed back (decode): known ones from the host, the newest a future
+                known = self._known.get(req.rid, 0)
+                for pos in range(max(s, p), e):
+                    j = pos - p
+                    if j < known:
+                        ids[lo + pos - s] = req.output[j]
+                    else:
+                        fut = self._future.get(req.rid)
+                        if fut is None or fut[1] != j:
+                            raise InvariantError("engine.future", f"request {req.rid}: output {j} is neither "
+                                                 "known nor sampled by a forward in flight")
+                        futures.append((lo + pos - s, fut[0], fut[2]))
+            req.pool_state["kv_len"] = e
+            if e >= req.input_len:  # this step samples the request's next output
+                sample_reqs.append(req)
+                sample_index.append(req.generated - 1)
+                sample_at.append(hi - 1)
+        device = self.runner.device
+        outputs = StepOutputs(sample_reqs, sample_index,
+                              torch.empty(len(sample_reqs), dtype=torch.int64, device=device),
+                              tokens_in=len(positions))
+        for k, req in enumerate(sample_reqs):
+            self._future[req.rid] = (outputs, sample_index[k], k)
+        rows_of_tokens = np.repeat(rows, counts)
+        vtokens = table.page_table[rows_of_tokens, positions // ps] * ps + positions % ps
+        written = storage.iteration_ids(vtokens, rows)
+        read = storage.runner_ids(rows)
+        storage.reset_new_rows()  # fresh rows start from zero state: `state_fresh` below
+        batch = ForwardBatch(
+            q_starts=q_starts, prefix_lens=starts, seq_lens=ends, page_size=ps, views=storage.views,
+            layer_pool=self.layer_pool,
+            page_tables={name: torch.from_numpy(read.page_tables[name]).to(device) for name in self._attention},
+            write_locs={name: torch.from_numpy(written.locs[name]).to(device) for name in self._attention},
+            state_slots=None if written.state_slots is None else torch.from_numpy(written.state_slots).to(device),
+            state_fresh=torch.from_numpy(starts == 0).to(device),
+        )
+        host_ids = torch.from_numpy(ids)
+        host_pos = torch.from_numpy(positions)
+        at = torch.tensor(sample_at, dtype=torch.int64)
+        runner, keep = self.runner, self.keep_logits
+        fed = _group_futures(futures)
+
+        def run() -> None:
+            tokens = host_ids.to(device)
+            for src, dst, idx in fed:  # forwards run in order on this stream: `src` has run
+                tokens[dst.to(device)] = src.tokens[idx.to(device)]
+            logits = runner.logits(batch, tokens, host_pos.to(device), at.to(device))
+            outputs.tokens.copy_(logits.argmax(-1))
+            if keep:
+                outputs.logits = logits
+
+        device_ = storage.device
+
+        def launch(step: int) -> None:
+            device_.launch(device_.forward_stream, run, label=f"forward:{step}")
+
+        self.counters.forwards += 1
+        self.counters.tokens_in += len(positions)
+        return Forward(launch, None, written), outputs
+
+    # -- processing ----------------------------------------------------------------------------------
+
+    def _record_outputs(self, launched: Launched[StepOutputs]) -> None:
+        outputs = launched.payload
+        tokens = outputs.tokens.cpu().numpy()  # the host waited this forward: no device sync here
+        for k, req in enumerate(outputs.reqs):
+            j = outputs.index[k]
+            if j >= req.output_len:  # sampled past an end-of-sequence found since: dropped
+                continue
+            req.output[j] = tokens[k]
+            self._known[req.rid] = max(self._known.get(req.rid, 0), j + 1)
+            if self._future.get(req.rid, (None, -1))[1] == j:
+                del self._future[req.rid]
+            self.counters.sampled += 1
+            if self.keep_logits and outputs.logits is not None:
+                self.counters.logits[(req.rid, j)] = outputs.logits[k].cpu()
+            if len(self.eos) and np.isin(tokens[k], self.eos) and j + 1 < req.output_len:
+                req.output_len = j + 1  # the scheduler finishes it after this step
+                self.counters.eos_stops += 1
+
+
+def _group_futures(futures: list[tuple[int, StepOutputs, int]]) -> list[tuple[StepOutputs, torch.Tensor, torch.Tensor]]:
+    """Futures by the forward that samples them: (source, packed positions, source indices)."""
+    by_src: dict[int, tuple[StepOutputs, list[int], list[int]]] = {}
+    for pos, src, idx in futures:
+        entry = by_src.setdefault(id(src), (src, [], []))
+        entry[1].append(pos)
+        entry[2].append(idx)
+    return [(src, torch.tensor(dst), torch.tensor(idx)) for src, dst, idx in by_src.values()]

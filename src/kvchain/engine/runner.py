@@ -1,0 +1,69 @@
+"""`ModelRunner`: a transformers model whose every KV and state path goes through the pool.
+
+The model's own module tree runs (embeddings, norms, MLPs, experts, projections, rotary); kvchain
+replaces only what touches KV or recurrent state: the attention function (registered with
+transformers' `AttentionInterface` and selected on every config of the model) and the forward of
+each recurrent mixer instance. One call serves a whole step: every scheduled request's new tokens
+packed into one sequence, with the translated ids in a `ForwardBatch`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+from ..plan import KVStoragePlan
+from .attention import ATTENTION_NAME, register
+from .batch import ForwardBatch
+from .mixers import install_state_mixers
+
+
+def _configs(model: torch.nn.Module):
+    seen: set[int] = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        stack = [config]
+        while stack:
+            cfg = stack.pop()
+            if id(cfg) in seen:
+                continue
+            seen.add(id(cfg))
+            yield cfg
+            for key in ("text_config", "decoder"):
+                sub = getattr(cfg, key, None)
+                if sub is not None and hasattr(sub, "to_dict"):
+                    stack.append(sub)
+
+
+class ModelRunner:
+    """Runs one batched forward of `model` over the pool `plan` lays out.
+
+    Construction switches the model to kvchain's paged attention and installs the state mixers; a
+    model with layers the plan does not place is refused, since its KV would live nowhere."""
+
+    def __init__(self, model: torch.nn.Module, plan: KVStoragePlan) -> None:
+        register()
+        for config in _configs(model):
+            config._attn_implementation = ATTENTION_NAME
+        self.model = model.eval()
+        self.mixers = install_state_mixers(model)
+        self.layer_pool = {lid: pool.name for pool in plan.sub_pools for lid in pool.layer_ids}
+        attention_layers = {m.layer_idx for m in model.modules()
+                            if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
+        missing = sorted(attention_layers - set(self.layer_pool))
+        if missing:
+            raise InputError(f"attention layers {missing} have no sub-pool in the plan (it places layers "
+                             f"{sorted(self.layer_pool)}): plan from this checkpoint's own config")
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+               sample_at: torch.Tensor) -> torch.Tensor:
+        """Logits `[len(sample_at), vocab]` at the packed positions `sample_at`, after writing every
+        new token's KV and state into the pool."""
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=sample_at,
+                         use_cache=False, kvchain_batch=batch)
+        return out.logits[0].float()

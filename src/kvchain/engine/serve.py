@@ -1,0 +1,229 @@
+"""`Engine`: serve a Hugging Face checkpoint through one kvchain pool.
+
+The checkpoint's config is parsed by the same `models/` parsers `kvchain plan` uses, planned and
+sized into one arena under a byte budget, and served by the scheduler of `scheduler.py` (continuous
+batching, chunked prefill on the checkpoint grid, prefix reuse through the radix tree, exact
+admission through `ChainPrefillBudget`) with the model's forward running on the device's forward
+stream, overlapped with scheduling (`ModelPool`). Greedy decoding."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..build import build_kv_storage
+from ..cache.radix import CheckpointStrategy
+from ..device.base import Device
+from ..device.cuda import CudaDevice
+from ..device.threads import ThreadDevice
+from ..errors import InputError
+from ..plan import plan_kv_storage
+from ..sizing import size_plan
+from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .model_pool import ModelPool
+from .request import Phase, ScheduledRequest
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine sizes and runs its pool.
+
+    `budget_bytes`: the whole KV budget (arena plus fixed tables); `page_size`: tokens per page;
+    `context_len`: the longest sequence (default: the model's, capped at 4096); `max_running`:
+    requests in one batch; `max_batched_tokens`: tokens per forward (decodes plus prefill chunks);
+    `overlap`: launch forward N+1 before processing N; `device`: `cpu` (forwards on worker-thread
+    streams) or `cuda`; `prefix_cache`: reuse cached prefixes (attention, window rows, state
+    checkpoints); `checkpoint_interval`: tokens between state checkpoints (models with recurrent
+    state; default: the plan's); `ignore_eos`: run every request to its max_new_tokens."""
+
+    budget_bytes: int = 64 * 2**20
+    page_size: int = 16
+    context_len: int | None = None
+    max_running: int = 64
+    max_batched_tokens: int = 1024
+    overlap: bool = True
+    device: str = "cpu"
+    prefix_cache: bool = True
+    checkpoint_interval: int | None = None
+    ignore_eos: bool = False
+    war_barrier: bool = True
+    keep_logits: bool = False
+    #: cpu only: seconds each forward starts late on its stream (tests that show a missing wait)
+    forward_delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_token_ids: Sequence[int]
+    max_new_tokens: int = 16
+
+
+@dataclass
+class GenerateOutput:
+    """One request's new tokens (only those: the prompt is not repeated), and why it stopped:
+    `length` (max_new_tokens, or the memory clip when `clipped`), `eos`, or `rejected`/`aborted`
+    with the reason."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str
+    cached_tokens: int = 0
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "cached_tokens": self.cached_tokens, **({"reason": self.reason} if self.reason else {})}
+
+
+@dataclass
+class GenerateStats:
+    requests: int = 0
+    steps: int = 0
+    forwards: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+    peak_running: int = 0
+    compaction_moves: int = 0
+    checkpoints: int = 0
+    window_pages_retired: int = 0
+    peak_utilisation: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
+                "tokens_per_second": self.tokens_per_second, "prefix_hit_rate": self.prefix_hit_rate}
+
+
+@dataclass
+class GenerateResult:
+    outputs: list[GenerateOutput]
+    stats: GenerateStats
+    #: (request index, output number) -> logits of that sampled token, when `keep_logits`
+    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+def _backend(device: str, forward_delay: float) -> tuple[Device, torch.device]:
+    if device == "cpu":
+        return ThreadDevice(forward_delay), torch.device("cpu")
+    if device == "cuda":
+        return CudaDevice("cuda"), torch.device("cuda")
+    raise InputError(f"device must be cpu or cuda, not {device!r}")
+
+
+class Engine:
+    """One model, one pool, one prefix cache that outlives each `generate` call."""
+
+    def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        backend, torch_device = _backend(config.device, config.forward_delay)
+        if not isinstance(checkpoint, LoadedCheckpoint):
+            checkpoint = load_checkpoint(checkpoint, device=torch_device)
+        self.checkpoint = checkpoint
+        spec = checkpoint.model_spec()
+        context = config.context_len or min(spec.max_context or 4096, 4096)
+        self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)
+        sizing = size_plan(self.plan, config.budget_bytes, context_len=context, max_running_requests=config.max_running)
+        self.storage = build_kv_storage(self.plan, sizing, torch_device, backend=backend)
+        self.runner = ModelRunner(checkpoint.model, self.plan)
+        strategy = CheckpointStrategy.EXTRA_BUFFER
+        interval = config.checkpoint_interval if self.plan.state is not None else None
+        self.pool = ModelPool(self.storage, self.runner, overlap=config.overlap, war_barrier=config.war_barrier,
+                              eos=() if config.ignore_eos else checkpoint.eos_token_ids,
+                              keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
+                              strategy=strategy, checkpoint_interval=interval)
+        self._rid = 0
+
+    def generate(self, requests: Sequence[GenerateRequest],
+                 progress: Callable[[int, int], None] | None = None) -> GenerateResult:
+        """Serve every request to its end; outputs come back in input order. `progress(done, total)`
+        is called after each step. The pool is checked idle at the end (no leak, no page pending)."""
+        cfg = self.config
+        vocab = int(self.checkpoint.model.get_input_embeddings().num_embeddings)
+        reqs = []
+        for i, r in enumerate(requests):
+            prompt = np.asarray(list(r.prompt_token_ids), dtype=np.int64)
+            if prompt.ndim != 1 or not len(prompt):
+                raise InputError(f"request {i}: a prompt needs at least one token id")
+            if prompt.min() < 0 or prompt.max() >= vocab:
+                raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
+            if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
+                raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {r.max_new_tokens!r}")
+            rid = self._rid
+            self._rid += 1
+            reqs.append(ScheduledRequest(rid=rid, arrival=0, prompt=prompt, max_new=r.max_new_tokens,
+                                         output_len=r.max_new_tokens,
+                                         output=np.zeros(r.max_new_tokens, dtype=np.int64)))
+        asked = [r.max_new for r in reqs]
+        scheduler = Scheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens, max_running=cfg.max_running)
+        scheduler.add(reqs)
+        before = dict(self.pool.stats_counters)
+        counters = self.pool.counters
+        forwards0 = counters.forwards
+        moves0 = self.storage.stats().moves
+        peak = 0.0
+        t0 = time.perf_counter()
+
+        def tick(s: Scheduler) -> None:
+            nonlocal peak
+            peak = max(peak, s.stats.history[-1].utilisation)
+            if progress is not None:
+                progress(len(s.done), len(reqs))
+
+        scheduler.run(progress=tick)
+        self.pool.drain()
+        self.storage.device.synchronize()
+        seconds = time.perf_counter() - t0
+        self.pool.check_idle()
+        outputs = []
+        for i, req in enumerate(reqs):
+            n = req.generated if req.phase is Phase.FINISHED else 0
+            n = min(n, req.output_len)
+            if req.phase is not Phase.FINISHED:
+                reason = req.phase.value
+            elif req.output_len < req.max_new:
+                reason = "eos"
+            else:
+                reason = "length"
+            clipped = req.phase is Phase.FINISHED and req.max_new < asked[i]
+            outputs.append(GenerateOutput(i, [int(t) for t in req.output[:n]], reason, int(req.cached),
+                                          f"max_new_tokens clipped to {req.max_new} by memory" if clipped
+                                          else req.reason))
+        stats = GenerateStats(
+            requests=len(reqs), steps=scheduler.stats.steps, forwards=counters.forwards - forwards0,
+            prompt_tokens=sum(r.prompt_len for r in reqs), output_tokens=sum(len(o.token_ids) for o in outputs),
+            cached_tokens=scheduler.stats.cached_tokens, seconds=seconds, peak_running=scheduler.stats.peak_running,
+            compaction_moves=self.storage.stats().moves - moves0,
+            checkpoints=self.pool.stats_counters["checkpoints"] - before["checkpoints"],
+            window_pages_retired=self.pool.stats_counters["window_retired"] - before["window_retired"],
+            peak_utilisation=peak)
+        logits = {}
+        if cfg.keep_logits:
+            index = {r.rid: i for i, r in enumerate(reqs)}
+            logits = {(index[rid], j): v for (rid, j), v in counters.logits.items() if rid in index}
+        return GenerateResult(outputs, stats, logits)
+
+    def close(self) -> None:
+        """Stop the device's stream workers."""
+        self.storage.device.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
