@@ -41,7 +41,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence over L tokens for B independent sequences, in float32: q, k `[B, L, H, Dk]`
+    """The recurrence token by token for B independent sequences, in float32: q, k `[B, L, H, Dk]`
     (already normalised, scaled and repeated to the value heads), v `[B, L, H, Dv]`, g and beta
     `[B, L, H]`, state `[B, H, Dk, Dv]`. Returns the outputs `[B, L, H, Dv]` and the final state."""
     out = torch.empty_like(v)
@@ -53,6 +53,35 @@ def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         state = state + k_t[..., :, None] * delta[..., None, :]
         out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
     return out, state
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence (same arguments as `gated_delta_scan`) a block of tokens at a time.
+
+    With G_t the decay accumulated from the block's start and S0 its starting state, unrolling
+    gives S_t = G_t S0 + sum_{j<=t} (G_t/G_j) k_j u_j^T, where the corrections u_t solve the unit
+    lower-triangular system u_t + beta_t sum_{j<t} (G_t/G_j)(k_t.k_j) u_j = beta_t (v_t - G_t S0^T k_t).
+    Outputs and the block's final state are then matrix products; only G_t/G_j with j <= t (at
+    most 1) is ever formed, so nothing overflows."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, L]
+    out = torch.empty_like(v)
+    length = q.shape[2]
+    for lo in range(0, length, block):
+        hi = min(lo + block, length)
+        q_b, k_b, v_b, beta_b = q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], beta[:, :, lo:hi]
+        gam = torch.cumsum(g[:, :, lo:hi], dim=-1)  # log G_t
+        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=q.device).tril()
+        rel = torch.where(causal, gam[..., :, None] - gam[..., None, :], float("-inf")).exp()  # G_t/G_j, j<=t
+        lower = (beta_b[..., None] * (k_b @ k_b.transpose(-1, -2)) * rel).tril(-1)
+        eye = torch.eye(hi - lo, dtype=q.dtype, device=q.device)
+        rhs = beta_b[..., None] * (v_b - gam.exp()[..., None] * (k_b @ state))
+        u = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        out[:, :, lo:hi] = gam.exp()[..., None] * (q_b @ state) + ((q_b @ k_b.transpose(-1, -2)) * rel) @ u
+        last = gam[..., -1:]
+        state = last.exp()[..., None] * state + (k_b * (last - gam).exp()[..., None]).transpose(-1, -2) @ u
+    return out.transpose(1, 2), state
 
 
 def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -91,8 +120,9 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
         k_c = _l2norm(k_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2)
         v_c = v_c.reshape(n_req, length, nv, dv).float()
         state = read_state(ssm_pool, batch, group.requests, torch.float32)
-        out, state = gated_delta_scan(q_c, k_c, v_c, g[tokens].view(n_req, length, nv),
-                                      beta[tokens].view(n_req, length, nv).float(), state)
+        scan = gated_delta_scan if length == 1 else gated_delta_chunked
+        out, state = scan(q_c, k_c, v_c, g[tokens].view(n_req, length, nv),
+                          beta[tokens].view(n_req, length, nv).float(), state)
         core[tokens] = out.reshape(n_req * length, nv, dv)
         write_state(conv_pool, batch, group.requests, conv_next)
         write_state(ssm_pool, batch, group.requests, state)
