@@ -1,0 +1,131 @@
+"""Qwen3-Next gated DeltaNet on the pool: the module's own projections, conv weights, gated norm and
+output projection, with the conv window and the recurrent state read from and written to the
+request's state slot.
+
+Per value head the state S (`[key_dim, value_dim]`) follows the gated delta rule: each token decays
+it by exp(g), then corrects what it recalls for the token's key towards the token's value with step
+beta (S += k (beta (v - S^T k))^T), and the output reads it with the query (S^T q). q and k are
+l2-normalised and q is scaled by 1/sqrt(key_dim); each q/k head serves a run of consecutive value
+heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import ForwardBatch
+from .conv_state import (
+    activation,
+    causal_conv,
+    conv_store,
+    packed_input,
+    read_state,
+    ssm_store,
+    state_groups,
+    write_state,
+)
+
+
+def deltanet_module_types() -> tuple[type, ...]:
+    """The mixer classes `deltanet_forward` serves (none when transformers lacks them)."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+    except ImportError:
+        return ()
+    return (Qwen3NextGatedDeltaNet,)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token for B independent sequences, in float32: q, k `[B, L, H, Dk]`
+    (already normalised, scaled and repeated to the value heads), v `[B, L, H, Dv]`, g and beta
+    `[B, L, H]`, state `[B, H, Dk, Dv]`. Returns the outputs `[B, L, H, Dv]` and the final state."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        k_t = k[:, t]
+        recalled = torch.einsum("bhkv,bhk->bhv", state, k_t)
+        delta = (v[:, t] - recalled) * beta[:, t, :, None]
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return out, state
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence (same arguments as `gated_delta_scan`) a block of tokens at a time.
+
+    With G_t the decay accumulated from the block's start and S0 its starting state, unrolling
+    gives S_t = G_t S0 + sum_{j<=t} (G_t/G_j) k_j u_j^T, where the corrections u_t solve the unit
+    lower-triangular system u_t + beta_t sum_{j<t} (G_t/G_j)(k_t.k_j) u_j = beta_t (v_t - G_t S0^T k_t).
+    Outputs and the block's final state are then matrix products; only G_t/G_j with j <= t (at
+    most 1) is ever formed, so nothing overflows."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, L]
+    out = torch.empty_like(v)
+    length = q.shape[2]
+    for lo in range(0, length, block):
+        hi = min(lo + block, length)
+        q_b, k_b, v_b, beta_b = q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], beta[:, :, lo:hi]
+        gam = torch.cumsum(g[:, :, lo:hi], dim=-1)  # log G_t
+        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=q.device).tril()
+        rel = torch.where(causal, gam[..., :, None] - gam[..., None, :], float("-inf")).exp()  # G_t/G_j, j<=t
+        lower = (beta_b[..., None] * (k_b @ k_b.transpose(-1, -2)) * rel).tril(-1)
+        eye = torch.eye(hi - lo, dtype=q.dtype, device=q.device)
+        rhs = beta_b[..., None] * (v_b - gam.exp()[..., None] * (k_b @ state))
+        u = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        out[:, :, lo:hi] = gam.exp()[..., None] * (q_b @ state) + ((q_b @ k_b.transpose(-1, -2)) * rel) @ u
+        last = gam[..., -1:]
+        state = last.exp()[..., None] * state + (k_b * (last - gam).exp()[..., None]).transpose(-1, -2) @ u
+    return out.transpose(1, 2), state
+
+
+def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """`module` (a `Qwen3NextGatedDeltaNet`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`."""
+    x = packed_input(hidden_states, batch)
+    dtype = x.dtype
+    n_tok = x.shape[0]
+    nk, nv = module.num_k_heads, module.num_v_heads
+    dk, dv = module.head_k_dim, module.head_v_dim
+    rep = nv // nk
+
+    # in_proj_qkvz is laid out per key head: [q, k, v of its rep value heads, z of them]
+    qkvz = module.in_proj_qkvz(x).view(n_tok, nk, 2 * dk + 2 * rep * dv)
+    q, k, v, z = torch.split(qkvz, [dk, dk, rep * dv, rep * dv], dim=-1)
+    ba = module.in_proj_ba(x).view(n_tok, nk, 2 * rep)
+    b, a = torch.split(ba, [rep, rep], dim=-1)
+    z = z.reshape(n_tok, nv, dv)
+    beta = b.reshape(n_tok, nv).sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.reshape(n_tok, nv).float() + module.dt_bias)
+    mixed = torch.cat([q.reshape(n_tok, -1), k.reshape(n_tok, -1), v.reshape(n_tok, -1)], dim=-1)
+
+    layer = module.layer_idx
+    conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
+    weight = module.conv1d.weight.squeeze(1)
+    act = activation(module.activation)
+    core = torch.empty(n_tok, nv, dv, dtype=torch.float32, device=x.device)
+    for group in state_groups(batch):
+        n_req, length = len(group.requests), group.length
+        tokens = torch.as_tensor(group.tokens, device=x.device)
+        seq = mixed[tokens].view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        conv_past = read_state(conv_pool, batch, group.requests, dtype)
+        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias)
+        conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
+        q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        q_c = _l2norm(q_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2) / dk**0.5
+        k_c = _l2norm(k_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2)
+        v_c = v_c.reshape(n_req, length, nv, dv).float()
+        state = read_state(ssm_pool, batch, group.requests, torch.float32)
+        scan = gated_delta_scan if length == 1 else gated_delta_chunked
+        out, state = scan(q_c, k_c, v_c, g[tokens].view(n_req, length, nv),
+                          beta[tokens].view(n_req, length, nv).float(), state)
+        core[tokens] = out.reshape(n_req * length, nv, dv)
+        write_state(conv_pool, batch, group.requests, conv_next)
+        write_state(ssm_pool, batch, group.requests, state)
+
+    normed = module.norm(core.to(dtype).reshape(-1, dv), z.reshape(-1, dv))
+    return module.out_proj(normed.reshape(1, n_tok, nv * dv))
