@@ -32,12 +32,17 @@ class _Group:
     - `pages` (`[b, C]`): the physical pages read for each request (its page-table columns from the
       first one the window needs; columns past its last page read page 0 and are masked);
     - `key_ok` (`[b, C*page_size]`): the key slot holds one of the request's live tokens;
+    - `page_ok` (`[b, C*page_size]`): the key slot lies in one of the request's own pages. Slots of
+      its own pages past its length are read as the pool left them: hand-out zeroing (ALLOC-20)
+      keeps them zero, so a stale NaN there would reach the output, as in any paged kernel that
+      reads whole pages; columns past its last page (padding) are zeroed here;
     - `visible` (`[b, n, C*page_size]`): query i may attend key slot j (causal, window, live)."""
 
     rows: torch.Tensor
     n: int
     pages: torch.Tensor
     key_ok: torch.Tensor
+    page_ok: torch.Tensor
     visible: torch.Tensor
 
 
@@ -72,6 +77,7 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
         n=n,
         pages=pages,
         key_ok=torch.from_numpy(key_ok).to(device),
+        page_ok=torch.from_numpy(np.repeat(col_ok, ps, axis=1)).to(device),
         visible=torch.from_numpy(visible).to(device),
     )
 
@@ -119,7 +125,7 @@ def _attend(
     groups = n_heads // kv_heads
     dtype = q.dtype
     qg = q[g.rows].view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4)  # [b, KVH, G, n, D]
-    dead = ~g.key_ok[:, :, None, None]
+    dead = ~g.page_ok[:, :, None, None]
     k = k_cache[g.pages].flatten(1, 2).to(dtype).masked_fill(dead, 0.0)  # [b, L, KVH, D]
     v = v_cache[g.pages].flatten(1, 2).to(dtype).masked_fill(dead, 0.0)
     k = k.permute(0, 2, 1, 3).unsqueeze(2)  # [b, KVH, 1, L, D]

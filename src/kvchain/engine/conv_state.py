@@ -106,33 +106,3 @@ def packed_input(hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tens
         raise InputError(f"a packed batch of {total} tokens needs hidden states [1, {total}, H], "
                          f"got {tuple(hidden_states.shape)}")
     return hidden_states[0]
-
-
-def install_state_mixers(model: torch.nn.Module) -> int:
-    """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet,
-    Nemotron-H Mamba2) with kvchain's, which reads and writes the state in the pool through the
-    `kvchain_batch` keyword the model passes down. Returns how many were installed."""
-    from .deltanet import deltanet_forward, deltanet_module_types
-    from .mamba2 import mamba2_forward, mamba2_module_types
-
-    kinds = [(deltanet_module_types(), deltanet_forward), (mamba2_module_types(), mamba2_forward)]
-    installed = 0
-    for module in model.modules():
-        for types, forward in kinds:
-            if types and isinstance(module, types):
-                module.forward = _bound(module, forward)
-                installed += 1
-                break
-    return installed
-
-
-def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def run(hidden_states: torch.Tensor, cache: object = None, attention_mask: object = None,
-            **kwargs: object) -> torch.Tensor:
-        batch = kwargs.get("kvchain_batch")
-        if not isinstance(batch, ForwardBatch):
-            raise InputError(f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) runs on "
-                             "kvchain's pool and needs kvchain_batch=<ForwardBatch> in the forward's kwargs")
-        return forward(module, hidden_states, batch)
-
-    return run

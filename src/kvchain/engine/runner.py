@@ -12,7 +12,8 @@ import torch
 
 from ..errors import InputError
 from ..plan import KVStoragePlan
-from .attention import ATTENTION_NAME, register
+from .attention import NAME as ATTENTION_NAME
+from .attention import register
 from .batch import ForwardBatch
 from .mixers import install_state_mixers
 

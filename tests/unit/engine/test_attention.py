@@ -288,7 +288,8 @@ def test_window_edge_is_hf_convention():
     base = run()
     i = 12
     outside, inside = i - WINDOW, i - WINDOW + 1
-    view.v(layer)[table[outside // PAGE], outside % PAGE] = float("nan")
+    # huge but finite values: a slot the request owns holds a real token, never a NaN (ALLOC-20)
+    view.v(layer)[table[outside // PAGE], outside % PAGE] = 1e30
     view.k(layer)[table[outside // PAGE], outside % PAGE] = float("inf")
     assert torch.equal(run(), base)
     view.v(layer)[table[inside // PAGE], inside % PAGE] += 1.0
@@ -297,8 +298,10 @@ def test_window_edge_is_hf_convention():
 
 def test_decode_batch_pads_with_garbage_safely():
     """Decodes of different lengths share one computation, keys padded to the longest; every page of
-    the sub-pool the requests do not own (those the padded columns read among them) and the unwritten
-    slots of a fresh page hold NaN; each result equals that request decoded alone."""
+    the sub-pool the requests do not own (those the padded columns read among them) holds NaN; each
+    result equals that request decoded alone. A stale NaN in the unwritten slots of a request's own
+    fresh page does reach its output: whole pages are read, and only hand-out zeroing (ALLOC-20)
+    keeps those slots clean."""
     pool = _Pool(_gemma3())
     sub = next(p for p in pool.attention if p.kind is PoolKind.FULL)
     module = _Attn(sub.layer_ids[0], 4, 2, 16)
@@ -316,12 +319,15 @@ def test_decode_batch_pads_with_garbage_safely():
         owned[table[b, :n_pages]] = True
     view = pool.views[sub.name]
     view.pages[~owned] = 0xFF
-    fresh = table[1, decode.prefix_lens[1] // PAGE]  # request 1's decode starts this page
-    view.k(module.layer_idx)[fresh] = float("nan")
-    view.v(module.layer_idx)[fresh] = float("nan")
     q, k, v = (torch.randn(1, h, 3, 16, generator=g) for h in (4, 2, 2))
     together = paged_attention(module, q, k, v, None, kvchain_batch=decode)[0]
     assert torch.isfinite(together).all()
+    fresh = table[1, decode.prefix_lens[1] // PAGE]  # request 1's decode starts this page
+    stale = view.v(module.layer_idx)[fresh].clone()
+    view.v(module.layer_idx)[fresh, 1:] = float("nan")  # past the token the decode writes
+    poisoned = paged_attention(module, q, k, v, None, kvchain_batch=decode)[0]
+    assert torch.isnan(poisoned[0, 1]).all() and torch.equal(poisoned[0, [0, 2]], together[0, [0, 2]])
+    view.v(module.layer_idx)[fresh] = stale
     for b in range(3):
         alone = ForwardBatch(
             q_starts=np.array([0, 1]), prefix_lens=decode.prefix_lens[b:b + 1], seq_lens=decode.seq_lens[b:b + 1],

@@ -15,9 +15,9 @@ import torch
 from kvchain.build import build_kv_storage
 from kvchain.decl import MHA, FullLifetime, KVLayerDecl, KVPart
 from kvchain.engine.batch import ForwardBatch
-from kvchain.engine.conv_state import install_state_mixers
 from kvchain.engine.deltanet import deltanet_forward, gated_delta_chunked, gated_delta_scan
 from kvchain.engine.mamba2 import mamba2_forward, ssd_scan
+from kvchain.engine.mixers import install_state_mixers
 from kvchain.errors import InputError
 from kvchain.models.registry import model_from_config
 from kvchain.plan import PoolKind, plan_kv_storage

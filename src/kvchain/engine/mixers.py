@@ -1,0 +1,40 @@
+"""`install_state_mixers`: switch a model's recurrent mixers to kvchain's forwards, which read and
+write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `mamba2.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import InputError
+from .batch import ForwardBatch
+from .deltanet import deltanet_forward, deltanet_module_types
+from .mamba2 import mamba2_forward, mamba2_module_types
+
+
+def install_state_mixers(model: torch.nn.Module) -> int:
+    """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet,
+    Nemotron-H Mamba2) with kvchain's, which reads and writes the state in the pool through the
+    `kvchain_batch` keyword the model passes down. Returns how many were installed."""
+    kinds = [(deltanet_module_types(), deltanet_forward), (mamba2_module_types(), mamba2_forward)]
+    installed = 0
+    for module in model.modules():
+        for types, forward in kinds:
+            if types and isinstance(module, types):
+                module.forward = _bound(module, forward)
+                installed += 1
+                break
+    return installed
+
+
+def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def run(hidden_states: torch.Tensor, cache: object = None, attention_mask: object = None,
+            **kwargs: object) -> torch.Tensor:
+        batch = kwargs.get("kvchain_batch")
+        if not isinstance(batch, ForwardBatch):
+            raise InputError(f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) runs on "
+                             "kvchain's pool and needs kvchain_batch=<ForwardBatch> in the forward's kwargs")
+        return forward(module, hidden_states, batch)
+
+    return run
