@@ -28,10 +28,11 @@ from ..errors import InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 from .batch import ForwardBatch
+from .metadata import MetadataBuffers, StepMetadata
 from .pool import KVChainPool
 from .request import ScheduledRequest
 from .runner import ModelRunner
-from .steps import Forward, Launched, StepSequence
+from .steps import Forward, Launched, MetadataUpload, StepSequence
 
 
 @dataclass
@@ -68,9 +69,10 @@ class ModelPool(KVChainPool):
     def __init__(self, storage: KVStorage, runner: ModelRunner, *, overlap: bool = True, war_barrier: bool = True,
                  eos: tuple[int, ...] = (), keep_logits: bool = False, prefix_cache: bool = True,
                  strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER,
-                 checkpoint_interval: int | None = None) -> None:
+                 checkpoint_interval: int | None = None, max_tokens: int = 1024) -> None:
         super().__init__(storage, prefix_cache=prefix_cache, strategy=strategy, checkpoint_interval=checkpoint_interval)
         self.runner = runner
+        self.exact_checkpoints = True
         self.steps = StepSequence(storage, depth=1 if overlap else 0, war_barrier=war_barrier,
                                   on_processed=self._record_outputs)
         self.eos = np.asarray(sorted(set(eos)), dtype=np.int64)
@@ -78,6 +80,10 @@ class ModelPool(KVChainPool):
         self.counters = EngineCounters()
         self.layer_pool = runner.layer_pool
         self._attention = [p.name for p in self.plan.sub_pools if p.kind is not PoolKind.STATE]
+        table = storage.table
+        self.buffers = MetadataBuffers(self._attention, self.has_state, max_tokens=max_tokens,
+                                       max_requests=table.rows, max_pages=-(-table.context_len // self.page_size),
+                                       device=runner.device)
         #: per request id: outputs the host has read back, and the newest output still in flight
         #: (the forward's outputs, the output number, its index there); they outlive a preemption
         self._known: dict[int, int] = {}
@@ -158,25 +164,25 @@ class ModelPool(KVChainPool):
         written = storage.iteration_ids(vtokens, rows)
         read = storage.runner_ids(rows)
         storage.reset_new_rows()  # fresh rows start from zero state: `state_fresh` below
+        meta = StepMetadata(
+            input_ids=ids, positions=positions,
+            page_tables={name: read.page_tables[name] for name in self._attention},
+            write_locs={name: written.locs[name] for name in self._attention},
+            state_slots=written.state_slots, state_fresh=starts == 0,
+            sample_at=np.asarray(sample_at, dtype=np.int64))
+        views = self.buffers.views(meta)
         batch = ForwardBatch(
             q_starts=q_starts, prefix_lens=starts, seq_lens=ends, page_size=ps, views=storage.views,
-            layer_pool=self.layer_pool,
-            page_tables={name: torch.from_numpy(read.page_tables[name]).to(device) for name in self._attention},
-            write_locs={name: torch.from_numpy(written.locs[name]).to(device) for name in self._attention},
-            state_slots=None if written.state_slots is None else torch.from_numpy(written.state_slots).to(device),
-            state_fresh=torch.from_numpy(starts == 0).to(device),
-        )
-        host_ids = torch.from_numpy(ids)
-        host_pos = torch.from_numpy(positions)
-        at = torch.tensor(sample_at, dtype=torch.int64)
+            layer_pool=self.layer_pool, page_tables=views.page_tables, write_locs=views.write_locs,
+            state_slots=views.state_slots, state_fresh=views.state_fresh)
         runner, keep = self.runner, self.keep_logits
-        fed = _group_futures(futures)
+        fed = _group_futures(futures, device)
 
         def run() -> None:
-            tokens = host_ids.to(device)
+            tokens = views.input_ids
             for src, dst, idx in fed:  # forwards run in order on this stream: `src` has run
-                tokens[dst.to(device)] = src.tokens[idx.to(device)]
-            logits = runner.logits(batch, tokens, host_pos.to(device), at.to(device))
+                tokens[dst] = src.tokens[idx]
+            logits = runner.logits(batch, tokens, views.positions, views.sample_at)
             outputs.tokens.copy_(logits.argmax(-1))
             if keep:
                 outputs.logits = logits
@@ -186,9 +192,10 @@ class ModelPool(KVChainPool):
         def launch(step: int) -> None:
             device_.launch(device_.forward_stream, run, label=f"forward:{step}")
 
+        upload = MetadataUpload(lambda: MetadataBuffers.upload(views, meta), label="metadata upload")
         self.counters.forwards += 1
         self.counters.tokens_in += len(positions)
-        return Forward(launch, None, written), outputs
+        return Forward(launch, None, written, upload), outputs
 
     # -- processing ----------------------------------------------------------------------------------
 
@@ -211,11 +218,13 @@ class ModelPool(KVChainPool):
                 self.counters.eos_stops += 1
 
 
-def _group_futures(futures: list[tuple[int, StepOutputs, int]]) -> list[tuple[StepOutputs, torch.Tensor, torch.Tensor]]:
+def _group_futures(futures: list[tuple[int, StepOutputs, int]], device: torch.device
+                   ) -> list[tuple[StepOutputs, torch.Tensor, torch.Tensor]]:
     """Futures by the forward that samples them: (source, packed positions, source indices)."""
     by_src: dict[int, tuple[StepOutputs, list[int], list[int]]] = {}
     for pos, src, idx in futures:
         entry = by_src.setdefault(id(src), (src, [], []))
         entry[1].append(pos)
         entry[2].append(idx)
-    return [(src, torch.tensor(dst), torch.tensor(idx)) for src, dst, idx in by_src.values()]
+    return [(src, torch.tensor(dst, device=device), torch.tensor(idx, device=device))
+            for src, dst, idx in by_src.values()]

@@ -73,6 +73,10 @@ class KVChainPool:
         #: what admission charges and who gives way on a full pool (default: exact reservation)
         self.policy = policy if policy is not None else ExactPolicy()
         self.tracking = self.has_state and prefix_cache and strategy is CheckpointStrategy.EXTRA_BUFFER
+        #: a checkpoint is the state of the row when the chunk ending on the grid point was computed;
+        #: a model-free pool (the simulator) may count the state at a grid point inside a chunk, as an
+        #: engine whose kernel saves it there would; a pool that runs a model holds only what it computed
+        self.exact_checkpoints = False
         self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0}
         #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
         #: simulator never flushes opportunistically (its numbers count no compaction between steps)
@@ -159,7 +163,16 @@ class KVChainPool:
                                   chunk_only=self.policy.chunk_only)
 
     def next_chunk(self, req: ScheduledRequest, token_limit: int) -> int:
-        return mamba_prefill_chunk_grid(req.computed, token_limit, req.input_len, self.checkpoint_interval)
+        limit = self._grid_cut(req.computed, req.input_len, token_limit)
+        return mamba_prefill_chunk_grid(req.computed, limit, req.input_len, self.checkpoint_interval)
+
+    def _grid_cut(self, start: int, input_len: int, limit: int) -> int:
+        """With `exact_checkpoints`, a chunk that would run past the prompt's last grid point stops
+        there, so the state at that point exists in the row when the tree takes it."""
+        if not (self.exact_checkpoints and self.checkpoint_interval and self.tree is not None):
+            return limit
+        last = (input_len // self.checkpoint_interval) * self.checkpoint_interval
+        return min(limit, last - start) if start < last < input_len else limit
 
     # -- room -----------------------------------------------------------------------------------------------
 
@@ -294,6 +307,7 @@ class KVChainPool:
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
         if match is not None and match.branch:  # the first chunk ends where the branch leaves the tree
             token_limit = min(token_limit, match.branch - cached)
+        token_limit = self._grid_cut(cached, req.input_len, token_limit)
         a = ctx.consider(req.input_len, self.policy.admit_output(req), cached, token_limit)
         if a.decision is Decision.ADMIT and not self._make_room(self._admit_demand(cached + a.chunk_len, cached)):
             ctx.withdraw(a)
@@ -394,7 +408,8 @@ class KVChainPool:
             for i, req in enumerate(reqs):
                 grid = self.tree.swa_retain_floor(req.computed)
                 if grid > req.pool_state["checkpoint"]:
-                    self.checkpoint_into_tree(req, grid)
+                    if grid == req.computed or not self.exact_checkpoints:
+                        self.checkpoint_into_tree(req, grid)
                     req.pool_state["checkpoint"] = grid  # taken or abandoned: never waited for
                 checkpoints[i] = req.pool_state["checkpoint"]
         elif self.tree is not None and not self.has_state:

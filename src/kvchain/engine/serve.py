@@ -146,7 +146,8 @@ class Engine:
         self.pool = ModelPool(self.storage, self.runner, overlap=config.overlap, war_barrier=config.war_barrier,
                               eos=() if config.ignore_eos else checkpoint.eos_token_ids,
                               keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
-                              strategy=strategy, checkpoint_interval=interval)
+                              strategy=strategy, checkpoint_interval=interval,
+                              max_tokens=config.max_batched_tokens + config.max_running)
         self._rid = 0
 
     def generate(self, requests: Sequence[GenerateRequest],
