@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli_common import positive_int, progress
+from ..cli_common import byte_size, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -21,6 +21,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     moves.add_argument("--page-size", type=positive_int, default=64)
     moves.add_argument("--device", default="cpu", help="cpu or cuda")
     moves.add_argument("--json", action="store_true")
+    engine = sub.add_parser("engine", help="serving throughput: kvchain's engine vs transformers' generate_batch "
+                            "and batched generate on tiny checkpoints")
+    engine.add_argument("--families", default="gemma3,gpt_oss,qwen3_next,nemotron_h",
+                        help="comma-separated tiny checkpoint families")
+    engine.add_argument("--requests", type=positive_int, default=64)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--repeats", type=positive_int, default=3, help="timed runs per engine; the median counts")
+    engine.add_argument("--budget", type=byte_size, default=None, help="kvchain's KV budget (default 4MiB)")
+    engine.add_argument("--threads", type=positive_int, default=1, help="torch threads, the same for every engine")
+    engine.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..errors import InputError
 
+    if args.bench == "engine":
+        return _run_engine(args)
     if args.bench == "alloc":
         from .alloc import run_alloc_bench
 
@@ -64,3 +76,21 @@ def run(args: argparse.Namespace) -> int:
     Console().print(table)
     return 0
 
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .engine import DEFAULT_BUDGET, progress_total, render_engine_bench, run_engine_bench
+
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    with progress(disable=args.json) as bar:
+        task = bar.add_task("bench engine", total=progress_total(families, args.repeats))
+        result = run_engine_bench(families=families, requests=args.requests, seed=args.seed, repeats=args.repeats,
+                                  budget=args.budget or DEFAULT_BUDGET, threads=args.threads,
+                                  progress=lambda n: bar.advance(task, n))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        render_engine_bench(result, Console())
+    return 0

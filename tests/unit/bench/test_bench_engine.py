@@ -1,0 +1,82 @@
+"""`kvchain bench engine` on one small family: the numbers it reports are consistent with each other
+(ratios are the quotients of the throughputs it prints), kvchain agrees with transformers'
+continuous batching token for token, and the CLI speaks JSON and refuses bad input. Nothing here
+asserts a speed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvchain.bench.engine import PEERS, cb_bytes_per_block, run_engine_bench, shared_prefix_workload
+from kvchain.cli import main
+from kvchain.engine.tiny import tiny_config
+from kvchain.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return run_engine_bench(families=["gemma3"], requests=4, repeats=1, seed=0)
+
+
+def test_every_engine_has_a_finite_positive_throughput(result: dict) -> None:
+    family = result["families"]["gemma3"]
+    for engine in ("kvchain", *PEERS):
+        tps = family[engine]["tokens_per_second"]
+        assert math.isfinite(tps) and tps > 0, engine
+        assert family[engine]["seconds"] > 0
+
+
+def test_ratios_are_the_quotients_of_the_printed_throughputs(result: dict) -> None:
+    family = result["families"]["gemma3"]
+    ours = family["kvchain"]["tokens_per_second"]
+    for peer in PEERS:
+        assert family[peer]["ratio"] == pytest.approx(ours / family[peer]["tokens_per_second"], rel=1e-3)
+        assert result["headline"]["gemma3"][f"ratio_vs_{peer}"] == family[peer]["ratio"]
+    assert result["headline"]["gemma3"]["tokens_per_second"] == ours
+    assert next(iter(result)) == "headline"
+
+
+def test_greedy_outputs_agree_with_generate_batch(result: dict) -> None:
+    family = result["families"]["gemma3"]
+    assert family["generate_batch"]["mismatches"] == 0
+    assert family["generate_batch"]["output_tokens"] == family["output_tokens"] > 0
+
+
+def test_generate_batch_gets_kvchains_kv_bytes(result: dict) -> None:
+    family = result["families"]["gemma3"]
+    theirs = family["generate_batch"]
+    block = cb_bytes_per_block(tiny_config("gemma3"), torch.float32)
+    assert theirs["num_blocks"] == family["kv_bytes"] // block
+    assert abs(theirs["kv_bytes"] - family["kv_bytes"]) < 0.02 * family["kv_bytes"]
+
+
+def test_workload_is_seeded_and_shares_prefixes() -> None:
+    a, b = shared_prefix_workload(32, 7), shared_prefix_workload(32, 7)
+    assert a == b and a != shared_prefix_workload(32, 8)
+    assert len({tuple(p.token_ids[:32]) for p in a}) <= 4
+    assert all(40 <= len(p.token_ids) <= 96 and 16 <= p.max_new_tokens <= 32 for p in a)
+
+
+def test_an_unknown_family_is_an_input_error() -> None:
+    with pytest.raises(InputError, match="llama3000"):
+        run_engine_bench(families=["llama3000"], requests=1, repeats=1)
+
+
+def test_cli_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "engine", "--families", "gemma3", "--requests", "2", "--repeats", "1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["families"]) == {"gemma3"}
+    assert out["config"]["repeats"] == 1 and out["workload"]["requests"] == 2
+
+
+def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "engine", "--families", "nope", "--json"]) == 2
+    assert "unknown family 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "engine", "--requests", "0"])
+    assert exc.value.code == 2
