@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import InputError
 from .batch import ForwardBatch
@@ -44,6 +45,7 @@ class _Group:
     key_ok: torch.Tensor
     page_ok: torch.Tensor
     visible: torch.Tensor
+    padded: bool = True
 
 
 def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray, n: int) -> _Group:
@@ -78,6 +80,7 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
         pages=pages,
         key_ok=torch.from_numpy(key_ok).to(device),
         page_ok=torch.from_numpy(np.repeat(col_ok, ps, axis=1)).to(device),
+        padded=not bool(col_ok.all()),
         visible=torch.from_numpy(visible).to(device),
     )
 
@@ -124,12 +127,20 @@ def _attend(
     kv_heads = k_cache.shape[2]
     groups = n_heads // kv_heads
     dtype = q.dtype
-    qg = q[g.rows].view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4)  # [b, KVH, G, n, D]
-    dead = ~g.page_ok[:, :, None, None]
-    k = k_cache[g.pages].flatten(1, 2).to(dtype).masked_fill(dead, 0.0)  # [b, L, KVH, D]
-    v = v_cache[g.pages].flatten(1, 2).to(dtype).masked_fill(dead, 0.0)
+    k = k_cache[g.pages].flatten(1, 2).to(dtype)  # [b, L, KVH, D]
+    v = v_cache[g.pages].flatten(1, 2).to(dtype)
+    if g.padded:
+        dead = ~g.page_ok[:, :, None, None]
+        k = k.masked_fill(dead, 0.0)
+        v = v.masked_fill(dead, 0.0)
+    if softcap is None and sinks is None:  # the fused kernel: one call for scores, mask, softmax, values
+        out = F.scaled_dot_product_attention(
+            q[g.rows].view(b, n, n_heads, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=g.visible[:, None], scale=scaling, enable_gqa=groups > 1)  # [b, H, n, Dv]
+        return out.transpose(1, 2).reshape(b * n, n_heads, out.shape[-1])
     k = k.permute(0, 2, 1, 3).unsqueeze(2)  # [b, KVH, 1, L, D]
     v = v.permute(0, 2, 1, 3).unsqueeze(2)
+    qg = q[g.rows].view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4)  # [b, KVH, G, n, D]
 
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scaling  # [b, KVH, G, n, L]
     if softcap is not None:
