@@ -2,7 +2,8 @@
 that adds its flags and the one that runs it. Any `KVChainError` (or a bad flag) becomes one line on
 stderr and exit code 2.
 
-The subcommands that live with their subjects (`sim/cli.py`, `testing/stress_cli.py`, `bench/`)
+The subcommands that live with their subjects (`sim/cli.py`, `testing/stress_cli.py`, `bench/`,
+`generate_cli.py`)
 expose their `configure`/`run` pair and import only `cli_common.py`, never this module, so the
 table here is the only registration and `python -m kvchain.cli` sees every command."""
 
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import bench
+from . import bench, generate_cli
 from .cli_common import Parser, add_model_args, byte_size, load_model, positive_int, report_error, share
 from .errors import KVChainError
 from .sim import cli as sim_cli
@@ -92,6 +93,10 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command("plan", "lay a model's KV state out in one arena for a byte budget", configure_plan, run_plan),
     Command("models", "list the built-in model presets", configure_models, run_models),
+    Command("generate", "serve a Hugging Face checkpoint through one kvchain pool (greedy decoding)",
+            generate_cli.configure_generate, generate_cli.run_generate),
+    Command("make-checkpoint", "write a tiny random checkpoint of a model family to try `generate` on",
+            generate_cli.configure_make_checkpoint, generate_cli.run_make_checkpoint),
     Command("bench", "benchmarks that print a ratio against a baseline from the same run",
             bench.configure, bench.run),
     Command("simulate", "serve a workload through kvchain and today's pools, side by side",

@@ -42,7 +42,7 @@ def _llama() -> dict[str, Any]:
         "model_type": "llama",
         "num_hidden_layers": 2,
         "intermediate_size": 128,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": True,  # the loader restores a head the file stores once
     }
 
 
@@ -54,7 +54,9 @@ def _gemma3() -> dict[str, Any]:
         "intermediate_size": 128,
         "sliding_window": 16,
         "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        "tie_word_embeddings": True,
+        # untied: Gemma scales its input embeddings by sqrt(hidden), and a tied random head then reads
+        # the last token back, so greedy decoding repeats one token
+        "tie_word_embeddings": False,
     }
 
 

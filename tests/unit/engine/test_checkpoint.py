@@ -104,9 +104,9 @@ def test_load_in_bfloat16_casts_and_sets_kv_dtype(
 def test_tied_embeddings_stored_once_and_shared(
     checkpoints: dict[str, Path], loaded: dict[str, LoadedCheckpoint]
 ) -> None:
-    names = set(load_file(checkpoints["gemma3"] / "model.safetensors"))
+    names = set(load_file(checkpoints["llama"] / "model.safetensors"))
     assert "lm_head.weight" not in names
-    model = loaded["gemma3"].model
+    model = loaded["llama"].model
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 

@@ -1,0 +1,178 @@
+"""`kvchain generate` and `kvchain make-checkpoint`: serve a Hugging Face checkpoint through one
+kvchain pool, greedy, and write a tiny random checkpoint to try it on with no download."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .cli_common import byte_size, positive_int, progress
+from .errors import InputError
+
+
+def configure_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", required=True, help="a checkpoint directory: config.json and *.safetensors")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", nargs="+", help="one or more prompts as text (needs a tokenizer in the directory)")
+    src.add_argument("--prompts", help='a JSONL file: one request a line, {"prompt_token_ids": [...]} or '
+                     '{"prompt": "text"}, each with an optional "max_new_tokens"')
+    p.add_argument("--max-new-tokens", type=positive_int, default=16,
+                   help="new tokens per request where the request names none (default 16)")
+    p.add_argument("--budget", type=byte_size, default=64 * 2**20,
+                   help="bytes for the KV pool, fixed tables included (default 64MiB)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="the longest sequence (default: the model's, at most 4096)")
+    p.add_argument("--max-running", type=positive_int, default=64, help="requests in one batch (default 64)")
+    p.add_argument("--max-batched-tokens", type=positive_int, default=1024,
+                   help="tokens per forward, decodes and prefill chunks (default 1024)")
+    p.add_argument("--checkpoint-interval", type=positive_int, default=None,
+                   help="tokens between recurrent-state checkpoints (models with state; default: the plan's)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch forward N+1 before processing forward N (default on)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached prefixes: attention, window rows, state checkpoints (default on)")
+    p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
+    p.add_argument("--json", action="store_true",
+                   help='print {"outputs": [{"index", "token_ids", ...}], "stats": {...}} instead of tables')
+
+
+def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int] | None, str | None, int]]:
+    """(token ids or None, text or None, max_new_tokens) per request, in input order."""
+    if args.prompt:
+        return [(None, text, args.max_new_tokens) for text in args.prompt]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise InputError(f"--prompts {path}: no such file")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"--prompts {path}, line {n}"
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InputError(f"{where}: not JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: a request is a JSON object, got {type(obj).__name__}")
+            max_new = obj.get("max_new_tokens", args.max_new_tokens)
+            if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+                raise InputError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
+            if "prompt_token_ids" in obj:
+                ids = obj["prompt_token_ids"]
+                if not isinstance(ids, list) or not ids or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise InputError(f"{where}: prompt_token_ids must be a non-empty list of integers")
+                out.append((ids, None, max_new))
+            elif isinstance(obj.get("prompt"), str):
+                out.append((None, obj["prompt"], max_new))
+            else:
+                raise InputError(f'{where}: needs "prompt_token_ids" (a list) or "prompt" (a string)')
+    if not out:
+        raise InputError(f"--prompts {path}: no requests in the file")
+    if any(ids is None for ids, _t, _m in out) and tokenizer is None:
+        raise InputError(f"--prompts {path}: text prompts need a tokenizer in {args.model_path}")
+    return out
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .engine.checkpoint import load_checkpoint
+    from .engine.serve import Engine, EngineConfig, GenerateRequest
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda: CUDA is not available on this machine")
+    checkpoint = load_checkpoint(args.model_path, device=args.device)
+    tokenizer = checkpoint.tokenizer
+    if args.prompt and tokenizer is None:
+        raise InputError(f"--prompt needs a tokenizer in {args.model_path}; give --prompts with prompt_token_ids")
+    parsed = _read_prompts(args, tokenizer)
+    requests = []
+    for ids, text, max_new in parsed:
+        if ids is None:
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            if not ids:
+                raise InputError(f"the prompt {text!r} encodes to no tokens")
+        requests.append(GenerateRequest(ids, max_new))
+    config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
+                          max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+                          overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
+                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+    with Engine(checkpoint, config) as engine, progress(
+            "[progress.description]{task.description}", "{task.completed}/{task.total} requests",
+            disable=args.json) as bar:
+        task = bar.add_task("generate", total=len(requests))
+        result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
+        return 0
+    _render(result, tokenizer, engine)
+    return 0
+
+
+def _render(result, tokenizer, engine) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    outputs = Table(title="kvchain generate", title_justify="left")
+    outputs.add_column("#", justify="right")
+    outputs.add_column("new tokens", justify="right")
+    outputs.add_column("stop")
+    outputs.add_column("output")
+    for o in result.outputs:
+        text = tokenizer.decode(o.token_ids) if tokenizer is not None else " ".join(map(str, o.token_ids))
+        outputs.add_row(str(o.index), str(len(o.token_ids)), o.finish_reason + (f" ({o.reason})" if o.reason else ""),
+                        repr(text)[1:-1])
+    console.print(outputs)
+    s = result.stats
+    table = Table(show_header=False, title="run", title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("throughput", f"{s.tokens_per_second:,.1f} output tokens/s ({s.output_tokens} in {s.seconds:.2f} s)"),
+        ("steps", f"{s.steps} ({s.forwards} forwards)"),
+        ("running requests (peak)", str(s.peak_running)),
+        ("prefix hits", f"{s.cached_tokens} of {s.prompt_tokens} prompt tokens ({s.prefix_hit_rate:.0%})"),
+        ("compaction moves", str(s.compaction_moves)),
+        ("window pages retired", str(s.window_pages_retired)),
+        ("state checkpoints", str(s.checkpoints)),
+        ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {engine.storage.sizing.budget_bytes:,} bytes"),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
+    console.print(table)
+
+
+def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
+    from .engine.tiny import FAMILIES
+
+    p.add_argument("family", help=f"one of {', '.join(FAMILIES)}")
+    p.add_argument("dir", help="the directory to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--force", action="store_true", help="write into a directory that already holds a checkpoint")
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> int:
+    from .engine.tiny import FAMILIES, make_checkpoint
+
+    if args.family not in FAMILIES:
+        raise InputError(f"unknown family {args.family!r}; known: {', '.join(FAMILIES)}")
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory")
+    if (out / "config.json").exists() and not args.force:
+        raise InputError(f"{out} already holds a checkpoint (give --force to overwrite it)")
+    if args.seed < 0:
+        raise InputError(f"--seed must be >= 0, got {args.seed}")
+    try:
+        make_checkpoint(args.family, out, seed=args.seed)
+    except OSError as e:
+        raise InputError(f"cannot write {out}: {e.strerror or e}") from None
+    print(f"wrote a tiny {args.family} checkpoint to {out}")
+    return 0

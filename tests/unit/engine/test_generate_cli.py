@@ -1,0 +1,76 @@
+"""`kvchain make-checkpoint` and `kvchain generate` as a new user runs them: a tiny checkpoint
+written, then served from a prompts file and from text; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from kvchain.cli import main
+from kvchain.engine.checkpoint import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "gpt_oss"
+    assert main(["make-checkpoint", "gpt_oss", str(path)]) == 0
+    return path
+
+
+def _greedy(path, ids: list[int], n: int) -> list[int]:
+    model = load_checkpoint(path).model
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
+        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0))
+    return out[0, len(ids):].tolist()
+
+
+def test_generate_json_from_a_prompts_file(tiny, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt_token_ids": [5, 6, 7, 8, 9], "max_new_tokens": 5}, {"prompt": "hello kvchain"}, {}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n")
+    capsys.readouterr()
+    assert main(["generate", "--model-path", str(tiny), "--prompts", str(prompts), "--max-new-tokens", "7",
+                 "--budget", "4MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [o["index"] for o in out["outputs"]] == [0, 1]
+    assert out["outputs"][0]["token_ids"] == _greedy(tiny, [5, 6, 7, 8, 9], 5)
+    assert out["outputs"][1]["token_ids"] == _greedy(tiny, list(b"hello kvchain"), 7)
+    assert out["stats"]["output_tokens"] == 12 and out["stats"]["tokens_per_second"] > 0
+
+
+def test_generate_text_prints_tables(tiny, capsys):
+    assert main(["generate", "--model-path", str(tiny), "--prompt", "abc", "--max-new-tokens", "3",
+                 "--budget", "4MiB", "--no-overlap"]) == 0
+    text = capsys.readouterr().out
+    assert "throughput" in text and "prefix hits" in text and "compaction moves" in text
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("not json", "not JSON"),
+    ("[1, 2]", "a request is a JSON object"),
+    ('{"prompt_token_ids": []}', "non-empty list"),
+    ('{"prompt_token_ids": [1, 999]}', "token ids must lie in [0, 256)"),
+    ('{"prompt_token_ids": [1], "max_new_tokens": 0}', "max_new_tokens must be a positive integer"),
+    ('{"text": "x"}', 'needs "prompt_token_ids"'),
+])
+def test_bad_prompts_are_one_line_and_exit_2(tiny, tmp_path, capsys, line, message):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(line + "\n")
+    assert main(["generate", "--model-path", str(tiny), "--prompts", str(prompts), "--budget", "4MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_bad_paths_and_families_exit_2(tiny, tmp_path, capsys):
+    assert main(["generate", "--model-path", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(["make-checkpoint", "mamba9", str(tmp_path / "m")]) == 2
+    assert "unknown family" in capsys.readouterr().err
+    assert main(["make-checkpoint", "gpt_oss", str(tiny)]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main(["generate", "--model-path", str(tiny), "--prompt", "x", "--budget", "1KiB"]) == 2
+    assert "floor" in capsys.readouterr().err
