@@ -32,8 +32,14 @@ from .decl import (
 )
 from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
 from .engine import Forward, MetadataUpload, StepResult, StepSequence
+from .engine.batch import ForwardBatch
+from .engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from .engine.model_pool import ModelPool
 from .engine.pool import KVChainPool
+from .engine.runner import ModelRunner
 from .engine.scheduler import Scheduler
+from .engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
+from .engine.tiny import make_checkpoint
 from .errors import (
     BudgetError,
     CapacityError,
@@ -85,10 +91,17 @@ __all__ = [
     "DeclarationError",
     "DemandPurpose",
     "Device",
+    "Engine",
+    "EngineConfig",
     "EnvVarError",
     "Forward",
+    "ForwardBatch",
     "ForwardHooks",
     "FullLifetime",
+    "GenerateOutput",
+    "GenerateRequest",
+    "GenerateResult",
+    "GenerateStats",
     "HostTier",
     "ImmediateDevice",
     "InputError",
@@ -104,7 +117,10 @@ __all__ = [
     "KVStorage",
     "KVStoragePlan",
     "LayoutError",
+    "LoadedCheckpoint",
     "MetadataUpload",
+    "ModelPool",
+    "ModelRunner",
     "ModeledDevice",
     "PDTransfers",
     "PlanError",
@@ -135,8 +151,10 @@ __all__ = [
     "format_bytes",
     "kv_layer_decls",
     "list_presets",
+    "load_checkpoint",
     "load_config_file",
     "load_trace",
+    "make_checkpoint",
     "mamba_prefill_chunk_grid",
     "model_from_config",
     "model_from_preset",
