@@ -98,7 +98,7 @@ def test_help_lists_every_row_of_the_table_in_order(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     names = [c.name for c in COMMANDS]
-    assert names == ["plan", "models", "bench", "simulate", "stress", "trace"]
+    assert names == ["plan", "models", "generate", "make-checkpoint", "bench", "simulate", "stress", "trace"]
     assert "{" + ",".join(names) + "}" in out
     for c in COMMANDS:
         assert c.help.split(":")[0] in " ".join(out.split())

