@@ -27,32 +27,48 @@ NAME = "kvchain_paged"
 
 @dataclass(frozen=True)
 class _Group:
-    """Requests attended in one computation, each with `n` query tokens.
+    """Requests attended in one computation, each with `n` query tokens; built once per step for a
+    (sub-pool, window) and shared by all its layers, so per-layer work is only gathers and the kernel.
 
-    - `rows` (`[b*n]`): their query rows in the packed sequence, request-major;
-    - `pages` (`[b, C]`): the physical pages read for each request (its page-table columns from the
-      first one the window needs; columns past its last page read page 0 and are masked);
-    - `key_ok` (`[b, C*page_size]`): the key slot holds one of the request's live tokens;
-    - `page_ok` (`[b, C*page_size]`): the key slot lies in one of the request's own pages. Slots of
-      its own pages past its length are read as the pool left them: hand-out zeroing (ALLOC-20)
-      keeps them zero, so a stale NaN there would reach the output, as in any paged kernel that
-      reads whole pages; columns past its last page (padding) are zeroed here;
-    - `visible` (`[b, n, C*page_size]`): query i may attend key slot j (causal, window, live)."""
+    - `rows`: their query rows in the packed sequence, request-major (a slice when contiguous);
+    - `pages` (`[b*C]`): the physical pages read for each request, flattened request-major (its
+      page-table columns from the first one the window needs; columns past its last page read page
+      0 and are zeroed);
+    - `pad` (`[k]` or None): the flat page columns that are padding, zeroed after the gather. Slots
+      of a request's own pages past its length are read as the pool left them: hand-out zeroing
+      (ALLOC-20) keeps them zero, so a stale NaN there would reach the output, as in any paged
+      kernel that reads whole pages;
+    - `bias` (`[b, 1, n, C*page_size]`): 0 where query i may attend key slot j (causal, window,
+      live), -inf elsewhere: the additive mask the kernel takes as is. With `sink_col` set, the
+      last column's first slot is the sink slot (its key and value are the zeroed padding, so its
+      score is exactly the layer's sink logit, added per head) and its other slots are masked;
+    - `visible` (host, `[b, n, C*page_size]`): the same as a boolean, for the explicit path."""
 
-    rows: torch.Tensor
+    rows: slice | torch.Tensor
+    b: int
     n: int
+    cols: int
     pages: torch.Tensor
-    key_ok: torch.Tensor
-    page_ok: torch.Tensor
-    visible: torch.Tensor
-    padded: bool = True
+    pad: torch.Tensor | None
+    bias: torch.Tensor
+    visible: np.ndarray
+    sink_col: bool
 
 
-def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray, n: int) -> _Group:
+def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """Contiguous rows as a slice (a view of the packed sequence), others as an index tensor."""
+    lo = int(rows[0])
+    if int(rows[-1]) - lo + 1 == len(rows) and (len(rows) < 3 or bool((np.diff(rows) == 1).all())):
+        return slice(lo, lo + len(rows))
+    return torch.from_numpy(rows).to(device)
+
+
+def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray, n: int, sinks: bool) -> _Group:
     """The positions and pages for requests `reqs` (each with `n` new tokens) in sub-pool `pool`."""
     table = batch.page_tables[pool]
     device = table.device
     ps = batch.page_size
+    b = len(reqs)
     prefix = batch.prefix_lens[reqs].astype(np.int64)
     seq = batch.seq_lens[reqs].astype(np.int64)
     starts = batch.q_starts[reqs].astype(np.int64)
@@ -60,57 +76,86 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
     lo = np.maximum(prefix - window + 1, 0) if window is not None else np.zeros_like(prefix)
     first_col = lo // ps
     last_col = (seq - 1) // ps
-    n_cols = int((last_col - first_col).max()) + 1
+    n_cols = int((last_col - first_col).max()) + 1 + sinks  # a sink reads one more (zeroed) column
     cols = first_col[:, None] + np.arange(n_cols)[None, :]  # [b, C]
     col_ok = cols <= last_col[:, None]
-    key_pos = (cols[:, :, None] * ps + np.arange(ps)[None, None, :]).reshape(len(reqs), -1)  # [b, L]
+    key_pos = (cols[:, :, None] * ps + np.arange(ps)[None, None, :]).reshape(b, -1)  # [b, L]
     key_ok = (key_pos >= lo[:, None]) & (key_pos < seq[:, None])
     q_pos = prefix[:, None] + np.arange(n)[None, :]  # [b, n]
     visible = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
     if window is not None:
         visible &= q_pos[:, :, None] - key_pos[:, None, :] < window  # HF: kv_idx > q_idx - window
+    bias = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+    if sinks:
+        bias[:, :, (n_cols - 1) * ps] = 0.0
     rows = (starts[:, None] + np.arange(n)[None, :]).reshape(-1)
 
-    cols_t = torch.from_numpy(np.minimum(cols, table.shape[1] - 1)).to(device)
-    req_t = torch.from_numpy(reqs.astype(np.int64)).to(device)
-    pages = torch.where(torch.from_numpy(col_ok).to(device), table[req_t[:, None], cols_t], 0)
-    return _Group(
-        rows=torch.from_numpy(rows).to(device),
-        n=n,
-        pages=pages,
-        key_ok=torch.from_numpy(key_ok).to(device),
-        page_ok=torch.from_numpy(np.repeat(col_ok, ps, axis=1)).to(device),
-        padded=not bool(col_ok.all()),
-        visible=torch.from_numpy(visible).to(device),
-    )
+    req_t = torch.from_numpy(reqs.astype(np.int64)[:, None]).to(device)
+    pages = table[req_t, torch.from_numpy(np.minimum(cols, table.shape[1] - 1)).to(device)].reshape(-1)
+    pad_cols = np.flatnonzero(~col_ok.reshape(-1))
+    pad = torch.from_numpy(pad_cols).to(device) if len(pad_cols) else None
+    if pad is not None:
+        pages = pages.index_fill_(0, pad, 0)
+    return _Group(rows=_rows(rows, device), b=b, n=n, cols=n_cols, pages=pages, pad=pad,
+                  bias=torch.from_numpy(bias[:, None]).to(device), visible=visible, sink_col=sinks)
 
 
-def _groups(batch: ForwardBatch, pool: str, window: int | None) -> list[_Group]:
-    """This step's groups for one (sub-pool, window): computed once per forward and shared by every
-    layer that reads the same sub-pool, since they see the same page tables and positions."""
-    cache: dict[tuple[str, int | None], list[_Group]] = batch.__dict__.setdefault("_attention_groups", {})
-    key = (pool, window)
-    if key not in cache:
+def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> list[_Group]:
+    """This step's groups for one (sub-pool, window, sinks): computed once per forward and shared by
+    every layer that reads the same sub-pool, since they see the same page tables and positions."""
+    cache: dict[tuple, list[_Group]] = batch.__dict__.setdefault("_attention_groups", {})
+    key = (pool, window, sinks)
+    groups = cache.get(key)
+    if groups is None:
         new = batch.new_lens
         groups = []
         decode = np.flatnonzero(new == 1)
         if len(decode):
-            groups.append(_group(batch, pool, window, decode, 1))
+            groups.append(_group(batch, pool, window, decode, 1, sinks))
         for b in np.flatnonzero(new > 1):
-            groups.append(_group(batch, pool, window, np.array([b]), int(new[b])))
+            groups.append(_group(batch, pool, window, np.array([b]), int(new[b]), sinks))
         cache[key] = groups
-    return cache[key]
+    return groups
 
 
-def _write(cache: torch.Tensor, new: torch.Tensor, locs: torch.Tensor, page_size: int) -> None:
-    """Store `new` (`[T, KVH, D]`) at physical token ids `locs`. A page holds several layers'
+def _write_index(batch: ForwardBatch, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) of each new token's physical id in `pool`, split once per step for all layers."""
+    cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = batch.__dict__.setdefault("_write_index", {})
+    index = cache.get(pool)
+    if index is None:
+        locs = batch.write_locs[pool]
+        index = cache[pool] = (locs // batch.page_size, locs % batch.page_size)
+    return index
+
+
+def _write(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Store `new` (`[T, KVH, D]`) at the (page, offset) pairs `index`. A page holds several layers'
     components, so one layer's K is strided by page and has no flat token view: index the page grid
     by (page, offset) in one vectorised put instead."""
-    cache.index_put_((locs // page_size, locs % page_size), new.to(cache.dtype))
+    cache.index_put_(index, new if new.dtype == cache.dtype else new.to(cache.dtype))
+
+
+def _gather(cache: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
+    """The group's pages of one layer's K or V as `[b, KVH, C*page_size, D]`, padding columns zeroed."""
+    pages = cache.index_select(0, g.pages)  # [b*C, page_size, KVH, D], a copy
+    if g.pad is not None:
+        pages.index_fill_(0, g.pad, 0.0)
+    if pages.dtype != dtype:
+        pages = pages.to(dtype)
+    return pages.view(g.b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _queries(query: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
+    """The group's queries `[b, H, n, D]` from HF's `[1, H, T, D]`."""
+    q = query[0]
+    q = q[:, g.rows] if isinstance(g.rows, slice) else q.index_select(1, g.rows)
+    if q.dtype != dtype:
+        q = q.to(dtype)
+    return q.view(q.shape[0], g.b, g.n, q.shape[2]).transpose(0, 1)
 
 
 def _attend(
-    q: torch.Tensor,
+    query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     g: _Group,
@@ -118,42 +163,37 @@ def _attend(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention of one group's queries over its pages: `[b*n, H, Dv]` in `q`'s dtype (float32 or wider).
+    """Attention of one group's queries over its pages: `[b, n, H, Dv]` in float32 or wider.
 
     Head h reads kv head h // (H // KVH), as `repeat_kv` does; the grouped heads are a broadcast axis
-    rather than repeated keys."""
-    b, n = g.pages.shape[0], g.n
-    n_heads, d = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
+    rather than repeated keys. A sink is one more key whose score is the head's sink logit and whose
+    value is zero: the softmax over the keys and the sink, with the sink's mass then dropped."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    n_heads, kv_heads = query.shape[1], k_cache.shape[2]
     groups = n_heads // kv_heads
-    dtype = q.dtype
-    k = k_cache[g.pages].flatten(1, 2).to(dtype)  # [b, L, KVH, D]
-    v = v_cache[g.pages].flatten(1, 2).to(dtype)
-    if g.padded:
-        dead = ~g.page_ok[:, :, None, None]
-        k = k.masked_fill(dead, 0.0)
-        v = v.masked_fill(dead, 0.0)
-    if softcap is None and sinks is None:  # the fused kernel: one call for scores, mask, softmax, values
-        out = F.scaled_dot_product_attention(
-            q[g.rows].view(b, n, n_heads, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=g.visible[:, None], scale=scaling, enable_gqa=groups > 1)  # [b, H, n, Dv]
-        return out.transpose(1, 2).reshape(b * n, n_heads, out.shape[-1])
-    k = k.permute(0, 2, 1, 3).unsqueeze(2)  # [b, KVH, 1, L, D]
-    v = v.permute(0, 2, 1, 3).unsqueeze(2)
-    qg = q[g.rows].view(b, n, kv_heads, groups, d).permute(0, 2, 3, 1, 4)  # [b, KVH, G, n, D]
-
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scaling  # [b, KVH, G, n, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~g.visible[:, None, None], float("-inf"))
+    k = _gather(k_cache, g, dtype)  # [b, KVH, L, D]
+    v = _gather(v_cache, g, dtype)
+    q = _queries(query, g, dtype)  # [b, H, n, D]
+    if softcap is None:  # the fused kernel: one call for scores, mask, softmax, values
+        bias = g.bias
+        if sinks is not None:
+            per_head = sinks.to(dtype).view(1, n_heads, 1, 1)
+            bias = bias + F.pad(per_head, ((g.cols - 1) * k_cache.shape[1], k_cache.shape[1] - 1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=groups > 1)
+        return out.transpose(1, 2)  # [b, n, H, Dv]
+    b, n, d = g.b, g.n, q.shape[-1]
+    qg = q.view(b, kv_heads, groups, n, d)  # [b, KVH, G, n, D]
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scaling  # [b, KVH, G, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    hidden = torch.from_numpy(~g.visible).to(scores.device)[:, None, None]  # the sink slot included
     if sinks is not None:
         sink = sinks.to(dtype).view(1, kv_heads, groups, 1, 1).expand(b, -1, -1, n, 1)
-        scores = torch.cat([scores, sink], dim=-1)
+        scores = torch.cat([scores.masked_fill(hidden, float("-inf")), sink], dim=-1)
         probs = torch.softmax(scores, dim=-1)[..., :-1]  # the sink takes mass, then is dropped
     else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [b, KVH, G, n, Dv]
-    return out.permute(0, 3, 1, 2, 4).reshape(b * n, n_heads, out.shape[-1])
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v.unsqueeze(2))  # [b, KVH, G, n, Dv]
+    return out.view(b, n_heads, n, -1).transpose(1, 2)
 
 
 def paged_attention(
@@ -193,17 +233,25 @@ def paged_attention(
     pool = batch.layer_pool[layer]
     view = batch.views[pool]
     k_cache, v_cache = view.k(layer), view.v(layer)
-    locs = batch.write_locs[pool]
-    _write(k_cache, key[0].transpose(0, 1), locs, batch.page_size)
-    _write(v_cache, value[0].transpose(0, 1), locs, batch.page_size)
+    index = _write_index(batch, pool)
+    _write(k_cache, key[0].transpose(0, 1), index)
+    _write(v_cache, value[0].transpose(0, 1), index)
 
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    groups = _groups(batch, pool, sliding_window, s_aux is not None)
+    whole = len(groups) == 1 and isinstance(groups[0].rows, slice) and groups[0].rows == slice(0, n_tokens)
+    if whole:  # one computation serves the whole sequence, in order
+        out = _attend(query, k_cache, v_cache, groups[0], scaling, softcap, s_aux)
+        return out.reshape(1, n_tokens, n_heads, -1).to(query.dtype), None
     dtype = torch.promote_types(query.dtype, torch.float32)
-    q = query[0].transpose(0, 1).to(dtype)  # [T, H, D]
     out = query.new_empty((n_tokens, n_heads, value.shape[-1]), dtype=dtype)
-    for g in _groups(batch, pool, sliding_window):
-        out.index_copy_(0, g.rows, _attend(q, k_cache, v_cache, g, scaling, softcap, s_aux))
+    for g in groups:
+        part = _attend(query, k_cache, v_cache, g, scaling, softcap, s_aux)
+        if isinstance(g.rows, slice):
+            out[g.rows].view(part.shape).copy_(part)
+        else:
+            out.index_copy_(0, g.rows, part.reshape(-1, n_heads, part.shape[-1]))
     return out.to(query.dtype).unsqueeze(0), None
 
 

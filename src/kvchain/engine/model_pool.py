@@ -37,12 +37,13 @@ from .steps import Forward, Launched, MetadataUpload, StepSequence
 
 @dataclass
 class StepOutputs:
-    """What one forward samples: `tokens[i]` is output number `index[i]` of `reqs[i]`, written on the
-    forward stream; readable on the host once the forward is processed."""
+    """What one forward samples: `tokens[i]` is output number `index[i]` of `reqs[i]`, set on the
+    forward stream by the forward itself; readable on the host once the forward is processed, and by
+    later forwards (which run after it on that stream)."""
 
     reqs: list[ScheduledRequest]
     index: list[int]
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     tokens_in: int = 0
 
@@ -113,19 +114,17 @@ class ModelPool(KVChainPool):
         ps = self.page_size
         n = len(reqs)
         rows = np.fromiter((r.row for r in reqs), np.int64, n)
-        starts = np.empty(n, np.int64)
-        ends = np.empty(n, np.int64)
-        for i, req in enumerate(reqs):
-            st = req.pool_state
-            starts[i] = st.get("kv_len", req.cached)
-            ends[i] = req.computed
+        starts = np.fromiter((r.pool_state.get("kv_len", r.cached) for r in reqs), np.int64, n)
+        ends = np.fromiter((r.computed for r in reqs), np.int64, n)
         counts = ends - starts
         if (counts <= 0).any():
             raise InvariantError("engine.empty_chunk", f"a scheduled request adds no token ({counts.tolist()})")
         q_starts = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=q_starts[1:])
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])
-        ids = np.empty(len(positions), np.int64)
+        n_tokens = int(q_starts[-1])
+        # packed row r of request b sits at position starts[b] + (r - q_starts[b])
+        positions = np.repeat(starts - q_starts[:-1], counts) + np.arange(n_tokens)
+        ids = np.empty(n_tokens, np.int64)
         futures: list[tuple[int, StepOutputs, int]] = []
         sample_reqs: list[ScheduledRequest] = []
         sample_index: list[int] = []
@@ -154,9 +153,7 @@ class ModelPool(KVChainPool):
                 sample_index.append(req.generated - 1)
                 sample_at.append(hi - 1)
         device = self.runner.device
-        outputs = StepOutputs(sample_reqs, sample_index,
-                              torch.empty(len(sample_reqs), dtype=torch.int64, device=device),
-                              tokens_in=len(positions))
+        outputs = StepOutputs(sample_reqs, sample_index, tokens_in=n_tokens)
         for k, req in enumerate(sample_reqs):
             self._future[req.rid] = (outputs, sample_index[k], k)
         rows_of_tokens = np.repeat(rows, counts)
@@ -183,7 +180,7 @@ class ModelPool(KVChainPool):
             for src, dst, idx in fed:  # forwards run in order on this stream: `src` has run
                 tokens[dst] = src.tokens[idx]
             logits = runner.logits(batch, tokens, views.positions, views.sample_at)
-            outputs.tokens.copy_(logits.argmax(-1))
+            outputs.tokens = logits.argmax(-1)
             if keep:
                 outputs.logits = logits
 
@@ -194,7 +191,7 @@ class ModelPool(KVChainPool):
 
         upload = MetadataUpload(lambda: MetadataBuffers.upload(views, meta), label="metadata upload")
         self.counters.forwards += 1
-        self.counters.tokens_in += len(positions)
+        self.counters.tokens_in += n_tokens
         return Forward(launch, None, written, upload), outputs
 
     # -- processing ----------------------------------------------------------------------------------
@@ -226,5 +223,5 @@ def _group_futures(futures: list[tuple[int, StepOutputs, int]], device: torch.de
         entry = by_src.setdefault(id(src), (src, [], []))
         entry[1].append(pos)
         entry[2].append(idx)
-    return [(src, torch.tensor(dst, device=device), torch.tensor(idx, device=device))
-            for src, dst, idx in by_src.values()]
+    return [(src, torch.from_numpy(np.array(dst, np.int64)).to(device),
+             torch.from_numpy(np.array(idx, np.int64)).to(device)) for src, dst, idx in by_src.values()]

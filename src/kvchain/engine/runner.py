@@ -8,6 +8,9 @@ packed into one sequence, with the translated ids in a `ForwardBatch`."""
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from ..errors import InputError
@@ -37,6 +40,36 @@ def _configs(model: torch.nn.Module):
                     stack.append(sub)
 
 
+class _NoMasks(dict):
+    """Every layer type's mask: none. Handed to the model as its precomputed mask mapping, so it skips
+    building masks (and probing the packed positions for sequence boundaries) on every forward; the
+    attention function takes the mask from the batch's positions instead."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+_NO_MASKS = _NoMasks()
+_BUILDS_MASKS = re.compile(r"\bcreate_\w*mask\(")
+_TAKES_MAPPING = re.compile(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)")
+
+
+def _takes_mask_mapping(model: torch.nn.Module) -> bool:
+    """Whether every module of `model` that builds attention masks accepts a precomputed mapping
+    (layer type -> mask) in `attention_mask` instead; models that do not are called without one."""
+    found = False
+    for cls in {type(m) for m in model.modules()}:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if _BUILDS_MASKS.search(source):
+            if not _TAKES_MAPPING.search(source):
+                return False
+            found = True
+    return found
+
+
 class ModelRunner:
     """Runs one batched forward of `model` over the pool `plan` lays out.
 
@@ -49,6 +82,7 @@ class ModelRunner:
             config._attn_implementation = ATTENTION_NAME
         self.model = model.eval()
         self.mixers = install_state_mixers(model)
+        self._masks = {"attention_mask": _NO_MASKS} if _takes_mask_mapping(model) else {}
         self.layer_pool = {lid: pool.name for pool in plan.sub_pools for lid in pool.layer_ids}
         attention_layers = {m.layer_idx for m in model.modules()
                             if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
@@ -65,6 +99,6 @@ class ModelRunner:
                sample_at: torch.Tensor) -> torch.Tensor:
         """Logits `[len(sample_at), vocab]` at the packed positions `sample_at`, after writing every
         new token's KV and state into the pool."""
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=sample_at,
-                         use_cache=False, kvchain_batch=batch)
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None],
+                         logits_to_keep=sample_at, use_cache=False, kvchain_batch=batch, **self._masks)
         return out.logits[0].float()
