@@ -8,9 +8,6 @@ packed into one sequence, with the translated ids in a `ForwardBatch`."""
 
 from __future__ import annotations
 
-import inspect
-import re
-
 import torch
 
 from ..errors import InputError
@@ -50,24 +47,9 @@ class _NoMasks(dict):
 
 
 _NO_MASKS = _NoMasks()
-_BUILDS_MASKS = re.compile(r"\bcreate_\w*mask\(")
-_TAKES_MAPPING = re.compile(r"isinstance\(\s*causal_mask_mapping\s*:=\s*attention_mask\s*,\s*dict\s*\)")
-
-
-def _takes_mask_mapping(model: torch.nn.Module) -> bool:
-    """Whether every module of `model` that builds attention masks accepts a precomputed mapping
-    (layer type -> mask) in `attention_mask` instead; models that do not are called without one."""
-    found = False
-    for cls in {type(m) for m in model.modules()}:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            continue
-        if _BUILDS_MASKS.search(source):
-            if not _TAKES_MAPPING.search(source):
-                return False
-            found = True
-    return found
+#: model types whose model forward takes a precomputed mask mapping in `attention_mask` (transformers
+#: 5: `isinstance(attention_mask, dict)` skips its mask building); the others build (and ignore) masks
+MASK_MAPPING_MODEL_TYPES = frozenset({"gemma3_text", "gemma3", "gpt_oss", "qwen3_next", "nemotron_h"})
 
 
 class ModelRunner:
@@ -82,7 +64,8 @@ class ModelRunner:
             config._attn_implementation = ATTENTION_NAME
         self.model = model.eval()
         self.mixers = install_state_mixers(model)
-        self._masks = {"attention_mask": _NO_MASKS} if _takes_mask_mapping(model) else {}
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self._masks = {"attention_mask": _NO_MASKS} if model_type in MASK_MAPPING_MODEL_TYPES else {}
         self.layer_pool = {lid: pool.name for pool in plan.sub_pools for lid in pool.layer_ids}
         attention_layers = {m.layer_idx for m in model.modules()
                             if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
