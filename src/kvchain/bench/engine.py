@@ -196,16 +196,18 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _median_run(fn: Callable[[], tuple[Outputs, float, dict]], repeats: int,
-                tick: Callable[[], None]) -> tuple[Outputs, list[float], dict]:
-    outputs, runs, info = None, [], {}
+def _interleaved(runners: dict[str, Callable[[], tuple[Outputs, float, dict]]], repeats: int,
+                 tick: Callable[[], None]) -> dict[str, tuple[Outputs, list[float], dict]]:
+    """Time every engine `repeats` times, round robin (kvchain, then each peer, then again), so load
+    that drifts during the run falls on all of them alike; the first run's outputs are kept."""
+    out: dict[str, tuple[Outputs, list[float], dict]] = {}
     for _ in range(repeats):
-        out, seconds, info = fn()
-        if outputs is None:
-            outputs = out
-        runs.append(seconds)
-        tick()
-    return outputs, runs, info
+        for name, fn in runners.items():
+            outputs, seconds, info = fn()
+            kept = out.get(name)
+            out[name] = (outputs if kept is None else kept[0], ([] if kept is None else kept[1]) + [seconds], info)
+            tick()
+    return out
 
 
 def _throughput(tokens: int, runs: list[float]) -> dict[str, Any]:
@@ -216,35 +218,41 @@ def _throughput(tokens: int, runs: list[float]) -> dict[str, Any]:
 
 def bench_family(family: str, prompts: Sequence[BenchPrompt], *, budget: int, repeats: int, workdir: Path,
                  tick: Callable[[], None]) -> dict[str, Any]:
-    """One family: kvchain, then each peer it can run, warmed up once and timed `repeats` times."""
+    """One family: kvchain and each peer it can run, each warmed up once, then timed `repeats` times
+    round robin."""
     from ..engine.checkpoint import load_checkpoint
     from ..engine.tiny import make_checkpoint
 
     path = make_checkpoint(family, workdir / family, seed=0)
     warm = _warmup_workload()
-    run_kvchain(path, warm, budget)
-    ours, runs, info = _median_run(lambda: run_kvchain(path, prompts, budget), repeats, tick)
-    tokens = sum(len(o) for o in ours)
-    kv_bytes = info["kv_bytes"]
-    result: dict[str, Any] = {"output_tokens": tokens, "kv_bytes": kv_bytes,
-                              "kvchain": {**_throughput(tokens, runs), **info}}
-    refused: dict[str, str] = {}
     loaded = load_checkpoint(path)
-    model = loaded.model
+    cb_model = loaded.model
+    plain_model = load_checkpoint(path).model
+    refused: dict[str, str] = {}
+    run_kvchain(path, warm, budget)
+    runners: dict[str, Callable[[], tuple[Outputs, float, dict]]] = {
+        "kvchain": lambda: run_kvchain(path, prompts, budget)}
     if family in ATTENTION_ONLY:
-        blocks = cb_num_blocks(kv_bytes, model.config, loaded.dtype)
-        run_generate_batch(model, warm, blocks)
-        theirs, runs, info = _median_run(lambda: run_generate_batch(model, prompts, blocks), repeats, tick)
-        result["generate_batch"] = _peer(tokens, theirs, runs, info, ours)
+        kv_bytes = run_kvchain(path, warm, budget)[2]["kv_bytes"]
+        blocks = cb_num_blocks(kv_bytes, cb_model.config, loaded.dtype)
+        run_generate_batch(cb_model, warm, blocks)
+        runners["generate_batch"] = lambda: run_generate_batch(cb_model, prompts, blocks)
     else:
-        refused["generate_batch"] = _cb_refusal(model)
-        for _ in range(repeats):
-            tick()
-    model = load_checkpoint(path).model
-    run_generate(model, warm)
-    theirs, runs, info = _median_run(lambda: run_generate(model, prompts), repeats, tick)
-    result["generate"] = _peer(tokens, theirs, runs, info, ours)
-    result["generate"]["mismatches_alone"] = _mismatches_alone(model, prompts, ours, theirs)
+        refused["generate_batch"] = _cb_refusal(cb_model)
+    run_generate(plain_model, warm)
+    runners["generate"] = lambda: run_generate(plain_model, prompts)
+    timed = _interleaved(runners, repeats, tick)
+    for _ in range(repeats * (len(PEERS) + 1 - len(runners))):
+        tick()  # the refused peer's share of the progress bar
+    ours, runs, info = timed["kvchain"]
+    tokens = sum(len(o) for o in ours)
+    result: dict[str, Any] = {"output_tokens": tokens, "kv_bytes": info["kv_bytes"],
+                              "kvchain": {**_throughput(tokens, runs), **info}}
+    for peer in PEERS:
+        if peer in timed:
+            theirs, runs, peer_info = timed[peer]
+            result[peer] = _peer(tokens, theirs, runs, peer_info, ours)
+    result["generate"]["mismatches_alone"] = _mismatches_alone(plain_model, prompts, ours, timed["generate"][0])
     for peer in PEERS:
         if peer in result:
             result[peer]["ratio"] = round(result["kvchain"]["tokens_per_second"]
