@@ -21,8 +21,9 @@ PAGE = 4
 INTERVAL = 8  # tokens between state checkpoints
 STATE_FAMILIES = ("qwen3_next", "nemotron_h")
 #: fp32 logits: attention matches to ~3e-7; the delta rule and the SSM scan sum in another order than
-#: transformers' chunked kernels, and the gap grows with the sequence (~3e-4 at 90 tokens)
-LOGIT_TOL = {"llama": 1e-4, "gemma3": 1e-4, "gpt_oss": 1e-4, "qwen3_next": 1e-3, "nemotron_h": 1e-3}
+#: transformers' chunked kernels, and the gap grows with the sequence (Qwen3-Next: 3e-4 over 12
+#: requests, 1.9e-3 over 64; transformers' own cached and uncached paths differ by as much)
+LOGIT_TOL = {"llama": 1e-4, "gemma3": 1e-4, "gpt_oss": 1e-4, "qwen3_next": 5e-3, "nemotron_h": 5e-3}
 
 
 @functools.cache

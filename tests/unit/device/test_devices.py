@@ -10,7 +10,7 @@ import torch
 
 from kvchain.device import ModeledDevice, ThreadDevice
 from kvchain.device.modeled import clock_leq
-from kvchain.errors import KVChainError, TransferTimeoutError
+from kvchain.errors import InputError, KVChainError, TransferTimeoutError
 
 
 def test_modeled_runs_work_at_simulated_completion_in_order():
@@ -83,6 +83,26 @@ def test_thread_device_orders_streams_by_events():
         assert dev.query(ev)
     finally:
         dev.close()
+
+
+def test_thread_device_forward_delay_starts_forwards_late():
+    """A delayed forward stream lets schedule work queued after a launch run first, as it does when
+    a busy accelerator starts a kernel late; with no delay the forward runs first."""
+    for delay, first in ((0.3, "schedule"), (0.0, "forward")):
+        dev = ThreadDevice(forward_delay=delay)
+        try:
+            out = []
+            dev.launch(dev.forward_stream, lambda: None)  # the workers exist before the race below
+            dev.synchronize()
+            dev.launch(dev.forward_stream, lambda out=out: out.append("forward"))
+            time.sleep(0.05)
+            dev.launch(dev.schedule_stream, lambda out=out: out.append("schedule"))
+            dev.synchronize()
+            assert out[0] == first
+        finally:
+            dev.close()
+    with pytest.raises(InputError):
+        ThreadDevice(forward_delay=-1)
 
 
 def test_thread_device_host_wait_timeout_and_errors():
