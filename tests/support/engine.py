@@ -3,7 +3,10 @@ transformers' reference outputs computed once per run, and a tight pool to serve
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +31,9 @@ LOGIT_TOL = {"llama": 1e-4, "gemma3": 1e-4, "gpt_oss": 1e-4, "qwen3_next": 5e-3,
 
 @functools.cache
 def checkpoint_dir(family: str) -> Path:
-    import tempfile
-
+    """The family's tiny checkpoint, written once per test process (removed when it exits)."""
     root = Path(tempfile.mkdtemp(prefix=f"kvchain-{family}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     return make_checkpoint(family, root / family, seed=1)
 
 
