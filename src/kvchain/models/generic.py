@@ -32,7 +32,17 @@ UNMODELLED = {
 }
 
 
+#: GPT-2-era names of the standard fields (transformers maps them with an `attribute_map`).
+ALIASES = {
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "hidden_size": "n_embd",
+    "max_position_embeddings": "n_positions",
+}
+
+
 def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
+    fields = with_standard_names(fields)
     _refuse_unmodelled(fields)
     num_layers = fields.num_layers()
     kinds, source = layer_kinds(fields, num_layers)
@@ -51,6 +61,15 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
         else:
             layers.append([attention[kind]])
     return FamilyLayers(layers, fields.first_integer(("max_position_embeddings", "model_max_length")))
+
+
+def with_standard_names(fields: Fields) -> Fields:
+    """The config's fields with GPT-2-era names (`n_layer`, `n_head`, ...) read as the standard ones."""
+    values = fields.values
+    filled = {std: values[old] for std, old in ALIASES.items() if values.get(std) is None and old in values}
+    if not filled:
+        return fields
+    return Fields({**values, **filled}, fields.family, outer=fields.outer)
 
 
 def layer_kinds(fields: Fields, num_layers: int) -> tuple[list[Kind], str]:
@@ -101,7 +120,9 @@ def _attention_parts(fields: Fields, ctx: Context, kinds: list[Kind]) -> dict[Ki
         elif kind is Kind.WINDOW:
             window = fields.window()
             if window is None:
-                raise fields.error("sliding_window", "is missing, yet the config has sliding attention layers")
+                raise fields.error(
+                    "sliding_window", "is missing, yet the config has sliding attention layers"
+                )
             parts[kind] = KVPart(geometry, WindowLifetime(window))
         else:
             chunk = fields.optional_integer("attention_chunk_size")
@@ -128,11 +149,22 @@ def attention_geometry(fields: Fields, ctx: Context) -> Geometry:
             "chain needs a full-attention layer to own the token ids",
         )
     heads = fields.integer("num_attention_heads")
-    kv_heads = fields.integer("num_key_value_heads", heads)
+    kv_heads = kv_head_count(fields, heads)
     head_dim = fields.head_dim(heads, names=("head_dim", "attention_head_dim", "kv_channels"))
     v_head_dim = fields.optional_integer("v_head_dim")
     per_rank = fields.split_heads("num_key_value_heads", kv_heads, ctx.tp)
-    return MHA(per_rank, head_dim, v_head_dim=None if v_head_dim == head_dim else v_head_dim, dtype=ctx.kv_dtype)
+    v_dim = None if v_head_dim == head_dim else v_head_dim
+    return MHA(per_rank, head_dim, v_head_dim=v_dim, dtype=ctx.kv_dtype)
+
+
+def kv_head_count(fields: Fields, heads: int) -> int:
+    """`num_key_value_heads`; else Falcon's rule: `num_kv_heads` under the new decoder architecture,
+    one shared head under `multi_query` (Falcon-7B, SantaCoder), else one per attention head."""
+    if fields.present("num_key_value_heads"):
+        return fields.integer("num_key_value_heads")
+    if not fields.flag("new_decoder_architecture", False) and fields.flag("multi_query", False):
+        return 1
+    return fields.integer("num_kv_heads", heads)
 
 
 def _refuse_unmodelled(fields: Fields) -> None:

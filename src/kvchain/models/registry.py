@@ -12,7 +12,7 @@ from typing import Any
 from ..decl import StateLifetime, kv_layer_decls
 from ..errors import DeclarationError, InputError
 from ..units import dtype_name
-from . import deepseek, dense, falcon_h1, generic, hymba, jamba, nemotron_h, qwen3_next, windowed
+from . import deepseek, dense, falcon_h1, generic, hymba, jamba, longcat, nemotron_h, qwen3_next, windowed
 from .fields import Fields
 from .parts import Context, FamilyLayers
 from .spec import ModelSpec
@@ -31,6 +31,7 @@ _PARSERS: dict[str, Parser] = {
     "falcon_h1": falcon_h1.parse,
     "deepseek_v3": deepseek.parse,
     "hymba": hymba.parse,
+    "longcat_flash": longcat.parse,
     "generic": generic.parse,
 }
 
@@ -52,6 +53,7 @@ MODEL_TYPES: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "hymba": "hymba",
+    "longcat_flash": "longcat_flash",
 }
 
 #: `architectures` entry -> model_type, for configs that omit model_type.
@@ -75,6 +77,7 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "HymbaForCausalLM": "hymba",
+    "LongcatFlashForCausalLM": "longcat_flash",
 }
 
 
@@ -102,7 +105,8 @@ def model_from_config(
         model_dtype = kv = fields.serving_dtype()
     else:
         model_dtype, kv = fields.model_dtype(), dtype_name(kv_dtype)
-    ctx = Context(tp=tp, kv_dtype=kv, model_dtype=model_dtype, state_lifetime=_state_lifetime(checkpoint_interval))
+    lifetime = _state_lifetime(checkpoint_interval)
+    ctx = Context(tp=tp, kv_dtype=kv, model_dtype=model_dtype, state_lifetime=lifetime)
     parsed = _PARSERS[family](fields, ctx, model_type)
     check_has_owner(fields, parsed)
     try:
@@ -149,7 +153,8 @@ def check_has_owner(fields: Fields, parsed: FamilyLayers) -> None:
     """Refuse, naming the config field, a model with no full-attention layer: the chain's
     full-attention band owns the token ids, so a model whose every attention layer is windowed, or
     which has no attention at all, cannot be planned."""
-    lifetimes = [type(p.lifetime).__name__ for layer in parsed.layers if layer for p in layer if p.is_attention]
+    attention = [p for layer in parsed.layers if layer for p in layer if p.is_attention]
+    lifetimes = [type(p.lifetime).__name__ for p in attention]
     if "FullLifetime" in lifetimes:
         return
     structure = next(
@@ -182,6 +187,10 @@ def num_model_layers(config: Mapping[str, Any]) -> int:
             value = fields.values.get(name)
             if isinstance(value, (list, tuple, str)) and value:
                 return len(value)
+    if family == "longcat_flash":
+        return fields.num_layers("num_layers")
+    if family == GENERIC:
+        return generic.with_standard_names(fields).num_layers()
     return fields.num_layers()
 
 

@@ -121,7 +121,8 @@ def test_kv_dtype_follows_the_config(fields, expected):
 
 @pytest.mark.parametrize("kv_dtype", [None, "auto", "AUTO"])
 def test_auto_kv_dtype_is_16_bit_for_a_float32_config_and_conv_state_follows(kv_dtype):
-    spec = model_from_config(config(load_preset_config("jamba-mini"), torch_dtype="float32"), kv_dtype=kv_dtype)
+    jamba = config(load_preset_config("jamba-mini"), torch_dtype="float32")
+    spec = model_from_config(jamba, kv_dtype=kv_dtype)
     attention = next(p for d in spec.decls for p in d.parts if p.is_attention)
     conv, ssm = next(p for d in spec.decls for p in d.parts if not p.is_attention).geometry.tensors
     assert (attention.geometry.dtype, conv.dtype, ssm.dtype) == ("bfloat16", "bfloat16", "float32")
@@ -129,7 +130,8 @@ def test_auto_kv_dtype_is_16_bit_for_a_float32_config_and_conv_state_follows(kv_
 
 def test_explicit_float32_kv_dtype_is_kept_with_the_config_dtype_for_conv_state():
     # the engine passes the dtype it loaded the weights in
-    spec = model_from_config(config(load_preset_config("jamba-mini"), torch_dtype="float32"), kv_dtype="float32")
+    jamba = config(load_preset_config("jamba-mini"), torch_dtype="float32")
+    spec = model_from_config(jamba, kv_dtype="float32")
     attention = next(p for d in spec.decls for p in d.parts if p.is_attention)
     conv, _ssm = next(p for d in spec.decls for p in d.parts if not p.is_attention).geometry.tensors
     assert (attention.geometry.dtype, conv.dtype) == ("float32", "float32")
@@ -595,3 +597,82 @@ def test_bamba_9b_golden_bytes():
     assert plan.by_name("full").layer_ids == (9, 18, 27)
     assert "'attn_layer_indices'" in error_of(config(BAMBA_9B, attn_layer_indices=[9, 40]))
     assert "'attn_layer_indices'" in error_of(config(BAMBA_9B, attn_layer_indices=[]))  # no attention layer
+
+
+LFM2_1_2B = {  # LiquidAI/LFM2-1.2B: short-conv layers with attention on full_attn_idxs
+    "model_type": "lfm2", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3,
+    "max_position_embeddings": 128000, "torch_dtype": "bfloat16",
+}
+
+
+def test_lfm2_golden_bytes():
+    plan = plan_kv_storage(model_from_config(LFM2_1_2B).decls, page_size=64)
+    assert plan.by_name("full").unit_bytes == 6 * 8 * (64 + 64) * 2 == 12288  # head_dim 2048 / 32
+    assert plan.by_name("state").unit_bytes == 10 * 2048 * (3 - 1) * 2 == 81920  # conv keeps L_cache - 1
+    assert "'full_attn_idxs'" in error_of(config(LFM2_1_2B, full_attn_idxs=[2, 16]))
+
+
+def test_generic_recurrent_layers_need_state_fields():
+    cfg = config(LLAMA, model_type="some_hybrid", layer_types=["linear_attention", "full_attention"] * 2)
+    message = error_of(cfg)
+    assert "'layer_types'" in message and "linear_num_key_heads" in message
+    # recurrent fields without a list saying which layers are recurrent
+    assert "'layer_types' is missing" in error_of(config(LLAMA, model_type="some_hybrid", conv_L_cache=3))
+
+
+def test_zamba_hybrid_layers_hold_attention_and_state():
+    cfg = config(LLAMA, model_type="zamba2", layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                 attention_head_dim=256, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2,
+                 n_mamba_heads=128, mamba_headdim=64, mamba_ngroups=1)
+    spec = model_from_config(cfg)
+    kinds = [sorted("attention" if p.is_attention else "state" for p in d.parts) for d in spec.decls]
+    assert kinds == [["state"], ["attention", "state"], ["state"], ["attention", "state"]]
+    attention = next(p.geometry for p in spec.decls[1].parts if p.is_attention)
+    assert attention == MHA(8, 256, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("changes", "kv_heads"),
+    [
+        ({"num_key_value_heads": _DROP, "multi_query": True}, 1),  # Falcon-7B, SantaCoder
+        ({"num_key_value_heads": _DROP, "multi_query": True, "new_decoder_architecture": True,
+          "num_kv_heads": 8}, 8),  # Falcon-40B
+        ({"num_key_value_heads": _DROP, "multi_query": False}, 32),
+    ],
+)
+def test_generic_kv_heads_follow_falcon_rules(changes, kv_heads):
+    spec = model_from_config(config(LLAMA, model_type="falcon", **changes))
+    assert spec.decls[0].parts[0].geometry.kv_heads == kv_heads
+
+
+def test_gpt2_names_are_read_as_the_standard_fields():
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}
+    spec = model_from_config(gpt2)
+    assert len(spec.decls) == 12 and spec.max_context == 1024
+    assert spec.decls[0].parts[0].geometry == MHA(12, 64, dtype="bfloat16")
+
+
+def test_longcat_caches_two_mla_sublayers_per_layer():
+    cfg = {"model_type": "longcat_flash", "num_layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "num_attention_heads": 64, "max_position_embeddings": 4096}
+    plan = plan_kv_storage(model_from_config(cfg).decls, page_size=64)
+    assert plan.by_name("full").unit_bytes == 6 * (512 + 64) * 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("is_encoder_decoder", True), ("num_kv_shared_layers", 10), ("cross_attention_layers", [1]),
+     ("index_n_heads", 64), ("block_types", ["recurrent", "attention"])],
+)
+def test_generic_refuses_unmodelled_structure_by_field(field, value):
+    message = error_of(config(LLAMA, model_type="other", **{field: value}))
+    assert f"'{field}'" in message and "does not model" in message
+    model_from_config(config(LLAMA, model_type="other", **{field: 0 if not isinstance(value, list) else []}))
+
+
+def test_mamba_only_models_are_refused_naming_why():
+    mamba = {"model_type": "mamba", "num_hidden_layers": 4, "hidden_size": 768, "state_size": 16,
+             "conv_kernel": 4, "expand": 2}
+    message = error_of(mamba)
+    assert "'num_attention_heads'" in message and "Mamba" in message

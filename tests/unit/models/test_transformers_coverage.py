@@ -29,7 +29,10 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "models.md"
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
 
 #: Fields a refusal may name although a default config dict omits them (they are what is missing).
-STANDARD_FIELDS = {"num_hidden_layers", "num_attention_heads", "max_position_embeddings", "layer_types", "head_dim"}
+STANDARD_FIELDS = {
+    "num_hidden_layers", "num_attention_heads", "max_position_embeddings", "layer_types", "head_dim",
+    "hidden_size",
+}
 
 BF16, FP32 = 2, 4
 
@@ -63,6 +66,8 @@ def attention_bytes(t) -> int:
         return (t.kv_lora_rank + t.qk_rope_head_dim) * BF16
     heads = t.num_attention_heads
     kv_heads = attr(t, "num_key_value_heads", default=heads)
+    if hasattr(t, "new_decoder_architecture"):  # Falcon's attention: one K/V head under multi_query
+        kv_heads = t.num_kv_heads if t.new_decoder_architecture or not t.multi_query else 1
     head_dim = attr(t, "head_dim", "attention_head_dim", default=t.hidden_size // heads)
     return kv_heads * (head_dim + attr(t, "v_head_dim", default=head_dim)) * BF16
 
@@ -150,7 +155,8 @@ def row(model_type: str, hf) -> Row:
         spec = model_from_config(config)
     except InputError as exc:
         field = re.search(r"'([A-Za-z_]\w*)", str(exc))
-        return Row(model_type, f"refused: '{field.group(1) if field else '?'}'", message=str(exc), fields=names)
+        named = field.group(1) if field else "?"
+        return Row(model_type, f"refused: '{named}'", message=str(exc), fields=names)
     plan = plan_kv_storage(spec.decls, page_size=64)
     slot = sum(p.unit_bytes for p in plan.sub_pools if isinstance(p.geometry, State))
     token = sum(p.unit_bytes for p in plan.sub_pools if not isinstance(p.geometry, State))
