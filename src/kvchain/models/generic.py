@@ -19,7 +19,7 @@ KINDS = {**LAYER_TYPE_KINDS, "conv": Kind.RECURRENT, "hybrid": Kind.HYBRID}
 
 _PATTERN_KINDS = {"M": Kind.RECURRENT, "*": Kind.FULL, "-": Kind.NONE, "E": Kind.NONE}
 
-#: Fields that, when set, mean a structure whose cache kvchain does not declare.
+#: Fields that, when set (truthy), mean a structure whose cache kvchain does not declare.
 UNMODELLED = {
     "is_encoder_decoder": "encoder-decoder models (the decoder also caches cross-attention)",
     "num_kv_shared_layers": "layers that reuse another layer's KV",
@@ -30,6 +30,9 @@ UNMODELLED = {
     "index_n_heads": "the key cache of a sparse-attention indexer",
     "attn_layers": "LSH and local attention layers",
 }
+
+#: Fields whose one value means such a structure: Dory's looped layers keep a cache per loop.
+UNMODELLED_VALUES = {"recurrent_kv_cache_mode": ("per_loop", "layers looped with a KV cache per loop")}
 
 
 #: GPT-2-era names of the standard fields (transformers maps them with an `attribute_map`).
@@ -168,6 +171,9 @@ def kv_head_count(fields: Fields, heads: int) -> int:
 
 
 def _refuse_unmodelled(fields: Fields) -> None:
+    for name, (refused, what) in UNMODELLED_VALUES.items():
+        if fields.values.get(name) == refused:
+            raise fields.error(name, f"= {refused!r}: kvchain does not model {what}")
     for name, what in UNMODELLED.items():
         value = fields.values.get(name)
         if value:

@@ -100,7 +100,7 @@ def model_from_config(
         raise InputError(f"a model config must be a JSON object (dict), got {type(config).__name__}")
     tp = _tp_size(tp_size)
     model_type, family = resolve_family(config)
-    fields = text_fields(config, model_type if family == GENERIC else family)
+    fields = text_fields(config, model_type)  # messages name the model type the user wrote
     if kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype.strip().lower() == "auto"):
         model_dtype = kv = fields.serving_dtype()
     else:

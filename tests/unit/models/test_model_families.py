@@ -671,6 +671,12 @@ def test_generic_refuses_unmodelled_structure_by_field(field, value):
     model_from_config(config(LLAMA, model_type="other", **{field: 0 if not isinstance(value, list) else []}))
 
 
+def test_generic_refuses_a_kv_cache_per_loop():
+    looped = config(LLAMA, model_type="dory", recurrent_kv_cache_mode="per_loop", n_recurrent_loops=2)
+    assert "'recurrent_kv_cache_mode'" in error_of(looped)
+    model_from_config(config(looped, recurrent_kv_cache_mode="shared"))
+
+
 def test_mamba_only_models_are_refused_naming_why():
     mamba = {"model_type": "mamba", "num_hidden_layers": 4, "hidden_size": 768, "state_size": 16,
              "conv_kernel": 4, "expand": 2}
