@@ -25,7 +25,7 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
     if kinds is None:
         kinds = _kinds_from_window(fields, model_type, num_layers, window)
     elif window is None:
-        window = fields.optional_integer("sliding_window")  # the list wins over the switch
+        window = fields.window()  # the list wins over the switch
     layers = [
         [KVPart(geometry, attention_lifetime(kind, window, fields, "sliding_window"))] for kind in kinds
     ]
@@ -35,7 +35,7 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
 def _window(fields: Fields, model_type: str) -> int | None:
     if not fields.flag("use_sliding_window", model_type in _WINDOW_ON_BY_DEFAULT):
         return None
-    return fields.optional_integer("sliding_window")
+    return fields.window()
 
 
 def _kinds_from_window(fields: Fields, model_type: str, num_layers: int, window: int | None) -> list[Kind]:

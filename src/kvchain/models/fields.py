@@ -62,6 +62,14 @@ class Fields:
             raise self.error(name, f"= {value} is implausibly large (more than {MAX_LAYERS} layers)")
         return value
 
+    def window(self, name: str = "sliding_window") -> int | None:
+        """A window size, or None when it is off: configs write null or 0 (transformers writes
+        `sliding_window: 0` for Qwen-MoE models whose window is disabled)."""
+        value = self.values.get(name)
+        if value is None or (value == 0 and not isinstance(value, bool)):
+            return None
+        return self.as_integer(name, value)
+
     def optional_integer(self, name: str, *, minimum: int = 1) -> int | None:
         value = self.values.get(name)
         return None if value is None else self.as_integer(name, value, minimum)
@@ -176,6 +184,12 @@ class Fields:
                     if name in MODEL_DTYPES:
                         return name
         return "bfloat16"
+
+    def serving_dtype(self) -> str:
+        """The dtype engines run the model in under `dtype="auto"`: the config's 16-bit dtype, and
+        bfloat16 for a float32 config (engines do not serve in float32 unless told to)."""
+        name = self.model_dtype()
+        return "bfloat16" if name == "float32" else name
 
     # ------------------------------------------------------------ tensor parallelism
 

@@ -21,6 +21,7 @@ class Kind(enum.Enum):
     WINDOW = "window"
     CHUNKED = "chunked"
     RECURRENT = "recurrent"
+    HYBRID = "hybrid"  # attention and a recurrent mixer in one layer (Zamba's hybrid blocks)
     NONE = "none"
 
 
@@ -101,7 +102,7 @@ def attention_lifetime(kind: Kind, window: int | None, fields: Fields, window_fi
 def optional_window_lifetime(fields: Fields) -> Lifetime:
     """Attention that slides when the config sets `sliding_window` and is full when it is null
     (the hybrids whose published configs leave it null)."""
-    window = fields.optional_integer("sliding_window")
+    window = fields.window()
     return attention_lifetime(Kind.WINDOW if window is not None else Kind.FULL, window, fields, "sliding_window")
 
 
@@ -175,3 +176,19 @@ def _state_part(ctx: Context, conv_shape: tuple[int, ...], ssm_shape: tuple[int,
         StateTensor("ssm", ssm_shape, "float32"),
     )
     return KVPart(State(tensors), ctx.state_lifetime)
+
+
+def short_conv_state(ctx: Context, *, channels: int, d_conv: int) -> KVPart:
+    """A gated short convolution (LFM2's conv layers): only the last kernel-1 inputs, no SSM state."""
+    return KVPart(State((StateTensor("conv", (channels, d_conv - 1), ctx.model_dtype),)), ctx.state_lifetime)
+
+
+def delta_rule_state(ctx: Context, *, heads: int, head_dim: int, d_conv: int) -> KVPart:
+    """Kimi Delta Attention (Kimi-Linear): separate short convs over q, k and v (3*heads*head_dim
+    channels) and a (heads, head_dim, head_dim) float32 recurrent state."""
+    return _state_part(ctx, (3 * heads * head_dim, d_conv - 1), (heads, head_dim, head_dim))
+
+
+def lightning_state(ctx: Context, *, heads: int, head_dim: int) -> KVPart:
+    """MiniMax lightning (linear) attention: a (heads, head_dim, head_dim) float32 KV state, no conv."""
+    return KVPart(State((StateTensor("ssm", (heads, head_dim, head_dim), "float32"),)), ctx.state_lifetime)

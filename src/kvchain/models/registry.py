@@ -1,5 +1,8 @@
 """`model_from_config`: pick the family from `model_type` (or `architectures`), read the text
-model's fields (nested in `text_config` for multimodal checkpoints) and build the declarations."""
+model's fields (nested in `text_config` for multimodal checkpoints) and build the declarations.
+
+A model type with no family module of its own goes through the generic structural path
+(`generic.py`), which reads the layer structure the config states."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 from ..decl import StateLifetime, kv_layer_decls
 from ..errors import DeclarationError, InputError
 from ..units import dtype_name
-from . import deepseek, dense, falcon_h1, hymba, jamba, nemotron_h, qwen3_next, windowed
+from . import deepseek, dense, falcon_h1, generic, hymba, jamba, longcat, nemotron_h, qwen3_next, windowed
 from .fields import Fields
 from .parts import Context, FamilyLayers
 from .spec import ModelSpec
@@ -28,7 +31,12 @@ _PARSERS: dict[str, Parser] = {
     "falcon_h1": falcon_h1.parse,
     "deepseek_v3": deepseek.parse,
     "hymba": hymba.parse,
+    "longcat_flash": longcat.parse,
+    "generic": generic.parse,
 }
+
+#: The family of a model type no family module claims.
+GENERIC = "generic"
 
 #: model_type (top level, or of a nested text_config) -> family.
 MODEL_TYPES: dict[str, str] = {
@@ -45,6 +53,7 @@ MODEL_TYPES: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "hymba": "hymba",
+    "longcat_flash": "longcat_flash",
 }
 
 #: `architectures` entry -> model_type, for configs that omit model_type.
@@ -68,6 +77,7 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "HymbaForCausalLM": "hymba",
+    "LongcatFlashForCausalLM": "longcat_flash",
 }
 
 
@@ -81,23 +91,24 @@ def model_from_config(
 ) -> ModelSpec:
     """Declarations for one TP rank of the model a HF `config.json` describes.
 
-    `kv_dtype` overrides the attention KV dtype (default: the config's dtype when it is bfloat16,
-    float16 or float32, else bfloat16); `checkpoint_interval` goes to every state part's
+    `kv_dtype` sets the attention KV dtype; None or "auto" means what engines use under
+    `dtype="auto"`: the config's 16-bit dtype, bfloat16 for a float32 or unnamed one (an explicit
+    dtype, float32 included, is kept as given). `checkpoint_interval` goes to every state part's
     `StateLifetime`. Raises `InputError` (one line naming the field and family) on a config this
     cannot read, and when `tp_size` does not divide what it must."""
     if not isinstance(config, Mapping):
         raise InputError(f"a model config must be a JSON object (dict), got {type(config).__name__}")
     tp = _tp_size(tp_size)
     model_type, family = resolve_family(config)
-    fields = text_fields(config, family)
-    model_dtype = fields.model_dtype()
-    ctx = Context(
-        tp=tp,
-        kv_dtype=model_dtype if kv_dtype is None else dtype_name(kv_dtype),
-        model_dtype=model_dtype,
-        state_lifetime=_state_lifetime(checkpoint_interval),
-    )
+    fields = text_fields(config, model_type)  # messages name the model type the user wrote
+    if kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype.strip().lower() == "auto"):
+        model_dtype = kv = fields.serving_dtype()
+    else:
+        model_dtype, kv = fields.model_dtype(), dtype_name(kv_dtype)
+    lifetime = _state_lifetime(checkpoint_interval)
+    ctx = Context(tp=tp, kv_dtype=kv, model_dtype=model_dtype, state_lifetime=lifetime)
     parsed = _PARSERS[family](fields, ctx, model_type)
+    check_has_owner(fields, parsed)
     try:
         decls = tuple(kv_layer_decls(parsed.layers))
     except DeclarationError as exc:
@@ -125,10 +136,7 @@ def resolve_family(config: Mapping[str, Any]) -> tuple[str, str]:
         raise InputError(f"config 'model_type' must be a string, got {model_type!r}")
     if model_type not in MODEL_TYPES and isinstance(text_type, str) and text_type in MODEL_TYPES:
         model_type = text_type  # a multimodal wrapper around a text model this knows
-    family = MODEL_TYPES.get(model_type)
-    if family is None:
-        raise InputError(f"unknown model_type {model_type!r} (supported: {', '.join(sorted(MODEL_TYPES))})")
-    return model_type, family
+    return model_type, MODEL_TYPES.get(model_type, GENERIC)
 
 
 def text_fields(config: Mapping[str, Any], family: str) -> Fields:
@@ -141,6 +149,34 @@ def text_fields(config: Mapping[str, Any], family: str) -> Fields:
     return Fields(text, family, outer=config)
 
 
+def check_has_owner(fields: Fields, parsed: FamilyLayers) -> None:
+    """Refuse, naming the config field, a model with no full-attention layer: the chain's
+    full-attention band owns the token ids, so a model whose every attention layer is windowed, or
+    which has no attention at all, cannot be planned."""
+    attention = [p for layer in parsed.layers if layer for p in layer if p.is_attention]
+    lifetimes = [type(p.lifetime).__name__ for p in attention]
+    if "FullLifetime" in lifetimes:
+        return
+    structure = next(
+        (n for n in ("layer_types", "layers_block_type", "attn_layer_indices", "hybrid_override_pattern")
+         if fields.present(n)),
+        None,
+    )
+    if lifetimes:
+        field = structure or "sliding_window"
+        raise fields.error(
+            field,
+            f"makes every attention layer windowed ({len(lifetimes)} layers, none full attention); "
+            "kvchain needs at least one full-attention layer to own the token ids "
+            "(expected a full_attention layer, or 'sliding_window': null to plan it as full attention)",
+        )
+    raise fields.error(
+        structure or "num_hidden_layers",
+        "leaves no attention layer (every layer keeps recurrent state or nothing); kvchain needs at "
+        "least one full-attention layer to own the token ids",
+    )
+
+
 def num_model_layers(config: Mapping[str, Any]) -> int:
     """The model's layer count, KV-free layers included. Nemotron-H's layer list or pattern sets
     its depth (transformers derives num_hidden_layers from it)."""
@@ -151,6 +187,10 @@ def num_model_layers(config: Mapping[str, Any]) -> int:
             value = fields.values.get(name)
             if isinstance(value, (list, tuple, str)) and value:
                 return len(value)
+    if family == "longcat_flash":
+        return fields.num_layers("num_layers")
+    if family == GENERIC:
+        return generic.with_standard_names(fields).num_layers()
     return fields.num_layers()
 
 

@@ -20,6 +20,7 @@ from kvchain.models import (
     model_from_config,
     model_from_preset,
 )
+from kvchain.plan import plan_kv_storage
 
 LLAMA = {
     "model_type": "llama",
@@ -105,7 +106,7 @@ def test_kvchain_metadata_is_ignored():
     ("fields", "expected"),
     [
         ({"torch_dtype": "float16"}, "float16"),
-        ({"torch_dtype": "float32"}, "float32"),
+        ({"torch_dtype": "float32"}, "bfloat16"),  # engines serve a float32 config in 16 bits
         ({"torch_dtype": "bfloat16"}, "bfloat16"),
         ({"torch_dtype": _DROP, "dtype": "float16"}, "float16"),  # newer transformers write `dtype`
         ({"torch_dtype": "int8"}, "bfloat16"),  # not a KV dtype a model computes in
@@ -116,6 +117,24 @@ def test_kvchain_metadata_is_ignored():
 def test_kv_dtype_follows_the_config(fields, expected):
     spec = model_from_config(config(LLAMA, **fields))
     assert spec.decls[0].parts[0].geometry.dtype == expected
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "auto", "AUTO"])
+def test_auto_kv_dtype_is_16_bit_for_a_float32_config_and_conv_state_follows(kv_dtype):
+    jamba = config(load_preset_config("jamba-mini"), torch_dtype="float32")
+    spec = model_from_config(jamba, kv_dtype=kv_dtype)
+    attention = next(p for d in spec.decls for p in d.parts if p.is_attention)
+    conv, ssm = next(p for d in spec.decls for p in d.parts if not p.is_attention).geometry.tensors
+    assert (attention.geometry.dtype, conv.dtype, ssm.dtype) == ("bfloat16", "bfloat16", "float32")
+
+
+def test_explicit_float32_kv_dtype_is_kept_with_the_config_dtype_for_conv_state():
+    # the engine passes the dtype it loaded the weights in
+    jamba = config(load_preset_config("jamba-mini"), torch_dtype="float32")
+    spec = model_from_config(jamba, kv_dtype="float32")
+    attention = next(p for d in spec.decls for p in d.parts if p.is_attention)
+    conv, _ssm = next(p for d in spec.decls for p in d.parts if not p.is_attention).geometry.tensors
+    assert (attention.geometry.dtype, conv.dtype) == ("float32", "float32")
 
 
 def test_nested_config_dtype_comes_from_the_top_level():
@@ -246,9 +265,22 @@ def test_gpt_oss_without_layer_types_alternates_from_sliding():
 
 def test_mistral_sliding_window_applies_to_every_layer():
     # Mistral-7B-v0.1: sliding_window 4096 and no use_sliding_window switch
+    # leaves no full-attention layer to own the token ids: refused naming the field and the way out
     cfg = config(LLAMA, model_type="mistral", sliding_window=4096)
-    assert lifetimes(model_from_config(cfg)) == ["window 4096"] * 4
+    message = error_of(cfg)
+    assert "'sliding_window'" in message and "every attention layer windowed" in message and "null" in message
     assert lifetimes(model_from_config(config(cfg, sliding_window=None))) == ["full"] * 4
+    mixed = config(cfg, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    assert lifetimes(model_from_config(mixed)) == ["window 4096"] * 3 + ["full"]
+    assert "'layer_types'" in error_of(config(mixed, layer_types=["sliding_attention"] * 4))
+
+
+def test_qwen_moe_window_zero_means_off():
+    # Qwen1.5-MoE as transformers writes it: sliding_window 0 with the switch off
+    cfg = config(LLAMA, model_type="qwen2_moe", sliding_window=0, use_sliding_window=False,
+                 layer_types=["full_attention"] * 4)
+    assert lifetimes(model_from_config(cfg)) == ["full"] * 4
+    assert lifetimes(model_from_config(config(cfg, layer_types=_DROP))) == ["full"] * 4
 
 
 def test_qwen2_window_needs_the_switch_and_respects_max_window_layers():
@@ -292,9 +324,11 @@ def test_config_must_be_an_object(bad):
     assert "JSON object" in error_of(bad)
 
 
-def test_unknown_model_type():
-    message = error_of(config(LLAMA, model_type="not_a_model"))
-    assert "not_a_model" in message and "llama" in message
+def test_unknown_model_type_is_read_by_structure():
+    spec = model_from_config(config(LLAMA, model_type="not_a_model"))
+    assert spec.family == "generic" and lifetimes(spec) == ["full"] * 4
+    message = error_of(config(LLAMA, model_type="not_a_model", num_attention_heads=_DROP))
+    assert message.startswith("not_a_model config:") and "'num_attention_heads'" in message
     assert "model_type" in error_of(config(LLAMA, model_type=7))
     assert "architectures" in error_of(config(LLAMA, model_type=_DROP))
     assert "architectures" in error_of(config(LLAMA, model_type=_DROP, architectures=["FooForCausalLM"]))
@@ -359,7 +393,7 @@ def test_bad_layer_lists_and_patterns_are_named():
     nemotron["hybrid_override_pattern"] = "M-X*"
     assert "'hybrid_override_pattern'" in error_of(nemotron) and "X" in error_of(nemotron)
     nemotron["hybrid_override_pattern"] = "----"
-    assert "at least one layer" in error_of(nemotron)
+    assert "no attention layer" in error_of(nemotron)
 
     scout = load_preset_config("llama-4-scout")
     scout["text_config"]["no_rope_layers"] = [1, 2] * 24
@@ -542,3 +576,109 @@ def test_full_lifetime_and_window_types_are_the_decl_ones():
     spec = model_from_preset("gpt-oss-20b")
     assert spec.decls[0].parts[0].lifetime == WindowLifetime(128)
     assert spec.decls[1].parts[0].lifetime == FullLifetime()
+
+
+# ---------------------------------------------------------------- published hybrid configs (generic path)
+
+BAMBA_9B = {  # ibm-ai-platform/Bamba-9B: attention on layers 9, 18, 27, Mamba2 elsewhere
+    "model_type": "bamba", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64,
+    "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2,
+    "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
+}
+
+
+def test_bamba_9b_golden_bytes():
+    plan = plan_kv_storage(model_from_config(BAMBA_9B).decls, page_size=64)
+    # 3 attention layers x 8 kv heads x (128 + 128) x 2 bytes
+    assert plan.by_name("full").unit_bytes == 3 * 8 * 256 * 2 == 12288
+    # 29 Mamba2 layers x (conv (128*64 + 2*1*128) x 3 x 2 bytes + ssm 128*64*128 x 4 bytes)
+    assert plan.by_name("state").unit_bytes == 29 * ((8192 + 256) * 3 * 2 + 128 * 64 * 128 * 4) == 123104768
+    assert plan.by_name("full").layer_ids == (9, 18, 27)
+    assert "'attn_layer_indices'" in error_of(config(BAMBA_9B, attn_layer_indices=[9, 40]))
+    assert "'attn_layer_indices'" in error_of(config(BAMBA_9B, attn_layer_indices=[]))  # no attention layer
+
+
+LFM2_1_2B = {  # LiquidAI/LFM2-1.2B: short-conv layers with attention on full_attn_idxs
+    "model_type": "lfm2", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3,
+    "max_position_embeddings": 128000, "torch_dtype": "bfloat16",
+}
+
+
+def test_lfm2_golden_bytes():
+    plan = plan_kv_storage(model_from_config(LFM2_1_2B).decls, page_size=64)
+    assert plan.by_name("full").unit_bytes == 6 * 8 * (64 + 64) * 2 == 12288  # head_dim 2048 / 32
+    assert plan.by_name("state").unit_bytes == 10 * 2048 * (3 - 1) * 2 == 81920  # conv keeps L_cache - 1
+    assert "'full_attn_idxs'" in error_of(config(LFM2_1_2B, full_attn_idxs=[2, 16]))
+
+
+def test_generic_recurrent_layers_need_state_fields():
+    cfg = config(LLAMA, model_type="some_hybrid", layer_types=["linear_attention", "full_attention"] * 2)
+    message = error_of(cfg)
+    assert "'layer_types'" in message and "linear_num_key_heads" in message
+    # recurrent fields without a list saying which layers are recurrent
+    assert "'layer_types' is missing" in error_of(config(LLAMA, model_type="some_hybrid", conv_L_cache=3))
+
+
+def test_zamba_hybrid_layers_hold_attention_and_state():
+    cfg = config(LLAMA, model_type="zamba2", layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                 attention_head_dim=256, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2,
+                 n_mamba_heads=128, mamba_headdim=64, mamba_ngroups=1)
+    spec = model_from_config(cfg)
+    kinds = [sorted("attention" if p.is_attention else "state" for p in d.parts) for d in spec.decls]
+    assert kinds == [["state"], ["attention", "state"], ["state"], ["attention", "state"]]
+    attention = next(p.geometry for p in spec.decls[1].parts if p.is_attention)
+    assert attention == MHA(8, 256, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("changes", "kv_heads"),
+    [
+        ({"num_key_value_heads": _DROP, "multi_query": True}, 1),  # Falcon-7B, SantaCoder
+        ({"num_key_value_heads": _DROP, "multi_query": True, "new_decoder_architecture": True,
+          "num_kv_heads": 8}, 8),  # Falcon-40B
+        ({"num_key_value_heads": _DROP, "multi_query": False}, 32),
+    ],
+)
+def test_generic_kv_heads_follow_falcon_rules(changes, kv_heads):
+    spec = model_from_config(config(LLAMA, model_type="falcon", **changes))
+    assert spec.decls[0].parts[0].geometry.kv_heads == kv_heads
+
+
+def test_gpt2_names_are_read_as_the_standard_fields():
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}
+    spec = model_from_config(gpt2)
+    assert len(spec.decls) == 12 and spec.max_context == 1024
+    assert spec.decls[0].parts[0].geometry == MHA(12, 64, dtype="bfloat16")
+
+
+def test_longcat_caches_two_mla_sublayers_per_layer():
+    cfg = {"model_type": "longcat_flash", "num_layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "num_attention_heads": 64, "max_position_embeddings": 4096}
+    plan = plan_kv_storage(model_from_config(cfg).decls, page_size=64)
+    assert plan.by_name("full").unit_bytes == 6 * (512 + 64) * 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("is_encoder_decoder", True), ("num_kv_shared_layers", 10), ("cross_attention_layers", [1]),
+     ("index_n_heads", 64), ("block_types", ["recurrent", "attention"])],
+)
+def test_generic_refuses_unmodelled_structure_by_field(field, value):
+    message = error_of(config(LLAMA, model_type="other", **{field: value}))
+    assert f"'{field}'" in message and "does not model" in message
+    model_from_config(config(LLAMA, model_type="other", **{field: 0 if not isinstance(value, list) else []}))
+
+
+def test_generic_refuses_a_kv_cache_per_loop():
+    looped = config(LLAMA, model_type="dory", recurrent_kv_cache_mode="per_loop", n_recurrent_loops=2)
+    assert "'recurrent_kv_cache_mode'" in error_of(looped)
+    model_from_config(config(looped, recurrent_kv_cache_mode="shared"))
+
+
+def test_mamba_only_models_are_refused_naming_why():
+    mamba = {"model_type": "mamba", "num_hidden_layers": 4, "hidden_size": 768, "state_size": 16,
+             "conv_kernel": 4, "expand": 2}
+    message = error_of(mamba)
+    assert "'num_attention_heads'" in message and "Mamba" in message
