@@ -10,13 +10,23 @@ table here is the only registration and `python -m kvchain.cli` sees every comma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import bench, generate_cli
-from .cli_common import Parser, add_model_args, byte_size, load_model, positive_int, report_error, share
+from . import __version__, bench, generate_cli
+from .cli_common import (
+    Parser,
+    add_model_args,
+    byte_size,
+    check_context,
+    check_model_flags,
+    dump_json,
+    load_model,
+    positive_int,
+    report_error,
+    share,
+)
 from .errors import KVChainError
 from .sim import cli as sim_cli
 from .testing import stress_cli
@@ -39,8 +49,9 @@ def plan_and_size(args: argparse.Namespace):
     from .sizing import size_plan
 
     model = load_model(args)
+    check_model_flags(model, args)
+    context = check_context(model, args.context)
     plan = plan_kv_storage(model.decls, page_size=args.page_size)
-    context = args.context or min(model.max_context, 32768)
     sizing = size_plan(plan, args.budget, context_len=context, max_running_requests=args.max_running,
                        state_slots=args.state_slots, state_share=args.state_share)
     return model, plan, sizing
@@ -57,7 +68,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     model, plan, sizing = plan_and_size(args)
     if args.json:
-        print(json.dumps(plan_report(model, plan, sizing), indent=2))
+        print(dump_json(plan_report(model, plan, sizing), indent=2))
     else:
         render_plan(model, plan, sizing)
     return 0
@@ -73,7 +84,7 @@ def run_models(args: argparse.Namespace) -> int:
 
     presets = list_presets()
     if args.json:
-        print(json.dumps([p.__dict__ for p in presets], indent=2))
+        print(dump_json({"presets": [p.__dict__ for p in presets]}, indent=2))
     else:
         render_models(presets)
     return 0
@@ -110,6 +121,7 @@ COMMANDS: tuple[Command, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvchain", description="One unified KV-cache pool for hybrid models.")
+    parser.add_argument("--version", action="version", version=f"kvchain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)

@@ -8,7 +8,11 @@ that knows every subcommand, and no import runs back up to it."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputError, KVChainError
@@ -28,22 +32,76 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def positive_int(text: str) -> int:
+#: the version of every JSON object the commands print; bumped when a documented key changes
+SCHEMA_VERSION = 1
+#: the largest byte budget a command takes: 1024 TiB is beyond any device, and larger sizes overflow
+#: the int64 byte offsets of an arena
+MAX_BUDGET_BYTES = 2**50
+#: image formats `--plot` writes
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
 
 
-def byte_size(text: str) -> int:
-    """A byte budget such as `80GiB`, `512MiB` or a plain number of bytes."""
+def non_negative_int(text: str) -> int:
+    """A seed or a count that may be zero."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def bounded_int(limit: int, why: str):
+    """A positive integer of at most `limit`: more would exhaust memory or time (`why` says how)."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit:,} ({why}), got {value:,}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite number above zero (a rate, a duration)."""
     try:
-        return parse_bytes(text)
-    except InputError as e:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """A byte budget such as `80GiB`, `512MiB` or a plain number of bytes, at most 1024TiB."""
+    try:
+        number = float(str(text).strip().rstrip("bBkKmMgGtTiI") or "nan")
+    except ValueError:
+        number = 0.0  # not a number: parse_bytes names the problem
+    if math.isnan(number) or math.isinf(number):
+        raise argparse.ArgumentTypeError(f"not a finite byte size: {text!r}")
+    try:
+        value = parse_bytes(text)
+    except (InputError, OverflowError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if value > MAX_BUDGET_BYTES:
+        raise argparse.ArgumentTypeError(f"{text} is above the largest budget, 1024TiB")
+    return value
 
 
 def share(text: str) -> float:
@@ -75,7 +133,103 @@ def load_model(args: argparse.Namespace) -> ModelSpec:
     kwargs = {"tp_size": args.tp, "kv_dtype": args.kv_dtype, "checkpoint_interval": args.checkpoint_interval}
     if args.model:
         return model_from_preset(args.model, **kwargs)
-    return model_from_config(load_config_file(args.config), **kwargs)
+    try:
+        config = load_config_file(args.config)
+    except RecursionError:
+        raise InputError(f"--config {args.config}: JSON nested too deeply to read") from None
+    return model_from_config(config, **kwargs)
+
+
+def check_context(model: ModelSpec, context: int | None) -> int:
+    """The context length a command plans for: the flag's, at most the model's maximum."""
+    if context is not None and context > model.max_context:
+        raise InputError(f"--context {context:,} is above {model.name}'s maximum context of {model.max_context:,}")
+    return context if context is not None else min(model.max_context, 32768)
+
+
+def check_model_flags(model: ModelSpec, args: argparse.Namespace) -> None:
+    """Refuse flags that mean nothing for the model: state flags for a model without state."""
+    if has_state(model):
+        return
+    for flag, dest in (("--state-slots", "state_slots"), ("--state-share", "state_share"),
+                       ("--checkpoint-interval", "checkpoint_interval"), ("--checkpoint-every", "checkpoint_every")):
+        if getattr(args, dest, None) is not None:
+            raise InputError(f"{flag}: {model.name} has no recurrent state")
+
+
+def has_state(model: ModelSpec) -> bool:
+    """Whether the model declares recurrent state (Mamba, linear attention)."""
+    return any(not part.is_attention for decl in model.decls for part in decl.parts)
+
+
+def read_json(text: str, where: str) -> Any:
+    """Parse JSON a user handed in, as one `InputError` for every way it can be wrong (a nesting
+    deep enough to exhaust the parser's recursion included)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to read") from None
+
+
+def read_json_file(path: str | os.PathLike, what: str) -> Any:
+    """The JSON document in a file, or one `InputError` naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{what} {path}: not found") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} {path}: is a folder, not a file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{what} {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    return read_json(text, f"{what} {path}")
+
+
+def check_output_file(path: str | os.PathLike, flag: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """Refuse, before any work, a file the command could not write at the end: a folder, a
+    missing or read-only parent folder, or a suffix outside `suffixes` (when given)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a folder; give a file name")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise InputError(f"{flag} {path}: unsupported suffix {path.suffix or '(none)'!r} (use {', '.join(suffixes)})")
+    parent = path.parent
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"{flag} {path}: not writable")
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """Refuse, before any work, a folder the command could not write into: an existing file, or
+    a folder (or the nearest existing parent of one to create) that is not writable."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {path}: is a file, not a folder")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: {existing} is not a writable folder")
+    return path
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as None, so the output is valid JSON (which has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dump_json(obj: dict, **kwargs: Any) -> str:
+    """A command's JSON output: `schema_version` first, NaN and infinities as null."""
+    return json.dumps({"schema_version": SCHEMA_VERSION, **json_safe(obj)}, allow_nan=False, **kwargs)
 
 
 def report_error(command: str, error: KVChainError) -> int:

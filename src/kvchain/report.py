@@ -10,8 +10,12 @@ from .plan import KVStoragePlan
 from .sizing import PlanSizing
 from .units import format_bytes
 
+#: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
+TABLE_WIDTH = 100
+
 
 def plan_report(model, plan: KVStoragePlan, sizing: PlanSizing) -> dict:
+    """The plan as JSON: fixed snake_case keys, the same for every model (docs/cli.md lists them)."""
     return {
         "model": {"name": model.name, "family": model.family, "layers_with_kv": len(model.decls),
                   "tp_size": model.tp_size, "max_context": model.max_context},
@@ -23,7 +27,15 @@ def plan_report(model, plan: KVStoragePlan, sizing: PlanSizing) -> dict:
 def _console() -> Console:
     """The terminal's console; piped output gets room for the tables instead of 80 columns."""
     console = Console()
-    return console if console.is_terminal else Console(width=150)
+    return console if console.is_terminal else Console(width=TABLE_WIDTH)
+
+
+def _column(table: Table, name: str, number: bool = False) -> None:
+    """Numbers are right-aligned and never wrapped; text folds onto more lines instead of being cut."""
+    if number:
+        table.add_column(name, justify="right", no_wrap=True, overflow="fold")
+    else:
+        table.add_column(name, overflow="fold")
 
 
 def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console | None = None) -> None:
@@ -33,20 +45,21 @@ def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console
         f" · page size {plan.page_size} tokens · context {sizing.context_len:,}"
     )
     chain = Table(title="Chain (grow-up end first, grow-down end last)", title_justify="left")
-    right = {"#", "layers", "bytes per unit", "page bytes", "target", "target bytes"}
-    for col in ("#", "sub-pool", "placement", "lifetime", "geometry", "layers", "bytes per unit",
-                "page bytes", "target", "target bytes"):
-        chain.add_column(col, justify="right" if col in right else "left")
+    for col in ("#", "sub-pool", "placement", "lifetime", "geometry", "layers"):
+        _column(chain, col, number=col in ("#", "layers"))
+    targets = Table(title="Boot targets", title_justify="left")
+    for col in ("#", "bytes per unit", "page bytes", "target", "target bytes"):
+        _column(targets, col, number=True)
     for pool, target in zip(plan.sub_pools, sizing.targets):
-        chain.add_row(
-            str(pool.index), pool.name, pool.placement.value, pool.lifetime.describe(), pool.geometry.describe(),
-            str(len(pool.layer_ids)), f"{pool.unit_bytes:,} / {pool.unit.value}", f"{pool.page_bytes:,}",
-            f"{target.units:,} {pool.unit.value}s", format_bytes(target.bytes),
-        )
+        chain.add_row(str(pool.index), pool.name, pool.placement.value, pool.lifetime.describe(),
+                      pool.geometry.describe(), str(len(pool.layer_ids)))
+        targets.add_row(str(pool.index), f"{pool.unit_bytes:,} / {pool.unit.value}", f"{pool.page_bytes:,}",
+                        f"{target.units:,} {pool.unit.value}s", format_bytes(target.bytes))
     console.print(chain)
+    console.print(targets)
     summary = Table(title="Sizing", title_justify="left", show_header=False)
-    summary.add_column("what")
-    summary.add_column("value", justify="right")
+    _column(summary, "what")
+    _column(summary, "value", number=True)
     for name, b in sizing.fixed.terms():
         summary.add_row(f"fixed: {name}", format_bytes(b))
     summary.add_row("sink pages", format_bytes(sizing.sink_bytes))
@@ -58,10 +71,11 @@ def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console
     summary.add_row("limited by", sizing.limited_by)
     summary.add_row("unused", format_bytes(sizing.budget_bytes - sizing.used_bytes))
     console.print(summary)
-    floor = Table(title=f"Batch-size-1 floor: {format_bytes(sizing.floor.total)}", title_justify="left",
-                  show_header=False)
-    floor.add_column("term")
-    floor.add_column("bytes", justify="right")
+    console.print(f"[italic]Batch-size-1 floor: {format_bytes(sizing.floor.one_request)} serves one request "
+                  f"(refused below {format_bytes(sizing.floor.total)})[/]")
+    floor = Table(show_header=False)
+    _column(floor, "term")
+    _column(floor, "bytes", number=True)
     for term in sizing.floor.terms:
         floor.add_row(term.name, format_bytes(term.bytes))
     console.print(floor)
@@ -71,7 +85,7 @@ def render_models(presets, console: Console | None = None) -> None:
     console = console or _console()
     table = Table(title="Built-in model presets", title_justify="left")
     for col in ("name", "family", "layers", "HuggingFace id"):
-        table.add_column(col, no_wrap=True)
+        _column(table, col, number=col == "layers")
     for p in presets:
         table.add_row(p.name, p.family, str(p.num_layers), p.hf_id)
     console.print(table)

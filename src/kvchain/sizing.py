@@ -72,50 +72,96 @@ def fixed_allocations(plan: KVStoragePlan, context_len: int, max_running_request
 
 @dataclass(frozen=True)
 class FloorTerm:
+    """One term of the floor: `key` is its fixed snake_case name for JSON, `pool` the sub-pool it
+    counts (if any), `checked` whether `check_bs1_floor` refuses a budget without it."""
+
     name: str
     bytes: int
+    key: str = ""
+    pool: str | None = None
+    pages: int | None = None
+    checked: bool = True
 
 
 @dataclass(frozen=True)
 class Bs1Floor:
-    """The least budget that serves one request at batch size 1: fixed allocations, its window
-    rows, its state slots and the sink pages. Full-attention tokens are checked at admission."""
+    """The least budget that serves one request of the context length at batch size 1: fixed
+    allocations, its window rows, its state slots, the gaps the chain keeps between sub-pools, the
+    sink pages with their grid alignment, and its full-attention pages. The full-attention pages
+    are not a sizing refusal (DECL-13): `total` (every term but them) is what `check_bs1_floor`
+    enforces; a budget of `one_request` (every term) or more plans a concurrency of at least 1."""
 
     terms: tuple[FloorTerm, ...]
 
     @property
     def total(self) -> int:
+        return sum(t.bytes for t in self.terms if t.checked)
+
+    @property
+    def one_request(self) -> int:
         return sum(t.bytes for t in self.terms)
 
-    def explain(self) -> str:
-        return " + ".join(f"{t.name} {format_bytes(t.bytes)}" for t in self.terms)
+    def explain(self, checked_only: bool = False) -> str:
+        return " + ".join(f"{t.name} {format_bytes(t.bytes)}" for t in self.terms if t.checked or not checked_only)
+
+    def to_dict(self) -> dict:
+        return {"total_bytes": self.total, "one_request_bytes": self.one_request,
+                "terms": [{"term": t.key, "sub_pool": t.pool, "pages": t.pages, "bytes": t.bytes,
+                           "checked": t.checked} for t in self.terms]}
+
+
+def chain_gap_bytes(plan: KVStoragePlan) -> int:
+    """Bytes the sizing keeps free between neighbouring sub-pools (a page of the larger of each pair),
+    so every band can align its grid next to its neighbour."""
+    chain = plan.sub_pools
+    return sum(max(chain[i - 1].page_bytes, chain[i].page_bytes) for i in range(1, len(chain)))
+
+
+def sink_bound_bytes(plan: KVStoragePlan) -> int:
+    """The most bytes the sink region can take in any arena, plus the arena's rounding to
+    `ARENA_ALIGN`: the grow-up end and the floats place their sinks at fixed offsets, the grow-down
+    end's grid origin depends on the arena's size, so its sink may need up to two of its pages."""
+    cursor = 0
+    for pool in plan.sub_pools:
+        if not pool.is_attention or pool is plan.down_end:
+            continue
+        pb = pool.page_bytes
+        cursor = (-(-cursor // pb) + 1) * pb
+    return cursor + 2 * plan.down_end.page_bytes - 1 + ARENA_ALIGN - 1
 
 
 def _bs1_floor_terms(plan: KVStoragePlan, context_len: int, max_running_requests: int) -> list[FloorTerm]:
     fixed = fixed_allocations(plan, context_len, max_running_requests)
-    terms = [FloorTerm(name, b) for name, b in fixed.terms()]
+    keys = {"request table": "request_table", "scratch": "scratch", "request rows": "request_rows"}
+    terms = [FloorTerm(name, b, keys[name]) for name, b in fixed.terms()]
     ps = plan.page_size
     ctx_pages = pages_for(context_len, ps)
     for pool in plan.windows:
         pages = min(window_peak_pages(pool.window, ps), ctx_pages)
-        terms.append(FloorTerm(f"{pool.name} rows ({pages} pages)", pages * pool.page_bytes))
+        terms.append(FloorTerm(f"{pool.name} rows ({pages} pages)", pages * pool.page_bytes, "window_rows",
+                               pool.name, pages))
     state = plan.state
     if state is not None:
         slots = state_slots_per_request(state)
-        terms.append(FloorTerm(f"state slots ({slots})", slots * state.page_bytes))
+        terms.append(FloorTerm(f"state slots ({slots})", slots * state.page_bytes, "state_slots", state.name, slots))
+    if len(plan.sub_pools) > 1:
+        terms.append(FloorTerm("gaps between sub-pools", chain_gap_bytes(plan), "sub_pool_gaps"))
     attention = [p for p in plan.sub_pools if p.is_attention]
-    sink = sum(p.page_bytes for p in attention) + plan.down_end.page_bytes  # + grid alignment
-    terms.append(FloorTerm(f"sink pages ({len(attention)})", sink))
+    terms.append(FloorTerm(f"sink pages ({len(attention)}) and alignment", sink_bound_bytes(plan), "sink_pages"))
+    owner = plan.owner
+    terms.append(FloorTerm(f"{owner.name} rows ({ctx_pages} pages, checked at admission)",
+                           ctx_pages * owner.page_bytes, "full_attention_rows", owner.name, ctx_pages, checked=False))
     return terms
 
 
 def check_bs1_floor(plan: KVStoragePlan, budget_bytes: int, context_len: int, max_running_requests: int) -> Bs1Floor:
-    """Refuse a budget below the batch-size-1 floor, naming every term and its bytes."""
+    """Refuse a budget below the batch-size-1 floor's checked terms, naming every term and its bytes."""
     floor = Bs1Floor(tuple(_bs1_floor_terms(plan, context_len, max_running_requests)))
     if budget_bytes < floor.total:
         raise BudgetError(
             f"budget {format_bytes(budget_bytes)} is below the batch-size-1 floor of "
-            f"{format_bytes(floor.total)} ({floor.explain()})"
+            f"{format_bytes(floor.total)} ({floor.explain(checked_only=True)}); one request of "
+            f"{context_len:,} tokens needs {format_bytes(floor.one_request)}"
         )
     return floor
 
@@ -161,7 +207,8 @@ class PlanSizing:
             "budget_bytes": self.budget_bytes,
             "context_len": self.context_len,
             "max_running_requests": self.max_running_requests,
-            "fixed": {name: b for name, b in self.fixed.terms()},
+            "fixed": {"request_table": self.fixed.request_table, "scratch": self.fixed.scratch,
+                      "request_rows": self.fixed.request_rows},
             "arena_bytes": self.arena_bytes,
             "sink_bytes": self.sink_bytes,
             "state_slots": self.state_slots,
@@ -174,7 +221,7 @@ class PlanSizing:
             "concurrency": self.concurrency,
             "limited_by": self.limited_by,
             "unused_bytes": self.budget_bytes - self.used_bytes,
-            "bs1_floor": {"total": self.floor.total, "terms": {t.name: t.bytes for t in self.floor.terms}},
+            "bs1_floor": self.floor.to_dict(),
         }
 
 
@@ -216,7 +263,7 @@ def size_plan(
     ps = plan.page_size
     ctx_pages = pages_for(context_len, ps)
     chain = plan.sub_pools
-    slack = sum(max(chain[i - 1].page_bytes, chain[i].page_bytes) for i in range(1, len(chain)))
+    slack = chain_gap_bytes(plan)
     avail = max(0, layout.chain_bytes - slack)
     owner = plan.owner
     windows = plan.windows

@@ -42,7 +42,7 @@ def test_plan_table(capsys):
 
 def test_models_lists_presets(capsys):
     assert main(["models", "--json"]) == 0
-    names = {p["name"] for p in json.loads(capsys.readouterr().out)}
+    names = {p["name"] for p in json.loads(capsys.readouterr().out)["presets"]}
     assert {"gpt-oss-120b", "qwen3-next-80b", "gemma-3-27b", "deepseek-v3"} <= names
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvchain.decl import MHA, State, StateTensor
 from kvchain.errors import BudgetError, InputError
 from kvchain.memory.arena import arena_layout
+from kvchain.models import model_from_preset
 from kvchain.models.small import small_hybrid
 from kvchain.plan import plan_kv_storage
 from kvchain.sizing import check_bs1_floor, fixed_allocations, size_plan, window_peak_pages
@@ -71,9 +74,10 @@ def test_floor_names_each_term():
     with pytest.raises(BudgetError) as err:
         size_plan(plan, floor.total - 1, context_len=8192, max_running_requests=64)
     message = str(err.value)
-    for name in names:
-        assert name in message
-    size_plan(plan, floor.total + 2**20, context_len=8192, max_running_requests=64)
+    for term in floor.terms:
+        assert term.name in message or not term.checked
+    assert "full rows" not in message.split(";")[0]  # DECL-13: the full-attention pages are not refused
+    size_plan(plan, floor.total, context_len=8192, max_running_requests=64)
 
 
 def test_whole_request_fit_is_not_a_sizing_refusal():
@@ -99,3 +103,48 @@ def test_sizing_fits_the_arena_layout():
     layout = arena_layout(plan, s.arena_bytes)
     assert layout.arena_bytes == s.arena_bytes and layout.sink_bytes == s.sink_bytes
     assert sum(t.bytes for t in s.targets) <= layout.chain_bytes
+
+
+#: presets of every chain shape: full attention alone, with a window, with state, with a window and
+#: state, MLA
+FLOOR_PRESETS = ("llama-3.1-8b", "gpt-oss-20b", "qwen3-next-80b", "hymba-1.5b", "deepseek-v3", "gemma-3-27b")
+_FLOOR_PLANS = {}
+
+
+def _floor_plan(name: str, page_size: int):
+    key = (name, page_size)
+    if key not in _FLOOR_PLANS:
+        _FLOOR_PLANS[key] = plan_kv_storage(model_from_preset(name).decls, page_size=page_size)
+    return _FLOOR_PLANS[key]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(FLOOR_PRESETS), page_size=st.sampled_from([1, 16, 64]),
+       context=st.integers(1, 65536), rows=st.integers(1, 64), extra=st.integers(0, 2**26),
+       checked_only=st.booleans())
+def test_a_budget_above_the_floor_plans_at_least_one_request(name, page_size, context, rows, extra, checked_only):
+    """DECL-12/13: any budget from the floor's checked terms up is sized without a refusal, and any
+    budget from the whole floor (one request's full-attention pages included) up plans a
+    concurrency of at least 1 (the gaps between sub-pools and the sink's alignment are in it)."""
+    plan = _floor_plan(name, page_size)
+    floor = check_bs1_floor(plan, 2**60, context, rows)
+    budget = (floor.total if checked_only else floor.one_request) + extra
+    sizing = size_plan(plan, budget, context_len=context, max_running_requests=rows)
+    assert sizing.used_bytes <= budget
+    if not checked_only:
+        assert sizing.concurrency >= 1, (sizing.limited_by, floor.explain())
+
+
+@pytest.mark.parametrize("name", FLOOR_PRESETS)
+def test_the_floor_is_tight_within_its_alignment_terms(name):
+    """The floor is no loose bound: a budget below it by more than the gap and sink terms fails to
+    plan one request."""
+    plan = _floor_plan(name, 64)
+    floor = check_bs1_floor(plan, 2**60, 8192, 8)
+    slack = sum(t.bytes for t in floor.terms if t.key in ("sub_pool_gaps", "sink_pages"))
+    budget = floor.one_request - slack - 1
+    try:
+        sizing = size_plan(plan, budget, context_len=8192, max_running_requests=8)
+    except BudgetError:
+        return
+    assert sizing.concurrency == 0

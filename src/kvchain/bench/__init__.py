@@ -4,9 +4,8 @@ run (machines are noisy; absolute numbers are not comparable across runs, ratios
 from __future__ import annotations
 
 import argparse
-import json
 
-from ..cli_common import byte_size, positive_int, progress
+from ..cli_common import byte_size, dump_json, non_negative_int, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -15,7 +14,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     alloc.add_argument("--iters", type=positive_int, default=2000)
     alloc.add_argument("--batch", type=positive_int, default=256)
     alloc.add_argument("--page-size", type=positive_int, default=64)
-    alloc.add_argument("--seed", type=int, default=0)
+    alloc.add_argument("--seed", type=non_negative_int, default=0)
     alloc.add_argument("--json", action="store_true")
     moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_")
     moves.add_argument("--page-size", type=positive_int, default=64)
@@ -26,7 +25,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--families", default="gemma3,gpt_oss,qwen3_next,nemotron_h",
                         help="comma-separated tiny checkpoint families")
     engine.add_argument("--requests", type=positive_int, default=64)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--seed", type=non_negative_int, default=0)
     engine.add_argument("--repeats", type=positive_int, default=3, help="timed runs per engine; the median counts")
     engine.add_argument("--budget", type=byte_size, default=None, help="kvchain's KV budget (default 4MiB)")
     engine.add_argument("--threads", type=positive_int, default=1, help="torch threads, the same for every engine")
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_moves_bench(page_size=args.page_size, device=args.device)
         rows = [("moves GB/s", "moves_gb_per_s"), ("copy_ GB/s", "copy_gb_per_s"), ("ratio (moves / copy_)", "ratio")]
     if args.json:
-        print(json.dumps(result))
+        print(dump_json(result))
         return 0
     table = Table(title=f"kvchain bench {args.bench}", show_header=False, title_justify="left")
     table.add_column("what")
@@ -90,7 +89,7 @@ def _run_engine(args: argparse.Namespace) -> int:
                                   budget=args.budget or DEFAULT_BUDGET, threads=args.threads,
                                   progress=lambda n: bar.advance(task, n))
     if args.json:
-        print(json.dumps(result))
+        print(dump_json(result))
     else:
         render_engine_bench(result, Console())
     return 0

@@ -4,14 +4,32 @@ today, side by side, on one byte budget and one scheduler loop."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..cache.radix import CheckpointStrategy
-from ..cli_common import add_model_args, load_model
+from ..cli_common import (
+    PLOT_SUFFIXES,
+    add_model_args,
+    bounded_int,
+    check_context,
+    check_model_flags,
+    check_output_file,
+    dump_json,
+    load_model,
+    non_negative_int,
+    positive_float,
+)
 from ..cli_common import byte_size as _byte_size
 from ..cli_common import positive_int as _positive_int
 from ..engine.policies import ADMISSION_MODES
 from ..errors import InputError
+from .workloads import MAX_REQUEST_TOKENS
+
+#: requests a run may generate or replay: each holds its prompt and output tokens in memory
+MAX_REQUESTS = 100_000
+#: request rows: the request table holds a row of the context length for each
+MAX_RUNNING = 65_536
+#: pages of the smallest sub-pool a budget may buy: every pool keeps host arrays per page
+MAX_PAGES = 2**24
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -20,8 +38,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default="mixed", help="a built-in workload (default mixed)")
     src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--requests", type=_positive_int, default=2000, help="requests to generate or replay (default 2000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=bounded_int(MAX_REQUESTS, "each request holds its tokens in memory"),
+                   default=2000, help="requests to generate or replay (default 2000)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--pools", default="kvchain,vllm-hybrid,sglang-static,ideal",
                    help="comma-separated pools to compare (default: kvchain, the engines and the ideal bound; also "
                         "static-default, static-best, uniform-page: the layouts alone under kvchain's admission)")
@@ -33,9 +52,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "is more important), preempting less important running requests when admission says "
                         "that makes room")
     p.add_argument("--page-size", type=_positive_int, default=64)
-    p.add_argument("--context", type=_positive_int, default=32768, help="context length (default 32768)")
+    p.add_argument("--context", type=_positive_int, default=None,
+                   help="context length (default: min(model, 32768))")
     p.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
-    p.add_argument("--max-running", type=_positive_int, default=256)
+    p.add_argument("--max-running", type=bounded_int(MAX_RUNNING, "the request table holds a row for each"),
+                   default=256)
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off in every pool")
     p.add_argument("--mamba-radix-cache-strategy", dest="strategy", default="no_buffer",
                    choices=[s.value for s in CheckpointStrategy],
@@ -44,11 +65,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="tokens between cached recurrent-state checkpoints (default: sized to the state's cost)")
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
-    p.add_argument("--ms-per-step", type=float, default=50.0, help="trace timestamps to steps (default 50 ms)")
-    p.add_argument("--block-tokens", type=_positive_int, default=512,
+    p.add_argument("--ms-per-step", type=positive_float, default=50.0,
+                   help="trace timestamps to steps (default 50 ms)")
+    p.add_argument("--block-tokens", type=bounded_int(MAX_REQUEST_TOKENS, "longer than any request"), default=512,
                    help="tokens per trace hash block: hash_ids[i] names prompt tokens i*N..(i+1)*N (default 512, Mooncake's)")
-    p.add_argument("--rate", type=float, default=None, help="arrivals per step for generated workloads")
-    p.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: the cores)")
+    p.add_argument("--rate", type=positive_float, default=None, help="arrivals per step for generated workloads")
+    p.add_argument("--jobs", type=bounded_int(256, "one process each"), default=None,
+                   help="worker processes (default: the cores)")
     p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -61,6 +84,18 @@ def _requests(args: argparse.Namespace):
                                     limit=args.requests)
     params = {} if args.rate is None else {"rate": args.rate}
     return workloads.workload_from_name(args.workload, args.requests, args.seed, **params)
+
+
+def _check_pages(model, budget: int) -> None:
+    """Refuse a budget whose pages the simulated pools could not index on the host (the ideal pool
+    pages every sub-pool by `IDEAL_PAGE_TOKENS` tokens, the smallest page of all)."""
+    from ..plan import plan_kv_storage
+    from .baselines import IDEAL_PAGE_TOKENS
+
+    smallest = min(p.page_bytes for p in plan_kv_storage(model.decls, page_size=IDEAL_PAGE_TOKENS).sub_pools)
+    if budget // smallest > MAX_PAGES:
+        raise InputError(f"--budget {budget:,} bytes is {budget // smallest:,} pages of {smallest:,} bytes; the "
+                         f"simulated pools index at most {MAX_PAGES:,} (use a smaller budget)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,15 +112,25 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in pools if p not in POOLS]
     if not pools or unknown:
         raise InputError(f"--pools: unknown pool(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(POOLS)})")
+    repeated = sorted({p for p in pools if pools.count(p) > 1})
+    if repeated:
+        raise InputError(f"--pools: {', '.join(repeated)} given more than once")
+    step_time = StepTimeModel.parse(args.step_time) if args.step_time else None
+    if args.plot:
+        check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
+    if args.rate is not None and args.trace:
+        raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
     model = load_model(args)
+    check_model_flags(model, args)
+    args.context = check_context(model, args.context)
+    _check_pages(model, args.budget)
     requests = _requests(args)
     if not requests:
         raise InputError("the workload has no requests")
     cfg = PoolConfig(args.budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
                      strategy=CheckpointStrategy(args.strategy), admission=args.admission)
-    sched = SchedulerConfig(args.max_batched_tokens, args.max_running,
-                            StepTimeModel.parse(args.step_time) if args.step_time else None, priority=args.priority)
+    sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority)
     console = Console(stderr=True)
     total = len(pools) + (1 if "static-best" in pools else 0)
     with Progress(console=console, transient=True, disable=args.json) as progress:
@@ -95,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_comparison(result, args.plot, title=f"{model.name}, {format_bytes(args.budget)}, {args.trace or args.workload}")
     if args.json:
-        print(json.dumps(comparison_json(model, args, result), indent=2))
+        print(dump_json(comparison_json(model, args, result), indent=2))
     else:
         render_comparison(model, args, result)
     return 0

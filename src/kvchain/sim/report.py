@@ -31,44 +31,61 @@ def _p(d: dict | None, key: str, fmt: str) -> str:
     return format(d[key], fmt) if d and key in d else "-"
 
 
+#: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
+TABLE_WIDTH = 100
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    """Headers are broken onto lines no wider than their figures, so the tables keep their natural
+    width within 100 columns and no cell is squeezed; were one too narrow anyway, `fold` breaks a
+    word rather than hiding its end behind an ellipsis."""
+    table = Table(title=title, title_justify="left")
+    for c in columns:
+        table.add_column(c, justify="left" if c == "pool" else "right", overflow="fold")
+    return table
+
+
 def render_comparison(model, args, result: Comparison, console: Console | None = None) -> None:
-    """Whole-run figures first (steps to serve the trace, kvchain's steps over each pool's, seconds
-    and tokens/s with the step-time model, TTFT/TPOT, preemptions, recomputed tokens); the
-    saturation figures after them."""
+    """Two stacked tables that fit 100 columns: the whole-run figures first (steps to serve the
+    trace, kvchain's steps over each pool's, seconds and tokens/s with the step-time model,
+    TTFT/TPOT, preemptions, recomputed tokens), then the memory figures at saturation and the
+    request counts."""
     console = console or Console()
     if not console.is_terminal:
-        console = Console(width=200)
+        console = Console(width=TABLE_WIDTH)
     steps = result.ratios("steps")
     timed = bool(result.results) and result.results[0].seconds is not None
-    table = Table(title=f"{model.name} · {format_bytes(args.budget)} · {args.trace or args.workload} · "
-                        f"{result.results[0].requests} requests", title_justify="left")
-    cols = ["pool", "steps", "kvchain/pool"]
+    console.print(f"[bold]{model.name}[/] · {format_bytes(args.budget)} · {args.trace or args.workload} · "
+                  f"{result.results[0].requests} requests")
+    cols = ["pool", "steps", "kvchain\n/ pool"]
     if timed:
-        cols += ["seconds", "tok/s", "TTFT p50/p99 (s)", "TPOT p50/p99 (ms)"]
+        cols += ["seconds", "tok/s", "TTFT\np50/p99 s", "TPOT\np50/p99 ms"]
     else:
-        cols += ["TTFT p50/p99 (steps)", "TPOT p50/p99 (steps)"]
-    cols += ["preempted", "recomputed", "hit rate", "tok/step (sat)", "running (sat)", "utilisation", "peak",
-             "aborted", "rejected", "finished"]
-    for c in cols:
-        table.add_column(c, justify="left" if c == "pool" else "right")
+        cols += ["TTFT\np50/p99\nsteps", "TPOT\np50/p99\nsteps"]
+    cols += ["pre-\nempted", "recomp.\ntokens"]
+    whole = _table("Whole run", cols)
+    memory = _table("At saturation, and requests", ["pool", "hit\nrate", "tok/\nstep", "running", "memory\nused",
+                                                     "peak", "aborted", "rejected", "finished"])
     for r in result.results:
         ratio = steps.get(r.pool)
-        row = [r.pool, str(r.steps), f"{1 / ratio:.3f}x" if ratio else "-"]
+        row = [r.pool, f"{r.steps:,}", f"{1 / ratio:.3f}x" if ratio else "-"]
         if timed:
-            row += [f"{r.seconds:.1f}", f"{r.tokens_per_second:.0f}",
+            tpot_ms = r.tpot_s and {k: v * 1e3 for k, v in r.tpot_s.items()}
+            row += [f"{r.seconds:,.1f}", f"{r.tokens_per_second:,.0f}",
                     f"{_p(r.ttft_s, 'p50', '.2f')}/{_p(r.ttft_s, 'p99', '.2f')}",
-                    f"{_p(r.tpot_s and {k: v * 1e3 for k, v in r.tpot_s.items()}, 'p50', '.1f')}/"
-                    f"{_p(r.tpot_s and {k: v * 1e3 for k, v in r.tpot_s.items()}, 'p99', '.1f')}"]
+                    f"{_p(tpot_ms, 'p50', '.1f')}/{_p(tpot_ms, 'p99', '.1f')}"]
         else:
             row += [f"{_p(r.ttft_steps, 'p50', '.0f')}/{_p(r.ttft_steps, 'p99', '.0f')}",
                     f"{_p(r.tpot_steps, 'p50', '.2f')}/{_p(r.tpot_steps, 'p99', '.2f')}"]
-        row += [str(r.preemptions), str(r.recomputed_tokens), f"{r.hit_rate:.1%}", f"{r.throughput:.1f}",
-                f"{r.mean_concurrency:.1f}", f"{r.utilisation:.1%}", str(r.peak_running),
-                str(r.aborted), str(r.rejected), str(r.finished)]
-        table.add_row(*row)
-    console.print(table)
-    console.print("steps: to serve the whole trace; kvchain/pool: kvchain's steps over the pool's (below 1: kvchain "
-                  "serves it in fewer); (sat): at saturation, the steps that ended with requests waiting")
+        row += [f"{r.preemptions:,}", f"{r.recomputed_tokens:,}"]
+        whole.add_row(*row)
+        memory.add_row(r.pool, f"{r.hit_rate:.1%}", f"{r.throughput:,.1f}", f"{r.mean_concurrency:,.1f}",
+                       f"{r.utilisation:.1%}", f"{r.peak_running:,}", f"{r.aborted:,}", f"{r.rejected:,}",
+                       f"{r.finished:,}")
+    console.print(whole)
+    console.print(memory)
+    console.print("steps: to serve the whole trace; kvchain / pool: kvchain's steps over the pool's (below 1: "
+                  "kvchain serves it in fewer); at saturation: over the steps that ended with requests waiting")
     if result.static_best is not None:
         console.print(f"static-best split (oracle, swept on the trace): window ratio {result.static_best.window_ratio}, "
                       f"state ratio {result.static_best.state_ratio}")

@@ -14,6 +14,7 @@ that never saturated reports its whole-run figures); `throughput_overall` and
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -32,6 +33,14 @@ class StepTimeModel:
     base_ms: float = 8.0
     per_token_us: float = 25.0
     per_kv_token_ns: float = 4.0
+
+    def __post_init__(self) -> None:
+        from ..errors import InputError
+
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise InputError(f"step-time model: {name} must be a finite number >= 0, got {value!r}")
 
     def seconds(self, computed_tokens: int, kv_tokens: int) -> float:
         return self.base_ms / 1e3 + computed_tokens * self.per_token_us / 1e6 + kv_tokens * self.per_kv_token_ns / 1e9
@@ -91,37 +100,55 @@ class PoolResult:
 def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
              step_time: StepTimeModel | None = None, max_steps: int = 10**7, priority: bool = False,
              on_step: Callable[[Scheduler], None] | None = None) -> tuple[PoolResult, SchedulerStats]:
-    """Run fresh copies of `requests` through `pool` until every one finished, aborted or was rejected."""
+    """Run fresh copies of `requests` through `pool` until every one finished, aborted or was
+    rejected, or `max_steps` steps ran. Idle stretches (nothing running or waiting before the next
+    arrival) are skipped in one jump and count as the idle steps they stand for, so a sparse
+    trace costs what its busy steps cost."""
     reqs = [copy.deepcopy(r) for r in requests]
     sched = Scheduler(pool, max_batched_tokens=max_batched_tokens, max_running=max_running, priority=priority)
     sched.add(reqs)
-    ends: list[float] = []  # with the step-time model: the time each step ends
+    stepped: list[int] = []  # with the step-time model: the step numbers run, and when each ended
+    ends: list[float] = []
+    weights: list[int] = []  # steps each history record stands for (an idle jump: the steps it skipped)
     seconds = 0.0 if step_time is not None else None
-    while not sched.idle and sched.step_no < max_steps:
+    ran = 0
+    while not sched.idle and ran < max_steps:
+        gap = _idle_gap(sched)
+        if gap:
+            _skip_idle(sched, gap)
+            weights.append(gap)
+            if step_time is not None:
+                seconds += gap * step_time.seconds(0, 0)
+            continue
         record = sched.step()
+        ran += 1
+        weights.append(1)
         if step_time is not None:
             kv = sum(r.computed for r in sched.running)
             seconds += step_time.seconds(record.output_tokens + record.prefill_tokens, kv)
+            stepped.append(record.step)
             ends.append(seconds)
         if on_step is not None:
             on_step(sched)
     stats = sched.stats
     hist = stats.history
-    saturated = [h for h in hist if h.waiting > 0] or hist
+    weighted = list(zip(hist, weights))
+    saturated = [(h, w) for h, w in weighted if h.waiting > 0] or weighted
+    sat_w = [w for _h, w in saturated]
     admitted = [r for r in reqs if r.admitted_step >= 0]
     prompt_tokens = sum(len(r.prompt) for r in admitted)
     result = PoolResult(
         pool=pool.name,
         requests=len(reqs),
         steps=stats.steps,
-        throughput=_mean([h.output_tokens for h in saturated]),
-        mean_concurrency=_mean([h.running for h in saturated]),
+        throughput=_mean([h.output_tokens for h, _w in saturated], sat_w),
+        mean_concurrency=_mean([h.running for h, _w in saturated], sat_w),
         peak_running=stats.peak_running,
-        utilisation=_mean([h.utilisation for h in saturated]),
-        utilisation_mean=_mean([h.utilisation for h in hist]),
+        utilisation=_mean([h.utilisation for h, _w in saturated], sat_w),
+        utilisation_mean=_mean([h.utilisation for h in hist], weights),
         throughput_overall=stats.output_tokens / max(stats.steps, 1),
-        concurrency_overall=_mean([h.running for h in hist]),
-        saturated_steps=sum(h.waiting > 0 for h in hist),
+        concurrency_overall=_mean([h.running for h in hist], weights),
+        saturated_steps=sum(w for h, w in weighted if h.waiting > 0),
         hit_rate=stats.cached_tokens / max(prompt_tokens, 1),
         queue_delay=float(np.mean([r.admitted_step - r.arrival for r in admitted])) if admitted else 0.0,
         preemptions=stats.preemptions,
@@ -139,13 +166,51 @@ def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens
         tokens_per_second=(stats.output_tokens / seconds) if seconds else None,
     )
     if step_time is not None:
-        end = np.asarray(ends)
-        start = np.concatenate([[0.0], end[:-1]])  # when each step begins
+        clock = _Clock(np.asarray(stepped, dtype=np.int64), np.asarray(ends), step_time.seconds(0, 0))
+        last = sched.step_no - 1
         done = [r for r in reqs if r.first_token_step >= 0]
-        result.ttft_s = _percentiles([end[r.first_token_step] - start[min(r.arrival, len(end) - 1)] for r in done])
-        result.tpot_s = _percentiles([(end[r.finished_step] - end[r.first_token_step]) / (r.generated - 1)
+        result.ttft_s = _percentiles([clock.end(r.first_token_step) - clock.end(min(r.arrival, last) - 1)
+                                      for r in done])
+        result.tpot_s = _percentiles([(clock.end(r.finished_step) - clock.end(r.first_token_step)) / (r.generated - 1)
                                       for r in done if r.phase is Phase.FINISHED and r.generated > 1])
     return result, stats
+
+
+def _idle_gap(sched: Scheduler) -> int:
+    """Steps until the next arrival when nothing runs or waits (0 when there is work now)."""
+    if sched.running or sched.waiting or not sched.pending:
+        return 0
+    return max(0, sched.pending[0].arrival - sched.step_no)
+
+
+def _skip_idle(sched: Scheduler, gap: int) -> None:
+    """Advance the scheduler over `gap` idle steps at once: one history record stands for them (its
+    weight is the gap), the step counters move by the gap, and the policy sees its per-step updates:
+    a policy's only per-step state is a ratio that reaches its floor after `decay_steps` steps, so
+    replaying at most that many is exact."""
+    from ..engine.scheduler import StepRecord
+
+    for _ in range(min(gap, getattr(sched.policy, "decay_steps", 0) + 1)):
+        sched.policy.on_step()
+    sched.stats.history.append(StepRecord(sched.step_no, 0, 0, 0, 0, sched.pool.stats().utilisation))
+    sched.stats.steps += gap
+    sched.step_no += gap
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """When each step ends under the step-time model: the steps run, their end times, and what an
+    idle step costs (the steps of a skipped stretch each cost that)."""
+
+    steps: np.ndarray
+    ends: np.ndarray
+    idle_s: float
+
+    def end(self, step: int) -> float:
+        i = int(np.searchsorted(self.steps, step, side="right")) - 1
+        if i < 0:
+            return (step + 1) * self.idle_s
+        return float(self.ends[i]) + (step - int(self.steps[i])) * self.idle_s
 
 
 PERCENTILES = (50, 90, 99)
@@ -158,5 +223,7 @@ def _percentiles(values: list) -> dict[str, float]:
     return {f"p{p}": float(v) for p, v in zip(PERCENTILES, q)}
 
 
-def _mean(values: list) -> float:
-    return float(np.mean(values)) if values else 0.0
+def _mean(values: list, weights: list | None = None) -> float:
+    if not values:
+        return 0.0
+    return float(np.average(np.asarray(values, dtype=np.float64), weights=weights))

@@ -31,6 +31,11 @@ from ..engine.request import ScheduledRequest
 from ..errors import InputError
 
 VOCAB = 2**31  # token ids are drawn from [1, VOCAB): collisions between unrelated parts are ~2**-31
+#: the longest request a trace may hold (prompt plus output), above any model's context: each
+#: request's tokens are held in memory
+MAX_REQUEST_TOKENS = 2**24
+#: the most tokens (prompts plus outputs) one trace replay may hold: 4 GiB of int32 token ids
+MAX_TRACE_TOKENS = 2**30
 
 Workload = Callable[..., list[ScheduledRequest]]
 
@@ -447,6 +452,10 @@ def _parse_line(obj: Any, where: str, lineno: int, block_tokens: int) -> _Line:
                          f"{blocks} blocks of {block_tokens} tokens (wrong block_tokens? `kvchain simulate "
                          "--block-tokens` sets the trace's block size)")
     priority = _number(obj, "priority", where, integer=True, required=False) or 0
+    tokens = input_length + (output_length if max_new is None else max_new)
+    if tokens > MAX_REQUEST_TOKENS:
+        raise InputError(f"{where}: {tokens:,} tokens (input_length plus output) is above the most a request "
+                         f"may hold, {MAX_REQUEST_TOKENS:,}")
     return _Line(lineno, -1 if step is None else step, -1.0 if time_ms is None else float(time_ms),
                  input_length, output_length, max_new, rid, hash_ids, priority)
 
@@ -463,6 +472,7 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
     _check(limit is None or limit >= 0, f"limit must be >= 0, got {limit!r}")
     path = Path(path)
     lines: list[_Line] = []
+    held = 0
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, text in enumerate(f, 1):
@@ -475,7 +485,16 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
                     obj = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise InputError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from None
-                lines.append(_parse_line(obj, where, lineno, block_tokens))
+                except RecursionError:
+                    raise InputError(f"{where}: JSON nested too deeply to read") from None
+                line = _parse_line(obj, where, lineno, block_tokens)
+                held += line.input_length + (line.max_new or line.output_length)
+                if held > MAX_TRACE_TOKENS:
+                    raise InputError(f"{where}: the trace holds more than {MAX_TRACE_TOKENS:,} tokens so far; "
+                                     "replay fewer requests (--requests)")
+                lines.append(line)
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a folder, not a trace file") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
     except UnicodeDecodeError as e:

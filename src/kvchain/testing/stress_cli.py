@@ -14,8 +14,24 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli_common import positive_int, progress
+from ..cli_common import (
+    bounded_int,
+    check_output_dir,
+    check_output_file,
+    dump_json,
+    progress,
+    read_json,
+    read_json_file,
+)
 from ..errors import InputError
+
+#: seeds one run may take: each is a job held in memory and run to its end
+MAX_SEEDS = 1_000_000
+#: operations or steps per seed: a case holds its operations in memory
+MAX_OPS = 100_000
+#: the largest size field a saved case or trace may give (bytes, rows, tokens, pages): its run
+#: allocates that much
+MAX_FIELD = 2**30
 
 
 def _seed_range(text: str) -> range:
@@ -30,6 +46,8 @@ def _seed_range(text: str) -> range:
         raise argparse.ArgumentTypeError(f"seeds must be A:B or A, not {text!r}") from None
     if a < 0 or b <= a:
         raise argparse.ArgumentTypeError(f"empty or negative seed range {text!r}")
+    if b - a > MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SEEDS:,} seeds a run, got {b - a:,} in {text!r}")
     return range(a, b)
 
 
@@ -43,13 +61,125 @@ def _page_sizes(text: str) -> list[int]:
     return sizes
 
 
+# ----------------------------------------------------------------------------------- shapes
+
+
+def _field(obj: dict, key: str, kind: str, where: str, *, required: bool = True) -> None:
+    """Refuse a field of the wrong JSON type: `int` (>= 0, at most MAX_FIELD), `size` (>= 1),
+    `number` (>= 0), `bool`, `str`, `object`, `list` or `ints` (a list of `int`)."""
+    if key not in obj:
+        if required:
+            raise InputError(f"{where}: missing field {key!r}")
+        return
+    v = obj[key]
+    ok = {
+        "int": lambda: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD,
+        "size": lambda: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_FIELD,
+        "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD,
+        "bool": lambda: isinstance(v, bool),
+        "str": lambda: isinstance(v, str),
+        "object": lambda: isinstance(v, dict),
+        "list": lambda: isinstance(v, list),
+        "ints": lambda: isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_FIELD for x in v),
+    }[kind]()
+    if not ok:
+        shown = json.dumps(v)
+        raise InputError(f"{where}: field {key!r} must be {_KIND_TEXT[kind]}, got {shown[:60]}")
+
+
+_KIND_TEXT = {"int": f"an integer in [0, {MAX_FIELD}]", "size": f"an integer in [1, {MAX_FIELD}]", "number": f"a number in [0, {MAX_FIELD}]",
+              "bool": "true or false", "str": "a string", "object": "a JSON object", "list": "a list",
+              "ints": f"a list of integers in [0, {MAX_FIELD}]"}
+
+
+def _object(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: expected a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+def check_case_shape(data: object, where: str) -> None:
+    """Refuse a saved stress case whose fields have the wrong types, before it is replayed."""
+    from .harness_config import OP_WEIGHTS
+
+    case = _object(data, where)
+    config = _object(case.get("config"), f"{where}: config")
+    _field(config, "seed", "int", f"{where}: config")
+    for key in ("page_size", "state_floats", "chain_bytes", "rows", "context", "max_moves"):
+        _field(config, key, "size", f"{where}: config")
+    _field(config, "war_barrier", "bool", f"{where}: config")
+    _field(config, "gap_fraction", "number", f"{where}: config")
+    _field(config, "full", "ints", f"{where}: config")
+    _field(config, "windows", "list", f"{where}: config")
+    for k, w in enumerate(config["windows"]):
+        _field({"window": w}, "window", "ints", f"{where}: config.windows[{k}]")
+    _field(config, "timing", "list", f"{where}: config")
+    for k, t in enumerate(config["timing"]):
+        timing = _object(t, f"{where}: config.timing[{k}]")
+        _field(timing, "seed", "int", f"{where}: config.timing[{k}]")
+        for key in ("forward", "copy", "network", "schedule"):
+            _field(timing, key, "number", f"{where}: config.timing[{k}]", required=key != "schedule")
+    _field(case, "ops", "list", where)
+    for k, op in enumerate(case["ops"]):
+        here = f"{where}: ops[{k}]"
+        op = _object(op, here)
+        if op.get("op") not in OP_WEIGHTS:
+            raise InputError(f"{here}: field 'op' must be one of {', '.join(OP_WEIGHTS)}, got {op.get('op')!r}")
+        for key, value in op.items():
+            if key == "op":
+                continue
+            if key == "fr" and isinstance(value, list):
+                _field(op, key, "list", here)
+                for x in value:
+                    _field({key: x}, key, "number", here)
+            else:
+                _field(op, key, "number" if key in ("fr", "dt") else "int", here)
+    if case.get("mutant") is not None:
+        _field(case, "mutant", "str", where)
+    if case.get("failure") is not None:
+        _object(case["failure"], f"{where}: failure")
+
+
+def check_trace_shape(path: Path) -> None:
+    """Refuse a recorded trace whose lines have the wrong shape, before any run is replayed."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except IsADirectoryError:
+        raise InputError(f"--trace {path}: is a folder, not a trace file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--trace {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    for k, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        where = f"{path}:{k}"
+        run = _object(read_json(text, where), where)
+        _field(run, "run", "str", where)
+        config = _object(run.get("config"), f"{where}: config")
+        _field(config, "name", "str", f"{where}: config")
+        for key in ("page_size", "chain_pages", "rows", "context_pages", "state_floats"):
+            _field(config, key, "size", f"{where}: config", required=key == "page_size")
+        _field(config, "windows", "ints", f"{where}: config")
+        _field(config, "state", "bool", f"{where}: config")
+        _field(run, "source", "object", where)
+        _field(run, "calls", "list", where)
+        for i, entry in enumerate(run["calls"]):
+            entry = _object(entry, f"{where}: calls[{i}]")
+            if not entry.get("skipped"):
+                step = _object(entry.get("step"), f"{where}: calls[{i}].step")
+                _field(step, "call", "str", f"{where}: calls[{i}].step")
+                _field(entry, "decisions", "list", f"{where}: calls[{i}]", required="raised" not in entry)
+
+
 # ----------------------------------------------------------------------------------- stress
 
 
 def configure_stress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=_seed_range, default=range(0, 20), help="seed range A:B (default 0:20)")
-    p.add_argument("--ops", type=positive_int, default=400, help="operations per seed (default 400)")
-    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default 1)")
+    p.add_argument("--ops", type=bounded_int(MAX_OPS, "a case holds its operations in memory"), default=400,
+                   help="operations per seed (default 400)")
+    p.add_argument("--jobs", type=bounded_int(256, "one process each"), default=1,
+                   help="worker processes (default 1)")
     p.add_argument("--minimize", action="store_true", help="shrink each failing sequence to a minimal one")
     p.add_argument("--out", type=Path, default=None, help="folder for failing cases (JSON)")
     p.add_argument("--replay", type=Path, default=None, help="replay a saved case instead of seeds")
@@ -137,6 +267,7 @@ def _replay(args: argparse.Namespace) -> int:
     from . import mutants
     from .harness import Case, run_case
 
+    check_case_shape(read_json_file(args.replay, "--replay"), f"--replay {args.replay}")
     case = Case.load(args.replay)
     mutant = args.mutant or case.mutant
     until = mutants.get(mutant).target if mutant else None
@@ -174,6 +305,8 @@ def run_stress(args: argparse.Namespace) -> int:
         raise InputError("--device cuda runs one job (the ranks share one GPU)")
     if args.device != "modeled" and args.minimize:
         raise InputError("--minimize needs --device modeled (a real device does not replay the same timing)")
+    if args.out is not None:
+        check_output_dir(args.out, "--out")
     jobs = [_Job(s, args.ops, args.device, args.minimize, str(args.out) if args.out else None, until, args.mutant)
             for s in args.seeds]
     results: list[dict] = []
@@ -213,7 +346,7 @@ def run_stress(args: argparse.Namespace) -> int:
                       "minimized_ops": r.get("minimized_ops")} for r in failed],
     }
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(dump_json(summary, indent=1))
         return 1 if failed else 0
     table = Table(title="kvchain stress", show_header=False, title_justify="left")
     table.add_column("what")
@@ -251,7 +384,8 @@ def configure_trace(p: argparse.ArgumentParser) -> None:
     rec.add_argument("--page-sizes", type=_page_sizes, default=[1, 16, 64], help="e.g. 1,16,64 (default)")
     rec.add_argument("--out", type=Path, required=True, help="the JSONL trace to write")
     rec.add_argument("--seeds", type=_seed_range, default=range(0, 4), help="seeded runs per configuration (0:4)")
-    rec.add_argument("--steps", type=positive_int, default=120, help="steps per seeded run (default 120)")
+    rec.add_argument("--steps", type=bounded_int(MAX_OPS, "a run holds its steps in memory"), default=120,
+                     help="steps per seeded run (default 120)")
     rec.add_argument("--scenarios", type=Path, default=None, help="scenario folder (default tests/scenarios)")
     cmp = sub.add_parser("compare", help="replay a recorded trace against this checkout")
     cmp.add_argument("--trace", type=Path, required=True, help="a JSONL trace from `kvchain trace record`")
@@ -277,11 +411,13 @@ def run_trace(args: argparse.Namespace) -> int:
 
     console = Console()
     if args.trace == "record":
+        check_output_file(args.out, "--out")
         scenarios = trace.load_scenarios(_scenario_folder(args.scenarios))
         n = trace.write_jsonl(trace.record_runs(args.page_sizes, scenarios, args.seeds, args.steps), args.out)
         console.print(f"recorded {n} runs ({len(scenarios)} scenarios, seeds {args.seeds.start}:{args.seeds.stop}, "
                       f"page sizes {','.join(map(str, args.page_sizes))}) -> {args.out}")
         return 0
+    check_trace_shape(args.trace)
     diverged = 0
     runs = 0
     for run in trace.read_jsonl(args.trace):
@@ -290,7 +426,7 @@ def run_trace(args: argparse.Namespace) -> int:
         if found is not None:
             diverged += 1
         if args.json:
-            print(json.dumps({"run": run.name, "matches": found is None,
+            print(dump_json({"run": run.name, "matches": found is None,
                               "divergence": None if found is None else {"call": found.call, "what": found.what}}))
         elif found is None:
             console.print(f"{run.name}: [green]matches[/] ({len(run.calls)} calls)")

@@ -1,0 +1,144 @@
+"""Every bad input of every command is one line on stderr and exit code 2, refused before any work:
+a flag out of range, a size that would exhaust memory, a JSON file of the wrong shape or nested too
+deeply, an output that could not be written, a flag that means nothing for the model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvchain.cli import main
+from kvchain.testing.harness import seed_case
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture()
+def files(tmp_path):
+    """Bad inputs on disk, by name."""
+    made = {}
+
+    def put(name: str, text: str):
+        made[name.replace(".", "_")] = tmp_path / name
+        (tmp_path / name).write_text(text)
+
+    put("deep.json", DEEP)
+    put("deep.jsonl", DEEP + "\n")
+    put("list.json", "[1, 2]")
+    put("list.jsonl", "[1, 2]\n")
+    put("huge.jsonl", json.dumps({"timestamp": 0, "input_length": 10**12, "output_length": 5}) + "\n")
+    case = seed_case(0, 5).to_json()
+    case["config"]["page_size"] = "4"
+    put("case_str_field.json", json.dumps(case))
+    case = seed_case(0, 5).to_json()
+    case["config"]["rows"] = 0
+    put("case_zero_rows.json", json.dumps(case))
+    case = seed_case(0, 5).to_json()
+    case["ops"][0] = {"op": "admit", "len": [3]}
+    put("case_bad_op.json", json.dumps(case))
+    run = {"version": 1, "run": "x", "config": {"name": "x", "page_size": "4", "windows": [2], "state": True},
+           "source": {}, "calls": []}
+    put("run_str_field.jsonl", json.dumps(run) + "\n")
+    run = {**run, "config": {**run["config"], "page_size": 4}, "calls": [{"step": 5}]}
+    put("run_bad_call.jsonl", json.dumps(run) + "\n")
+    put("afile", "x")
+    made["dir"] = tmp_path
+    return made
+
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    """Any simulation, stress seed or trace recording started fails the test: refusals come first."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("work started before the input was checked")
+
+    import kvchain.sim.compare
+    import kvchain.testing.harness
+    import kvchain.testing.trace
+
+    monkeypatch.setattr(kvchain.sim.compare, "compare", refuse)
+    monkeypatch.setattr(kvchain.testing.harness, "run_case", refuse)
+    monkeypatch.setattr(kvchain.testing.trace, "record_runs", refuse)
+    monkeypatch.setattr(kvchain.testing.trace, "replay", refuse)
+
+
+SIM = ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "5", "--jobs", "1"]
+LLAMA_SIM = ["simulate", "--model", "llama-3.1-8b", "--budget", "2GiB", "--jobs", "1"]
+PLAN = ["plan", "--model", "gpt-oss-20b", "--budget", "8GiB"]
+
+CASES = [
+    ("deep-config", ["plan", "--config", "{deep_json}", "--budget", "8GiB"], "nested too deeply"),
+    ("deep-trace", [*LLAMA_SIM, "--trace", "{deep_jsonl}"], "nested too deeply"),
+    ("deep-replay", ["stress", "--replay", "{deep_json}"], "nested too deeply"),
+    ("deep-compare", ["trace", "compare", "--trace", "{deep_jsonl}"], "nested too deeply"),
+    ("budget-overflow", ["plan", "--model", "gpt-oss-20b", "--budget", "1e400"], "--budget"),
+    ("budget-inf", ["plan", "--model", "gpt-oss-20b", "--budget", "inf"], "--budget"),
+    ("budget-huge", [*SIM[:3], "--budget", "1e30", *SIM[5:]], "largest budget"),
+    ("budget-pages", [*SIM[:3], "--budget", "1000TiB", *SIM[5:]], "pages"),
+    ("trace-huge-request", [*LLAMA_SIM, "--trace", "{huge_jsonl}"], "most a request may hold"),
+    ("requests", [*SIM, "--requests", "1000000000"], "--requests"),
+    ("max-running", [*SIM, "--max-running", "1000000000"], "--max-running"),
+    ("block-tokens", [*SIM, "--block-tokens", "1000000000000"], "--block-tokens"),
+    ("stress-seeds", ["stress", "--seeds", "0:1000000000000"], "--seeds"),
+    ("stress-ops", ["stress", "--ops", "1000000000"], "--ops"),
+    ("record-steps", ["trace", "record", "--out", "{dir}/t.jsonl", "--steps", "1000000000"], "--steps"),
+    ("plot-missing-folder", [*SIM, "--plot", "{dir}/missing/run.png"], "does not exist"),
+    ("plot-suffix", [*SIM, "--plot", "{dir}/run.txt"], "unsupported suffix"),
+    ("plot-folder", [*SIM, "--plot", "{dir}"], "is a folder"),
+    ("bench-seed", ["bench", "alloc", "--seed", "-1"], "--seed"),
+    ("bench-engine-seed", ["bench", "engine", "--seed", "-1"], "--seed"),
+    ("simulate-seed", [*SIM, "--seed", "-1"], "--seed"),
+    ("replay-list", ["stress", "--replay", "{list_json}"], "JSON list"),
+    ("replay-field-type", ["stress", "--replay", "{case_str_field_json}"], "'page_size'"),
+    ("replay-zero-rows", ["stress", "--replay", "{case_zero_rows_json}"], "'rows'"),
+    ("replay-op-type", ["stress", "--replay", "{case_bad_op_json}"], "'len'"),
+    ("replay-folder", ["stress", "--replay", "{dir}"], "folder"),
+    ("compare-list", ["trace", "compare", "--trace", "{list_jsonl}"], "JSON list"),
+    ("compare-field-type", ["trace", "compare", "--trace", "{run_str_field_jsonl}"], "'page_size'"),
+    ("compare-call-type", ["trace", "compare", "--trace", "{run_bad_call_jsonl}"], "calls[0].step"),
+    ("stress-out-file", ["stress", "--seeds", "0:1", "--out", "{afile}"], "is a file"),
+    ("record-out-folder", ["trace", "record", "--seeds", "0:1", "--out", "{dir}"], "is a folder"),
+    ("record-out-missing", ["trace", "record", "--seeds", "0:1", "--out", "{dir}/no/t.jsonl"], "does not exist"),
+    ("rate-nan", [*SIM, "--rate", "nan"], "--rate"),
+    ("rate-zero", [*SIM, "--rate", "0"], "--rate"),
+    ("ms-per-step-negative", [*SIM, "--ms-per-step", "-1"], "--ms-per-step"),
+    ("rate-with-trace", [*LLAMA_SIM, "--trace", "{huge_jsonl}", "--rate", "1"], "--rate"),
+    ("context-plan", [*PLAN, "--context", "100000000"], "maximum context"),
+    ("context-simulate", [*SIM, "--context", "100000000"], "maximum context"),
+    ("state-slots", [*PLAN, "--state-slots", "4"], "no recurrent state"),
+    ("state-share", [*PLAN, "--state-share", "0.5"], "no recurrent state"),
+    ("checkpoint-interval", [*PLAN, "--checkpoint-interval", "64"], "no recurrent state"),
+    ("checkpoint-every", [*SIM, "--checkpoint-every", "64"], "no recurrent state"),
+    ("duplicate-pools", [*SIM, "--pools", "kvchain,ideal,kvchain"], "more than once"),
+    ("step-time-negative", [*SIM, "--step-time", "base_ms=-1"], "base_ms"),
+    ("step-time-nan", [*SIM, "--step-time", "per_token_us=nan"], "per_token_us"),
+    ("step-time-inf", [*SIM, "--step-time", "per_kv_token_ns=inf"], "per_kv_token_ns"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2_before_any_work(argv, needle, files, no_work, capsys):
+    argv = [a.format(**files) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert needle in err, err
+
+
+def test_unwritable_output_is_refused_before_the_run(files, no_work, monkeypatch, capsys):
+    """A folder the process may not write into (root can write anywhere, so the check is simulated)."""
+    import os
+
+    monkeypatch.setattr(os, "access", lambda *_a, **_k: False)
+    for argv in ([*SIM, "--plot", f"{files['dir']}/run.png"],
+                 ["stress", "--seeds", "0:1", "--out", f"{files['dir']}/cases"],
+                 ["trace", "record", "--seeds", "0:1", "--out", f"{files['dir']}/t.jsonl"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "writable" in err, err

@@ -1,0 +1,154 @@
+"""What the commands print: tables that fit a 100-column terminal without cutting a cell,
+`--version`, and JSON with a `schema_version`, fixed snake_case keys and no NaN."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from rich.console import Console
+
+from kvchain import __version__
+from kvchain.cli import main
+from kvchain.cli_common import SCHEMA_VERSION, dump_json
+from kvchain.models import list_presets, model_from_preset
+from kvchain.plan import plan_kv_storage
+from kvchain.report import render_models, render_plan
+from kvchain.sizing import size_plan
+
+PRESETS = [p.name for p in list_presets()]
+SNAKE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _console() -> Console:
+    return Console(width=100, record=True, force_terminal=True, color_system=None)
+
+
+def _assert_fits(text: str) -> None:
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def _strict(text: str) -> dict:
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON."""
+
+    def refuse(name):
+        raise AssertionError(f"{name} in JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_plan_table_fits_100_columns_without_cutting_a_cell(name):
+    model = model_from_preset(name)
+    plan = plan_kv_storage(model.decls, page_size=64)
+    sizing = size_plan(plan, 80 * 2**30, context_len=min(model.max_context, 32768))
+    console = _console()
+    render_plan(model, plan, sizing, console)
+    text = console.export_text()
+    _assert_fits(text)
+    for pool, target in zip(plan.sub_pools, sizing.targets):
+        assert pool.name in text and f"{target.units:,}" in text and f"{pool.page_bytes:,}" in text
+    assert f"{sizing.full_tokens:,}" in text
+
+
+def test_models_table_fits_100_columns():
+    console = _console()
+    render_models(list_presets(), console)
+    text = console.export_text()
+    _assert_fits(text)
+    for p in list_presets():
+        assert p.hf_id in text
+
+
+@pytest.mark.parametrize("step_time", [[], ["--step-time", "base_ms=8"]])
+def test_simulate_tables_fit_100_columns(step_time, monkeypatch, capsys):
+    """Every pool, with every figure whole (the pool names included: "stat…" was both static pools)."""
+    import kvchain.sim.report as report
+
+    console = _console()
+    monkeypatch.setattr(report, "Console", lambda *a, **k: console)
+    pools = "kvchain,vllm-hybrid,sglang-static,static-default,static-best,uniform-page,ideal"
+    argv = ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "12",
+            "--jobs", "1", "--pools", pools, *step_time]
+    assert main(argv) == 0
+    text = console.export_text()
+    _assert_fits(text)
+    for pool in pools.split(","):
+        assert re.search(rf"│ {re.escape(pool)} +│", text), pool
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvchain {__version__}"
+
+
+def _keys(value, prefix="") -> set[str]:
+    """Every key path of a JSON value; list items share the path `[]`."""
+    if isinstance(value, dict):
+        out = set()
+        for k, v in value.items():
+            out |= {f"{prefix}.{k}"} | _keys(v, f"{prefix}.{k}")
+        return out
+    if isinstance(value, list):
+        return set().union(*(_keys(v, f"{prefix}[]") for v in value)) if value else set()
+    return set()
+
+
+def _plan_json(name: str, capsys, *extra: str) -> dict:
+    assert main(["plan", "--model", name, "--budget", "80GiB", "--json", *extra]) == 0
+    return _strict(capsys.readouterr().out)
+
+
+def test_plan_json_keys_are_fixed_snake_case_for_every_preset(capsys):
+    """The keys do not vary with the model and hold no spaces ("window128 rows (3 pages)" was one)."""
+    shapes = {}
+    for name in PRESETS:
+        out = _plan_json(name, capsys)
+        assert out["schema_version"] == SCHEMA_VERSION
+        keys = _keys(out)
+        for key in keys:
+            for part in re.split(r"[.\[\]]+", key):
+                assert not part or SNAKE.match(part), (name, key)
+        shapes[name] = keys
+    # a model has a state end or not and windows or not: keys may only be missing where a list is empty
+    union = set().union(*shapes.values())
+    for name, keys in shapes.items():
+        missing = union - keys
+        assert all("[]" in k for k in missing), (name, missing)
+
+
+def test_plan_json_floor_terms_are_named_by_fixed_keys(capsys):
+    out = _plan_json("hymba-1.5b", capsys)
+    floor = out["sizing"]["bs1_floor"]
+    terms = {t["term"] for t in floor["terms"]}
+    assert {"request_table", "scratch", "request_rows", "window_rows", "state_slots", "sub_pool_gaps",
+            "sink_pages", "full_attention_rows"} == terms
+    assert floor["total_bytes"] == sum(t["bytes"] for t in floor["terms"] if t["checked"])
+    assert floor["one_request_bytes"] == sum(t["bytes"] for t in floor["terms"])
+    assert set(out["sizing"]["fixed"]) == {"request_table", "scratch", "request_rows"}
+
+
+def test_models_json_has_a_schema_version(capsys):
+    assert main(["models", "--json"]) == 0
+    out = _strict(capsys.readouterr().out)
+    assert out["schema_version"] == SCHEMA_VERSION and {p["name"] for p in out["presets"]} == set(PRESETS)
+
+
+def test_dump_json_writes_null_for_nan_and_infinity():
+    out = _strict(dump_json({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -float("inf")}}))
+    assert out == {"schema_version": SCHEMA_VERSION, "a": None, "b": [1.0, None], "c": {"d": None}}
+
+
+def test_simulate_json_of_a_trace_longer_than_the_context_has_no_nan(tmp_path, capsys):
+    """The only request exceeds the context: it is rejected, and the ratios over zero are null."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 200_000, "output_length": 5}) + "\n")
+    assert main(["simulate", "--model", "llama-3.1-8b", "--budget", "2GiB", "--trace", str(trace), "--jobs", "1",
+                 "--pools", "kvchain,ideal", "--json"]) == 0
+    out = _strict(capsys.readouterr().out)
+    assert out["schema_version"] == SCHEMA_VERSION
+    assert all(r["rejected"] == 1 for r in out["results"])
