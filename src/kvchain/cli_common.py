@@ -121,7 +121,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="a built-in preset (see `kvchain models`)")
     src.add_argument("--config", help="path to a HuggingFace config.json")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--kv-dtype", default=None, help="attention KV dtype (default: the model's)")
+    p.add_argument("--kv-dtype", default=None, help="attention KV dtype: bfloat16, float16, float32 or auto (default auto: the model's "
+                        "16-bit dtype, bfloat16 for a float32 config, as engines serve it)")
     p.add_argument("--checkpoint-interval", type=positive_int, default=None,
                    help="tokens between cached recurrent-state checkpoints")
 
