@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from kvchain.build import build_kv_storage
-from kvchain.decl import MHA, FullLifetime, KVLayerDecl, KVPart
 from kvchain.engine.batch import ForwardBatch
 from kvchain.engine.deltanet import deltanet_forward, gated_delta_chunked, gated_delta_scan
 from kvchain.engine.mamba2 import mamba2_forward, ssd_scan
@@ -71,16 +70,28 @@ def case(request):
     return config, model, mixers, forward
 
 
+def _with_attention_layer(cfg: dict) -> dict:
+    """The config as the pool plans it: one full-attention layer appended past the model's (the
+    parser refuses a model whose layers all keep state, since an attention layer owns the ids)."""
+    cfg = dict(cfg)
+    for key, attention in (("layer_types", "full_attention"), ("layers_block_type", "attention")):
+        if cfg.get(key):
+            cfg[key] = [*cfg[key], attention]
+    if cfg.get("hybrid_override_pattern"):
+        cfg["hybrid_override_pattern"] += "*"
+    if "num_hidden_layers" in cfg:
+        cfg["num_hidden_layers"] += 1
+    return cfg
+
+
 class Server:
     """A real pool from the model's config, its state slots filled with NaN bytes, and the steps that
     pack requests into `ForwardBatch`es. The mixers' layers hold only state, so the chain gets one
     extra full-attention layer (id past the model's) to own the virtual page ids."""
 
     def __init__(self, config) -> None:
-        spec = model_from_config(config.to_dict(), kv_dtype="float32")
+        spec = model_from_config(_with_attention_layer(config.to_dict()), kv_dtype="float32")
         decls = list(spec.decls)
-        if not any(isinstance(p.lifetime, FullLifetime) for d in decls for p in d.parts):
-            decls.append(KVLayerDecl(config.num_hidden_layers, (KVPart(MHA(1, 8, dtype="float32"), FullLifetime()),)))
         self.plan = plan_kv_storage(decls, page_size=PAGE)
         sizing = size_plan(self.plan, 64 * 2**20, context_len=256, max_running_requests=8, state_slots=8)
         self.storage = build_kv_storage(self.plan, sizing, "cpu")
