@@ -24,7 +24,7 @@ from .device.base import Device, Event
 from .errors import InputError, InvariantError
 from .layout.views import SubPoolView
 from .memory.arena import KVArena
-from .plan import KVStoragePlan, PoolKind
+from .plan import KVStoragePlan, PoolKind, SubPool
 from .requests import NO_SLOT, RequestTable, expand_runs
 from .routed_cache import RoutedKVCache
 from .sizing import PlanSizing, pages_for
@@ -37,6 +37,7 @@ from .storage_roles import (
     RowsAndTakes,
     StorageStats,
     Translation,
+    boundary,
 )
 
 log = logging.getLogger("kvchain.storage")
@@ -86,6 +87,69 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         self.page_size = plan.page_size
         self.routed = RoutedKVCache(plan, views)
         self._has_state = plan.state is not None
+        grids = arena.layout.grids
+        self._n_slots = grids[plan.state.index].n_grid if self._has_state else 0
+        self._n_virtual = allocator.n_virtual
+        self._owner = plan.owner.name
+
+    # -- the boundary: ids checked on the host before anything changes ------------------------------
+
+    def _rows(self, rows, what: str) -> np.ndarray:
+        """Request rows as int64, each inside the table and named once."""
+        rows = boundary.id_array(rows, f"{what} rows")
+        table = self.table
+        if boundary.outside(rows, table.rows):
+            raise _unknown_rows(table, rows)
+        if len(rows) > 1 and np.bincount(rows).max() > 1:
+            raise InputError(f"{what} needs distinct rows that are in use: a row is named twice")
+        return rows
+
+    def _row(self, row, what: str) -> int:
+        row = boundary.index(row, f"{what} row")
+        if not 0 <= row < self.table.rows:
+            raise _unknown_rows(self.table, np.array([row]))
+        return row
+
+    def _vpages(self, vpages, what: str) -> np.ndarray:
+        """Owner virtual pages (never the null page 0), each named once."""
+        vpages = boundary.id_array(vpages, what)
+        boundary.in_range(vpages, 1, self._n_virtual, what)
+        boundary.distinct(vpages, what)
+        return vpages
+
+    def _slots(self, slots, what: str, once: bool = True) -> np.ndarray:
+        slots = boundary.id_array(slots, what)
+        boundary.in_range(slots, 0, self._n_slots, what)
+        if once:
+            boundary.distinct(slots, what)
+        return slots
+
+    def _bound(self, sub_pool: str, ids: np.ndarray, what: str) -> None:
+        """Every id is allocated (bound) in the sub-pool, so a free or a copy names live pages only."""
+        try:
+            self.allocator.physical_pages(sub_pool, ids)
+        except InvariantError:
+            raise InputError(f"{what}: {sub_pool} does not hold every one of them (never allocated, "
+                             f"or freed already)") from None
+
+    def _window(self, sub_pool) -> SubPool:
+        pool = self.plan.by_name(boundary.name(sub_pool))
+        if pool.kind is not PoolKind.WINDOW:
+            raise InputError(f"{sub_pool!r} is not a window sub-pool")
+        return pool
+
+    def _physical(self, pages) -> dict[str, np.ndarray]:
+        """Physical page ids per sub-pool name (a transfer's), each inside its band's grid."""
+        if not isinstance(pages, dict):
+            raise InputError(f"pages must be a dict of sub-pool name to page ids, got {type(pages).__name__}")
+        grids = self.arena.layout.grids
+        out = {}
+        for key, ids in pages.items():
+            pool = self.plan.by_name(boundary.name(key))
+            ids = boundary.id_array(ids, f"{key} pages")
+            boundary.in_range(ids, 0, grids[pool.index].n_grid, f"{key} pages")
+            out[key] = ids
+        return out
 
     # -- rows and takes ---------------------------------------------------------------------------
 
@@ -93,22 +157,16 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         return self.table.alloc_row()
 
     def seq_len(self, row: int) -> int:
-        if not 0 <= row < self.table.rows:
-            raise _unknown_rows(self.table, np.array([row]))
-        return int(self.table.seq_lens[row])
+        return int(self.table.seq_lens[self._row(row, "seq_len")])
 
     @_operation
     def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        new_lens = np.asarray(new_lens, dtype=np.int64).reshape(-1)
+        rows = self._rows(rows, "alloc_extend")
+        new_lens = boundary.id_array(new_lens, "alloc_extend lengths")
         table = self.table
         if len(rows) != len(new_lens):
             raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
-        try:
-            active = table.active[rows]
-        except IndexError:
-            raise _unknown_rows(table, rows) from None
-        if not active.all() or (invariants.level() and len(rows) > 1 and np.bincount(rows).max() > 1):
+        if not table.active[rows].all():
             raise InputError("alloc_extend needs distinct rows that are in use")
         old_lens = table.seq_lens[rows]
         if new_lens.min(initial=0) < 0 or (new_lens - old_lens).min(initial=0) < 0 or (
@@ -146,14 +204,10 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     @_operation
     def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
         # the checks a one-token step needs and no more: this is every decode step's path
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        rows = self._rows(rows, "alloc_decode")
         table = self.table
-        try:
-            old_lens = table.seq_lens[rows]
-            active = table.active[rows]
-        except IndexError:
-            raise _unknown_rows(table, rows) from None
-        if not active.all() or (invariants.level() and len(rows) > 1 and np.bincount(rows).max() > 1):
+        old_lens = table.seq_lens[rows]
+        if not table.active[rows].all():
             raise InputError("alloc_decode needs distinct rows that are in use")
         if len(rows) and old_lens.max() >= table.context_len:
             raise InputError(f"a row is at the context length {table.context_len}")
@@ -172,22 +226,34 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
+        rows = self._any_rows(rows, "advance")
+        if checkpoints is not None:
+            checkpoints = boundary.id_array(checkpoints, "advance checkpoints")
+            boundary.same_count(rows, checkpoints, "advance rows and checkpoints")
+            boundary.in_range(checkpoints, 0, self.table.context_len + 1, "advance checkpoints")
+        if len(rows) > 1 and np.bincount(rows).max() > 1:
+            # a step may name a row twice (a request preempted and its row handed on): it retires once,
+            # behind the lower of its checkpoints, since retiring it twice would free its pages twice
+            order = np.lexsort((rows if checkpoints is None else checkpoints, rows))
+            rows = rows[order]
+            first = np.r_[True, rows[1:] != rows[:-1]]
+            rows = rows[first]
+            checkpoints = None if checkpoints is None else checkpoints[order][first]
         return retire_window_rows(self.table, self.allocator, self.page_size, rows, checkpoints)
 
     @_operation
     def free_rows(self, rows: np.ndarray) -> None:
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        rows = self._rows(rows, "free_rows")
         if not len(rows):
             return
         table = self.table
-        try:
-            active = table.active[rows]
-        except IndexError:
-            raise _unknown_rows(table, rows) from None
+        active = table.active[rows]
         if not active.all():
             raise InvariantError("requests.row_state", f"free of rows not in use {rows[~active].tolist()}")
         chain = self.allocator
-        chain.free_virtual_pages(table.own_pages(rows))  # a tree-shared prefix stays with the tree
+        own = table.own_pages(rows)  # a tree-shared prefix stays with the tree
+        self._bound(self._owner, own, "free_rows: the rows' pages")
+        chain.free_virtual_pages(own)
         slots = table.state_slot[rows]
         chain.free_state_slots(slots[slots != NO_SLOT])
         table.release_rows(rows)
@@ -195,24 +261,33 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     @_operation
     def alloc_state_slots(self, n: int) -> np.ndarray:
         self._require_state("alloc_state_slots")
-        if n < 0:
+        if boundary.index(n, "alloc_state_slots count") < 0:
             raise InputError(f"alloc_state_slots of {n} slots")
-        return self.allocator.take_virtual(0, n)[1]
+        return self.allocator.take_virtual(0, int(n))[1]
 
     @_operation
     def free_state_slots(self, slots: np.ndarray) -> None:
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if len(slots):
-            self._require_state("free_state_slots")
+        slots = boundary.id_array(slots, "free_state_slots")
+        if not len(slots):
+            return
+        self._require_state("free_state_slots")
+        slots = self._slots(slots, "free_state_slots")
+        self._bound(self.plan.state.name, slots, "free_state_slots")
+        table = self.table
+        held = np.isin(slots, table.state_slot[table.active])
+        if held.any():
+            raise InputError(f"free_state_slots: slots {slots[held][:8].tolist()} belong to request rows "
+                             "(free_rows frees them)")
         self.allocator.free_state_slots(slots)
 
     @_operation
     def copy_state(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         self._require_state("copy_state")
-        src = np.asarray(src_slots, dtype=np.int64)
-        dst = np.asarray(dst_slots, dtype=np.int64)
+        src = self._slots(src_slots, "copy_state sources", once=False)
+        dst = self._slots(dst_slots, "copy_state destinations", once=False)
         if src.shape != dst.shape:
             raise InputError(f"state copy of {src.size} slots onto {dst.size}")
+        boundary.distinct(dst, "copy_state destinations")
         self.allocator.copy_state_slots(src, dst)
 
     def _require_state(self, what: str) -> None:
@@ -224,13 +299,20 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     @_operation
     def assign_prefix(self, row: int, vpages: np.ndarray, length: int, window_lo: np.ndarray) -> None:
         table = self.table
-        if not 0 <= row < table.rows:
-            raise _unknown_rows(table, np.array([row]))
+        row = self._row(row, "assign_prefix")
         if table.seq_lens[row] or not table.active[row]:
             raise InvariantError("requests.row_state", f"row {row} must be fresh to take a prefix")
+        vpages = self._vpages(vpages, "assign_prefix pages")
+        length = boundary.index(length, "assign_prefix length")
         n = len(vpages)
         if length != n * self.page_size:
             raise InputError(f"a shared prefix is whole pages: {length} tokens in {n} pages")
+        if length > table.context_len:
+            raise InputError(f"a shared prefix of {length} tokens is past the context length {table.context_len}")
+        window_lo = boundary.id_array(window_lo, "assign_prefix window_lo")
+        boundary.same_count(window_lo, table.window_lo[row], "assign_prefix window_lo and the window sub-pools")
+        boundary.in_range(window_lo, 0, n + 1, "assign_prefix window_lo")
+        self._bound(self._owner, vpages, "assign_prefix pages")
         table.page_table[row, :n] = vpages
         table.seq_lens[row] = length
         table.shared_pages[row] = n
@@ -238,27 +320,53 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     def release_to_tree(self, row: int, n_pages: int) -> None:
         table = self.table
+        row = self._row(row, "release_to_tree")
+        n_pages = boundary.count(n_pages, "release_to_tree pages")
+        if not table.active[row]:
+            raise InputError(f"release_to_tree: row {row} is not in use")
+        if n_pages > pages_for(int(table.seq_lens[row]), self.page_size):
+            raise InputError(f"release_to_tree: row {row} holds fewer than {n_pages} pages")
         table.shared_pages[row] = max(int(table.shared_pages[row]), n_pages)
 
     @_operation
     def free_virtual_pages(self, vpages: np.ndarray) -> None:
-        self.allocator.free_virtual_pages(np.asarray(vpages, dtype=np.int64))
+        vpages = self._vpages(vpages, "free_virtual_pages")
+        if not len(vpages):
+            return
+        # A row's own pages may be freed here (an insert's duplicates, before `release_to_tree`), so
+        # ownership is the owner's binding; `free_rows` refuses a row whose pages are already gone.
+        self._bound(self._owner, vpages, "free_virtual_pages")
+        self.allocator.free_virtual_pages(vpages)
 
     @_operation
     def free_window_rows(self, sub_pool: str, vpages: np.ndarray) -> None:
-        self.allocator.free_window_rows(sub_pool, np.asarray(vpages, dtype=np.int64))
+        pool = self._window(sub_pool)
+        vpages = self._vpages(vpages, "free_window_rows")
+        self._bound(pool.name, vpages, "free_window_rows")
+        self.allocator.free_window_rows(pool.name, vpages)
 
     @_operation
     def rehome_window(self, sub_pool: str, src: np.ndarray, dst: np.ndarray) -> None:
-        self.allocator.rehome_window(sub_pool, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+        pool = self._window(sub_pool)
+        src = self._vpages(src, "rehome_window sources")
+        dst = self._vpages(dst, "rehome_window targets")
+        boundary.same_count(src, dst, "rehome_window sources and targets")
+        self.allocator.rehome_window(pool.name, src, dst)
 
     @_operation
     def bind_window(self, sub_pool: str, vpages: np.ndarray, physical: np.ndarray) -> None:
-        self.allocator.bind_window(sub_pool, np.asarray(vpages, dtype=np.int64), np.asarray(physical, dtype=np.int64))
+        pool = self._window(sub_pool)
+        vpages = self._vpages(vpages, "bind_window pages")
+        physical = boundary.id_array(physical, "bind_window physical pages")
+        boundary.same_count(vpages, physical, "bind_window pages and physical pages")
+        boundary.in_range(physical, 0, self.arena.layout.grids[pool.index].n_grid, "bind_window physical pages")
+        boundary.distinct(physical, "bind_window physical pages")
+        self.allocator.bind_window(pool.name, vpages, physical)
 
     # -- the overlap scheduler's hooks ------------------------------------------------------------
 
     def forward_launched(self, has_forward: bool = True) -> LaunchRecord:
+        boundary.of_type(has_forward, (bool, np.bool_), "has_forward")
         return self.allocator.forward_launched(has_forward)
 
     def order_forward_after_schedule(self) -> None:
@@ -272,6 +380,12 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         writes: IterationIds | None,
         shared_read_done: Event | None = None,
     ) -> None:
+        boundary.of_type(record, LaunchRecord, "record_forward record")
+        boundary.of_type(done, Event, "record_forward done")
+        if writes is not None:
+            boundary.of_type(writes, IterationIds, "record_forward writes")
+        if shared_read_done is not None:
+            boundary.of_type(shared_read_done, Event, "record_forward shared_read_done")
         if env.get("KVCHAIN_CHECK_KV_PAGE_INVARIANTS"):  # CHK-18: request lengths, every busy iteration
             problems = self.table.check_lengths()
             if problems:
@@ -289,6 +403,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def forward_processed(self, record: LaunchRecord) -> None:
+        boundary.of_type(record, LaunchRecord, "forward_processed record")
         self.allocator.forward_processed(record)
 
     def reset_new_rows(self) -> np.ndarray:
@@ -296,45 +411,56 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def flush_opportunistic(self, max_moves: int | None = None) -> int:
+        if max_moves is not None:
+            max_moves = boundary.count(max_moves, "flush_opportunistic max_moves")
         return self.allocator.flush_opportunistic(max_moves)
 
     # -- host tier --------------------------------------------------------------------------------
 
     @_operation
     def alloc_load(self, sub_pool: str, n: int) -> tuple[np.ndarray, PageUse]:
-        if n < 0:
+        self.plan.by_name(boundary.name(sub_pool))
+        if boundary.index(n, f"{sub_pool}: a load's page count") < 0:
             raise InputError(f"{sub_pool}: a load of {n} pages")
-        return self.allocator.alloc_load(sub_pool, n)
+        return self.allocator.alloc_load(sub_pool, int(n))
 
     @_operation
     def end_load_reservations(self, sub_pool: str, reservation: PageUse) -> None:
+        self.plan.by_name(boundary.name(sub_pool))
+        boundary.of_type(reservation, PageUse, "end_load_reservations reservation")
         self.allocator.end_load_reservation(sub_pool, reservation)
 
     @_operation
     def record_host_transfer(self, name: str, writes: bool, pages: dict[str, np.ndarray], done: Event) -> HostTransfer:
-        transfer = HostTransfer(name, writes, done)
+        pages = self._physical(pages)
+        transfer = HostTransfer(name, bool(boundary.of_type(writes, (bool, np.bool_), "writes")),
+                                boundary.of_type(done, Event, "record_host_transfer done"))
         self.allocator.record_host_transfer(transfer, pages)
         return transfer
 
     @_operation
     def end_host_transfer(self, transfer: HostTransfer) -> None:
+        boundary.of_type(transfer, HostTransfer, "end_host_transfer transfer")
         self.allocator.end_transfer(transfer)
 
     # -- PD transfers -----------------------------------------------------------------------------
 
     @_operation
     def record_network_transfer(self, transfer: NetworkTransfer, pages: dict[str, np.ndarray]) -> None:
-        self.allocator.record_network_transfer(transfer, pages)
+        boundary.of_type(transfer, NetworkTransfer, "record_network_transfer transfer")
+        self.allocator.record_network_transfer(transfer, self._physical(pages))
 
     @_operation
     def end_network_transfer(self, transfer: NetworkTransfer) -> None:
+        boundary.of_type(transfer, NetworkTransfer, "end_network_transfer transfer")
         self.allocator.end_transfer(transfer)
 
     @_operation
     def hold_receive_rows(self, name: str, pages: dict[str, np.ndarray]) -> ReceiveHold:
-        return ReceiveHold(name, self.allocator.hold_rows(pages))
+        return ReceiveHold(name, self.allocator.hold_rows(self._physical(pages)))
 
     def published(self, hold: ReceiveHold) -> None:
+        boundary.of_type(hold, ReceiveHold, "published hold")
         if hold.published:
             return
         hold.published = True
@@ -351,20 +477,34 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         return self.allocator.move_epoch
 
     def view(self, name: str) -> SubPoolView:
+        boundary.name(name)
         try:
             return self.views[name]
         except KeyError:
             raise InputError(f"no sub-pool {name!r} in this plan (sub-pools {list(self.views)})") from None
 
     def iteration_ids(self, virtual_tokens: np.ndarray, rows: np.ndarray | None = None) -> IterationIds:
-        slots = None if rows is None else self.table.state_slot[np.asarray(rows, dtype=np.int64)]
+        virtual_tokens = boundary.id_array(virtual_tokens, "iteration_ids tokens")
+        boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
+        slots = None if rows is None else self.table.state_slot[self._any_rows(rows, "iteration_ids")]
         return IterationIds.translate(self.allocator, virtual_tokens, slots)
 
     def runner_ids(self, rows: np.ndarray) -> RunnerIds:
-        return RunnerIds.translate(self.allocator, self.table, rows)
+        return RunnerIds.translate(self.allocator, self.table, self._any_rows(rows, "runner_ids"))
+
+    def _any_rows(self, rows, what: str) -> np.ndarray:
+        """Rows to read: inside the table, repeats allowed."""
+        rows = boundary.id_array(rows, f"{what} rows")
+        if boundary.outside(rows, self.table.rows):
+            raise _unknown_rows(self.table, rows)
+        return rows
 
     def physical_pages(self, sub_pool: str, virtual: np.ndarray) -> np.ndarray:
-        return self.allocator.physical_pages(sub_pool, np.asarray(virtual, dtype=np.int64))
+        pool = self.plan.by_name(boundary.name(sub_pool))
+        virtual = boundary.id_array(virtual, f"{sub_pool} ids")
+        boundary.in_range(virtual, 0, self._n_slots if pool.kind is PoolKind.STATE else self._n_virtual,
+                          f"{sub_pool} ids")
+        return self.allocator.physical_pages(sub_pool, virtual)
 
     # -- inspection -------------------------------------------------------------------------------
 

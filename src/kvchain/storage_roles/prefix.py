@@ -34,8 +34,10 @@ class PrefixSharing(Protocol):
     @abstractmethod
     def free_virtual_pages(self, vpages: np.ndarray) -> None:
         """Free pages no row owns (the tree's, or an insert's duplicates): each window frees the
-        rows it still binds, then the owner frees every one and the ids return to use. An id still
-        bound in a window after its release fails `chain.window_segment_released` (CHK-8)."""
+        rows it still binds, then the owner frees every one and the ids return to use. Raises
+        `InputError`, changing nothing, for an id named twice or one the owner does not bind (the
+        null page, never allocated, freed already). An id still bound in a window after its release
+        fails `chain.window_segment_released` (CHK-8)."""
 
     @abstractmethod
     def free_window_rows(self, sub_pool: str, vpages: np.ndarray) -> None:

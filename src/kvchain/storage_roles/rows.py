@@ -38,15 +38,15 @@ class RowsAndTakes(Protocol):
 
         The take may compact or relocate bands: physical ids translated before it are stale once
         `move_epoch` changed. Raises `InputError` (nothing changed) when `rows` and `new_lens`
-        differ in length, a row is not in use (or named twice, checked with invariant checks on), or
-        a length lies outside [its current length, the context length]; `CapacityError` (nothing
+        differ in length or hold anything but integers, a row is not in use, named twice or outside
+        the table, or a length lies outside [its current length, the context length]; `CapacityError` (nothing
         changed) when owner virtual ids, state slot ids or arena bytes run short."""
 
     @abstractmethod
     def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
         """`alloc_extend` by one token per row (the hot path of a decode step): returns each row's
-        new virtual token id. Raises `InputError` when a row is not in use (or named twice, with
-        checks on) or already at the context length, and `CapacityError`, changing nothing, when the
+        new virtual token id. Raises `InputError` when a row is not in use, named twice, outside the
+        table or already at the context length, and `CapacityError`, changing nothing, when the
         take cannot be served."""
 
     @abstractmethod
@@ -54,14 +54,16 @@ class RowsAndTakes(Protocol):
         """After a forward: free, in every window band, the pages of `rows` wholly before the window
         (WIN-1), never past the window behind each row's checkpoint (token positions) when
         `checkpoints` are given (WIN-11), never the page of the last token, never a tree-shared
-        prefix page. Returns the pages freed. Owner pages and lengths do not change."""
+        prefix page. Returns the pages freed. Owner pages and lengths do not change. A row named
+        twice retires once, behind the lower of its checkpoints."""
 
     @abstractmethod
     def free_rows(self, rows: np.ndarray) -> None:
         """End requests: each window releases the rows' pages it still binds, then the owner, then
         the state slots; the rows return to the free list, cleared. Pages of a tree-shared prefix
         stay with the tree. Raises `InvariantError` (`requests.row_state`), changing nothing, when a
-        row is not in use; an empty `rows` is a no-op."""
+        row is not in use, and `InputError` when one is named twice or its own pages were freed
+        already (by `free_virtual_pages`); an empty `rows` is a no-op."""
 
     @abstractmethod
     def alloc_state_slots(self, n: int) -> np.ndarray:
@@ -72,7 +74,9 @@ class RowsAndTakes(Protocol):
     @abstractmethod
     def free_state_slots(self, slots: np.ndarray) -> None:
         """Free state slots from `alloc_state_slots` (logically, like every free). Raises
-        `InputError` when the plan has no state sub-pool and `slots` is not empty."""
+        `InputError`, changing nothing, when the plan has no state sub-pool and `slots` is not empty,
+        or a slot is named twice, not allocated (never, or freed already) or held by a request row
+        (`free_rows` frees it)."""
 
     @abstractmethod
     def copy_state(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:

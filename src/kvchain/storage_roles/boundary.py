@@ -1,0 +1,84 @@
+"""Host checks of what callers hand the pool: the boundary every role's contract assumes.
+
+The allocator indexes numpy arrays with the ids it is given, so a float is truncated, a bool or a
+negative id indexes the wrong entry, and a duplicate frees a page twice, each corrupting the pool
+before any check inside could see it. These checks run on the host, before anything changes, and
+are always on: they are a few vector reductions per call. Each raises `InputError`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InputError
+
+
+def id_array(values, what: str) -> np.ndarray:
+    """`values` as a flat int64 array; anything but integers (floats, bools, strings, objects,
+    numbers past int64) is refused. An empty sequence of any type is an empty array."""
+    if type(values) is np.ndarray and values.dtype == np.int64:  # the hot path's arrays, as they are
+        return values.reshape(-1)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InputError(f"{what} must be an array of integers ({exc})") from None
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind in "fO":
+            return np.zeros(0, dtype=np.int64)
+        raise InputError(f"{what} must be integers, not {arr.dtype} (got {arr.reshape(-1)[:4].tolist()})")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise InputError(f"{what} {arr.max()} is past the int64 range")
+    return arr.astype(np.int64, copy=False).reshape(-1)
+
+
+def index(value, what: str) -> int:
+    """One integer (a Python or numpy int, never a bool or a float)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InputError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
+def count(value, what: str) -> int:
+    """A non-negative integer."""
+    n = index(value, what)
+    if n < 0:
+        raise InputError(f"{what} of {n}")
+    return n
+
+
+def outside(ids: np.ndarray, hi: int) -> bool:
+    """Whether an int64 id lies outside [0, hi), in one pass: seen unsigned, a negative id is huge."""
+    return bool(len(ids)) and int(ids.view(np.uint64).max()) >= hi
+
+
+def in_range(ids: np.ndarray, lo: int, hi: int, what: str) -> None:
+    """Every id in [lo, hi)."""
+    if outside(ids - lo if lo else ids, hi - lo):
+        bad = ids[(ids < lo) | (ids >= hi)]
+        raise InputError(f"{what} {bad[:8].tolist()} outside {lo}..{hi - 1}")
+
+
+def distinct(ids: np.ndarray, what: str) -> None:
+    """No id named twice; `ids` must already be in range (non-negative)."""
+    if len(ids) > 1:
+        seen = np.bincount(ids)
+        if seen.max() > 1:
+            raise InputError(f"{what} named more than once: {np.flatnonzero(seen > 1)[:8].tolist()}")
+
+
+def same_count(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    if len(a) != len(b):
+        raise InputError(f"{what}: {len(a)} against {len(b)}")
+
+
+def name(value, what: str = "sub-pool") -> str:
+    if not isinstance(value, str):
+        raise InputError(f"{what} name must be a string, got {value!r}")
+    return value
+
+
+def of_type(value, cls: type | tuple[type, ...], what: str):
+    """An object of the kind the pool handed out (a launch record, a transfer, a reservation)."""
+    if not isinstance(value, cls):
+        want = cls[0].__name__ if isinstance(cls, tuple) else cls.__name__
+        raise InputError(f"{what} must be a {want}, got {type(value).__name__}")
+    return value
