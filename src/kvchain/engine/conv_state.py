@@ -106,3 +106,14 @@ def packed_input(hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tens
         raise InputError(f"a packed batch of {total} tokens needs hidden states [1, {total}, H], "
                          f"got {tuple(hidden_states.shape)}")
     return hidden_states[0]
+
+
+def transformers_classes(module: str, name: str) -> tuple[type, ...]:
+    """The transformers class `module.name` as a one-class tuple, or none when this transformers
+    lacks it (a mixer kvchain serves only where transformers has it)."""
+    import importlib
+
+    try:
+        return (getattr(importlib.import_module(module), name),)
+    except (ImportError, AttributeError):
+        return ()

@@ -22,17 +22,14 @@ from .conv_state import (
     read_state,
     ssm_store,
     state_groups,
+    transformers_classes,
     write_state,
 )
 
 
 def deltanet_module_types() -> tuple[type, ...]:
     """The mixer classes `deltanet_forward` serves (none when transformers lacks them)."""
-    try:
-        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
-    except ImportError:
-        return ()
-    return (Qwen3NextGatedDeltaNet,)
+    return transformers_classes("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet")
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -22,17 +22,14 @@ from .conv_state import (
     read_state,
     ssm_store,
     state_groups,
+    transformers_classes,
     write_state,
 )
 
 
 def mamba2_module_types() -> tuple[type, ...]:
     """The mixer classes `mamba2_forward` serves (none when transformers lacks them)."""
-    try:
-        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
-    except ImportError:
-        return ()
-    return (NemotronHMamba2Mixer,)
+    return transformers_classes("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,

@@ -45,16 +45,11 @@ class StepOutputs:
     index: list[int]
     tokens: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    tokens_in: int = 0
 
 
 @dataclass
 class EngineCounters:
     forwards: int = 0
-    tokens_in: int = 0
-    sampled: int = 0
-    moved_by_flush: int = 0
-    eos_stops: int = 0
     #: logits of every sampled token, (request id, output index) -> [vocab], when kept
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
@@ -100,7 +95,7 @@ class ModelPool(KVChainPool):
         steps.launch(forward, outputs)
         steps.process_until(steps.depth)
         self.processed(reqs)
-        self.counters.moved_by_flush += steps.flush()
+        steps.flush()
 
     def drain(self) -> None:
         """Process every forward still in flight (the end of a run)."""
@@ -153,7 +148,7 @@ class ModelPool(KVChainPool):
                 sample_index.append(req.generated - 1)
                 sample_at.append(hi - 1)
         device = self.runner.device
-        outputs = StepOutputs(sample_reqs, sample_index, tokens_in=n_tokens)
+        outputs = StepOutputs(sample_reqs, sample_index)
         for k, req in enumerate(sample_reqs):
             self._future[req.rid] = (outputs, sample_index[k], k)
         rows_of_tokens = np.repeat(rows, counts)
@@ -191,7 +186,6 @@ class ModelPool(KVChainPool):
 
         upload = MetadataUpload(lambda: MetadataBuffers.upload(views, meta), label="metadata upload")
         self.counters.forwards += 1
-        self.counters.tokens_in += n_tokens
         return Forward(launch, None, written, upload), outputs
 
     # -- processing ----------------------------------------------------------------------------------
@@ -207,12 +201,10 @@ class ModelPool(KVChainPool):
             self._known[req.rid] = max(self._known.get(req.rid, 0), j + 1)
             if self._future.get(req.rid, (None, -1))[1] == j:
                 del self._future[req.rid]
-            self.counters.sampled += 1
             if self.keep_logits and outputs.logits is not None:
                 self.counters.logits[(req.rid, j)] = outputs.logits[k].cpu()
             if len(self.eos) and np.isin(tokens[k], self.eos) and j + 1 < req.output_len:
                 req.output_len = j + 1  # the scheduler finishes it after this step
-                self.counters.eos_stops += 1
 
 
 def _group_futures(futures: list[tuple[int, StepOutputs, int]], device: torch.device

@@ -10,10 +10,9 @@ from .parts import (
     FamilyLayers,
     Kind,
     attention_geometry,
-    conv_kernel,
-    gated_deltanet_state,
     kinds_subset,
 )
+from .recurrent import recurrent_state
 
 _INTERVAL_DEFAULT = 4  # Qwen3NextConfig's default, and what the published configs use
 
@@ -32,14 +31,6 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
         attention = KVPart(attention_geometry(fields, ctx), FullLifetime())
     state = None
     if Kind.RECURRENT in kinds:
-        state = gated_deltanet_state(
-            fields,
-            ctx,
-            key_heads=fields.integer("linear_num_key_heads"),
-            value_heads=fields.integer("linear_num_value_heads"),
-            key_head_dim=fields.integer("linear_key_head_dim"),
-            value_head_dim=fields.integer("linear_value_head_dim"),
-            d_conv=conv_kernel(fields, ("linear_conv_kernel_dim",)),
-        )
+        state = recurrent_state(fields, ctx, "layer_types")
     layers = [[attention] if kind is Kind.FULL else [state] for kind in kinds]
     return FamilyLayers(layers, fields.integer("max_position_embeddings"))
