@@ -172,15 +172,31 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
     remaining: list[int] = field(default_factory=list)
     #: full-attention pages the running requests hold now
     held: int = 0
+    #: with `chunk_only`, how many requests this pass may admit on a first chunk that leaves part
+    #: of the prompt unscheduled (charged the chunk only); every other one is charged its prompt
+    partial_slots: int = 1
     _candidate: tuple[int, int, int] = (0, 0, 0)
+    _chunk: int = 0
     _taken: list[int] = field(default_factory=list)
+
+    def _projected_len(self, input_len: int, cached_len: int, chunk_len: int) -> int:
+        """What a request admitted now is taken to hold: its whole prompt or, with `chunk_only`
+        while a partial slot is left, the chunk this pass schedules (the rest is charged once it
+        runs, as a running prefill's prompt). One prompt at a time is admitted in part, so a long
+        prompt never waits for its whole KV to be free, and prefills that hold memory they cannot
+        yet use do not pile up (each would pause the others and crowd the prefix cache out)."""
+        if self.chunk_only and self.partial_slots > 0:
+            return cached_len + chunk_len
+        return input_len
 
     def consider(self, input_len: int, output_len: int, cached_len: int, token_limit: int) -> Admission:
         self._candidate = (input_len, output_len, cached_len)
         a = super().consider(input_len, output_len, cached_len, token_limit)
         if a.decision is Decision.ADMIT:
             ps = self.storage.plan.page_size
-            self.lengths.append(input_len)
+            self.lengths.append(self._projected_len(input_len, cached_len, a.chunk_len))
+            if self.lengths[-1] < input_len:
+                self.partial_slots -= 1
             self.remaining.append(output_len)
             self._taken.append((cached_len + a.chunk_len + ps - 1) // ps)
             self.held += self._taken[-1]
@@ -188,12 +204,15 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
 
     def withdraw(self, a: Admission) -> None:
         super().withdraw(a)
+        if self.lengths[-1] < self._candidate[0]:
+            self.partial_slots += 1
         self.lengths.pop()
         self.remaining.pop()
         self.held -= self._taken.pop()
 
     def _demand(self, input_len: int, output_len: int, cached_len: int, chunk_len: int) -> KVDemand:
         # full attention is charged by the projection in `_fits`: price windows and state only
+        self._chunk = chunk_len
         return super()._demand(input_len, 0, cached_len, chunk_len)
 
     @capacity_decision
@@ -201,7 +220,8 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
         plan = self.storage.plan
         ps = plan.page_size
         input_len, output_len, cached_len = self._candidate
-        peak = peak_pages(np.array([*self.lengths, input_len]), np.array([*self.remaining, output_len]), ps)
+        length = self._projected_len(input_len, cached_len, self._chunk)
+        peak = peak_pages(np.array([*self.lengths, length]), np.array([*self.remaining, output_len]), ps)
         full = max(peak - self.held - (cached_len + ps - 1) // ps, 0)
         total = self.admitted + self.reserve + demand
         owner = plan.owner.index

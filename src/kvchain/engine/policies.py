@@ -235,16 +235,19 @@ ADMISSION_MODES = ("optimistic", "exact", "optimistic-ratio", "optimistic-online
 
 def admission_policy(mode: str) -> SchedulePolicy:
     """kvchain's policy for an admission mode: `exact` (full reservation, never retracts) or
-    `optimistic` (the default). Optimistic admission charges the chunk it schedules and keeps
-    reserved, for running requests, the rest of their prompt and a decaying share of their output
-    (0.7 to 0.1); when a step cannot grow, running prefills pause first, then the fewest requests
-    that make room are retracted (newest, or least important, first). The decaying share measured
-    better than the online estimate from finished requests (`optimistic-online`, same admission
-    otherwise) on every preset tried, so it is the default (docs/simulate.md)."""
+    `optimistic` (the default). Optimistic admission charges a new request the chunk it schedules
+    and takes every request (running ones with the rest of their prompt) to grow by a decaying
+    share of its output (0.7 to 0.1); full attention is charged at the projected peak of what they
+    hold as they grow and finish one after another (`ProjectedPrefillBudget`), not at the sum of
+    their reservations, which overstates the peak because requests do not all end at once. When a
+    step cannot grow, running prefills pause first, then the fewest requests that make room are
+    retracted (newest, or least important, first). The decaying share measured better than the
+    online estimate from finished requests (`optimistic-online`, same admission otherwise), so it
+    is the default (docs/simulate.md)."""
     if mode == "exact":
         return ExactPolicy()
     if mode in ("optimistic", "optimistic-ratio"):
-        return DecayingRatioPolicy(name="optimistic", chunk_only=True)
+        return DecayingRatioPolicy(name="optimistic", chunk_only=True, projected=True)
     if mode == "optimistic-online":
-        return OnlineEstimatePolicy(name="optimistic-online", chunk_only=True)
+        return OnlineEstimatePolicy(name="optimistic-online", chunk_only=True, projected=True)
     raise InputError(f"unknown admission mode {mode!r} (known: {', '.join(ADMISSION_MODES)})")

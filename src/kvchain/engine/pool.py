@@ -157,7 +157,8 @@ class KVChainPool:
                 reclaimable_pages(self.storage, self.tree),
                 lengths=[max(r.input_len, int(n)) for r, n in zip(running, lens)],
                 remaining=[self.policy.reserve_output(r) for r in running],
-                held=int(((lens + ps - 1) // ps).sum()))
+                held=int(((lens + ps - 1) // ps).sum()), chunk_only=self.policy.chunk_only,
+                partial_slots=0 if any(r.prefilling for r in running) else 1)
         return ChainPrefillBudget(self.storage, self._reserve(running), frees_coming, self.checkpoint_interval,
                                   self.shares, reclaimable_pages(self.storage, self.tree),
                                   chunk_only=self.policy.chunk_only)

@@ -67,10 +67,29 @@ class PoolConfig:
     max_running: int = 256
     prefix_cache: bool = True
     checkpoint_interval: int | None = None
-    #: how the prefix tree caches recurrent state; every pool uses the same one
-    strategy: CheckpointStrategy = CheckpointStrategy.NO_BUFFER
+    #: how the prefix tree caches recurrent state: one for every pool, or None for each pool its
+    #: engine's own (`engine_strategy`)
+    strategy: CheckpointStrategy | None = None
     #: kvchain's admission mode, also used by the layout-only baselines (see `admission_policy`)
     admission: str = "optimistic"
+
+
+#: How each pool's prefix tree caches recurrent state when `PoolConfig.strategy` is None. kvchain
+#: (and the layouts under its admission, and the ideal bound) copies the state into a fresh slot at
+#: each grid point a chunk ends on (`extra_buffer_lazy`): no request holds a second, tracking slot,
+#: which on a state-heavy model at a binding budget costs more steps than its hits save
+#: (docs/simulate.md). vLLM keeps the state of each block boundary its prefill passes in a block of
+#: its own that the prefix cache then holds: the same, on its block grid. sglang's default keeps
+#: only the state at a sequence's end (`no_buffer`).
+ENGINE_STRATEGIES = {"sglang-static": CheckpointStrategy.NO_BUFFER}
+DEFAULT_STRATEGY = CheckpointStrategy.EXTRA_BUFFER_LAZY
+
+
+def engine_strategy(cfg: PoolConfig, pool: str) -> CheckpointStrategy:
+    """The strategy `pool` runs under `cfg`: the one given, or its engine's own."""
+    if cfg.strategy is not None:
+        return cfg.strategy
+    return ENGINE_STRATEGIES.get(pool, DEFAULT_STRATEGY)
 
 
 def _sizing(plan: KVStoragePlan, cfg: PoolConfig) -> PlanSizing:
@@ -86,7 +105,7 @@ def _checkpoint(plan: KVStoragePlan, cfg: PoolConfig) -> int | None:
 def kvchain_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     plan = plan_kv_storage(decls, page_size=cfg.page_size)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy,
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=engine_strategy(cfg, "kvchain"),
                        checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = "kvchain"
     return pool
@@ -99,8 +118,8 @@ def ideal_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     plan = plan_kv_storage(decls, page_size=IDEAL_PAGE_TOKENS)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
     interval = cfg.checkpoint_interval or (default_checkpoint_interval(plan) if plan.state is not None else None)
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy, checkpoint_interval=interval,
-                       policy=IdealPolicy())
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=engine_strategy(cfg, "ideal"),
+                       checkpoint_interval=interval, policy=IdealPolicy())
     pool.name = "ideal"
     return pool
 
@@ -139,7 +158,7 @@ def static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, split: StaticSpli
     storage = build_kv_storage(plan, sizing, "meta")
     chain_bytes = arena_layout(plan, sizing.arena_bytes).chain_bytes
     storage.allocator.caps = static_caps(plan, chain_bytes, split)
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy,
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=engine_strategy(cfg, name),
                        checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = name
     pool.split = split
@@ -225,13 +244,13 @@ def uniform_plan(decls: Sequence[KVLayerDecl], page_size: int) -> tuple[KVStorag
     return dataclasses.replace(plan, sub_pools=tuple(pools)), layout
 
 
-def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
+def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, name: str = "uniform-page") -> KVChainPool:
     plan, layout = uniform_plan(decls, cfg.page_size)
     storage = build_kv_storage(plan, _sizing(plan, cfg), "meta")
     interval = layout.block_tokens if plan.state is not None else None
-    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=cfg.strategy, checkpoint_interval=interval,
-                       policy=admission_policy(cfg.admission))
-    pool.name = "uniform-page"
+    pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=engine_strategy(cfg, name),
+                       checkpoint_interval=interval, policy=admission_policy(cfg.admission))
+    pool.name = name
     pool.uniform = layout
     return pool
 
@@ -240,9 +259,8 @@ def vllm_hybrid_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPo
     """`uniform-page`'s layout (equal-byte pages, padded layer groups, block-sized attention pages
     for recurrent state, prefix caching and state entries on block boundaries) with vLLM's
     scheduling policy (`VllmPolicy`)."""
-    pool = uniform_pool(decls, cfg)
+    pool = uniform_pool(decls, cfg, name="vllm-hybrid")
     pool.policy = VllmPolicy()
-    pool.name = "vllm-hybrid"
     return pool
 
 

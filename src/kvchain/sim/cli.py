@@ -58,9 +58,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=bounded_int(MAX_RUNNING, "the request table holds a row for each"),
                    default=256)
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off in every pool")
-    p.add_argument("--mamba-radix-cache-strategy", dest="strategy", default="no_buffer",
-                   choices=[s.value for s in CheckpointStrategy],
-                   help="how every pool's prefix tree caches recurrent state (default no_buffer, the engines' default)")
+    p.add_argument("--mamba-radix-cache-strategy", dest="strategy", default="auto",
+                   choices=["auto", *(s.value for s in CheckpointStrategy)],
+                   help="how the pools' prefix trees cache recurrent state: one for every pool, or auto (default): "
+                        "each pool its engine's own (kvchain copies checkpoints on its grid, extra_buffer_lazy; "
+                        "vLLM at block boundaries; sglang no_buffer, at sequence ends only)")
     p.add_argument("--checkpoint-every", type=_positive_int, default=None,
                    help="tokens between cached recurrent-state checkpoints (default: sized to the state's cost)")
     p.add_argument("--step-time", default=None,
@@ -129,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the workload has no requests")
     cfg = PoolConfig(args.budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
-                     strategy=CheckpointStrategy(args.strategy), admission=args.admission)
+                     strategy=None if args.strategy == "auto" else CheckpointStrategy(args.strategy),
+                     admission=args.admission)
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority)
     console = Console(stderr=True)
     total = len(pools) + (1 if "static-best" in pools else 0)

@@ -22,9 +22,11 @@ from kvchain.sim.baselines import (
     PoolConfig,
     StaticSplit,
     kvchain_pool,
+    sglang_static_pool,
     static_caps,
     static_pool,
     uniform_layout,
+    vllm_hybrid_pool,
 )
 from kvchain.sim.compare import SchedulerConfig, compare
 from kvchain.sim.workloads import workload_from_name
@@ -111,3 +113,24 @@ def test_the_same_seed_gives_the_same_comparison():
     assert {r.pool for r in a.results} == set(COMPARED)
     assert all(r.finished == 40 and r.aborted == 0 for r in a.results)
     assert np.isclose(a.ratios()["kvchain"], 1.0)
+
+
+def test_each_pool_caches_state_its_engines_way_unless_told():
+    """No strategy given: kvchain, the ideal bound and vLLM copy checkpoints on their grid
+    (`extra_buffer_lazy`; vLLM's grid is its block), sglang keeps sequence ends only; one given
+    applies to every pool."""
+    from kvchain.cache.radix import CheckpointStrategy
+    from kvchain.sim.baselines import engine_strategy
+
+    auto = PoolConfig(1 << 20, context_len=256, max_running=8)
+    lazy, none = CheckpointStrategy.EXTRA_BUFFER_LAZY, CheckpointStrategy.NO_BUFFER
+    assert {p: engine_strategy(auto, p) for p in ("kvchain", "ideal", "vllm-hybrid", "sglang-static")} == {
+        "kvchain": lazy, "ideal": lazy, "vllm-hybrid": lazy, "sglang-static": none}
+    told = PoolConfig(1 << 20, strategy=CheckpointStrategy.EXTRA_BUFFER)
+    assert {engine_strategy(told, p) for p in ("kvchain", "vllm-hybrid", "sglang-static")} == {
+        CheckpointStrategy.EXTRA_BUFFER}
+    decls = tiny_hybrid()
+    assert kvchain_pool(decls, auto).strategy is lazy
+    vllm = vllm_hybrid_pool(decls, auto)
+    assert vllm.strategy is lazy and vllm.checkpoint_interval == vllm.uniform.block_tokens
+    assert sglang_static_pool(decls, auto).checkpoint_interval is None

@@ -168,6 +168,41 @@ def test_ideal_admits_what_exact_reservation_refuses():
     assert ideal.try_admit(ideal.begin_pass([a], frees_coming=True), req(1, 16, 40), 64).decision is Decision.ADMIT
 
 
+def test_optimistic_projects_the_chunk_it_schedules_not_the_whole_prompt():
+    """Running A: 16 tokens held (4 pages), 4 outputs left, reserved at the ratio 0.7: 3. New B: a
+    40-token prompt, 40 outputs charged 28, its first chunk 16 tokens. Charged at the chunk: A and
+    B hold 16 each; at k=3 they hold 19 each (5 + 5 pages), at k=28 B alone 44 (11 pages): the peak
+    11 less A's 4 held is 7 of the 11 free pages, admitted. Charged at the whole prompt, B holds 40:
+    at k=3 5 + 11 = 16 pages, at k=28 68 tokens = 17; 17 - 4 = 13 > 11, and B waits."""
+    chunked = tiny(DecayingRatioPolicy(chunk_only=True, projected=True))
+    a = running(chunked, req(0, 16, 5))
+    ctx = chunked.begin_pass([a], frees_coming=True)
+    got = chunked.try_admit(ctx, req(1, 40, 40), 16)
+    assert got.decision is Decision.ADMIT and got.chunk_len == 16
+    whole = tiny(DecayingRatioPolicy(chunk_only=False, projected=True))
+    a = running(whole, req(0, 16, 5))
+    assert whole.try_admit(whole.begin_pass([a], frees_coming=True), req(1, 40, 40), 16).decision is Decision.WAIT
+
+
+def test_optimistic_admits_one_prompt_in_part_at_a_time():
+    """Two 40-token prompts with 4 outputs (3 charged), 16-token chunks. The first is admitted on
+    its chunk (16 tokens; 19 at its peak: 5 pages) and takes 4 pages. The second would take the
+    partial slot the first used: charged its whole prompt, 16 + 40 tokens grow to 19 + 43 (5 + 11
+    pages), 16 less the 4 held is 12 of the 11 free pages, and it waits. A prompt that fits its
+    chunk whole (8 tokens) leaves the slot to the next."""
+    pool = tiny(DecayingRatioPolicy(chunk_only=True, projected=True))
+    ctx = pool.begin_pass([], frees_coming=False)
+    first = pool.try_admit(ctx, req(0, 40, 4), 16)
+    assert first.decision is Decision.ADMIT and first.chunk_len == 16
+    assert pool.try_admit(ctx, req(1, 40, 4), 16).decision is Decision.WAIT
+
+    pool = tiny(DecayingRatioPolicy(chunk_only=True, projected=True))
+    ctx = pool.begin_pass([], frees_coming=False)
+    assert pool.try_admit(ctx, req(0, 8, 4), 16).decision is Decision.ADMIT
+    second = pool.try_admit(ctx, req(1, 40, 4), 16)
+    assert second.decision is Decision.ADMIT and second.chunk_len == 16
+
+
 def test_ideal_uses_real_output_lengths():
     r = req(0, 10, 100, output=7)
     r.generated = 3
@@ -242,7 +277,8 @@ def test_priority_never_preempts_when_no_victim_set_makes_room():
 
 def test_admission_modes():
     assert isinstance(admission_policy("exact"), ExactPolicy)
-    assert isinstance(admission_policy("optimistic"), DecayingRatioPolicy)
+    optimistic = admission_policy("optimistic")
+    assert isinstance(optimistic, DecayingRatioPolicy) and optimistic.chunk_only and optimistic.projected
     assert isinstance(admission_policy("optimistic-online"), OnlineEstimatePolicy)
     from kvchain.errors import InputError
     with pytest.raises(InputError, match="nope"):
