@@ -519,6 +519,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
             chain_bytes=self.arena.layout.chain_bytes,
             active_rows=int(self.table.active.sum()),
             moves=sum(c["moves"] for c in counts.values()),
+            relocations=self.allocator.relocations,
         )
 
     def expected_live_pages(self) -> dict[str, int]:

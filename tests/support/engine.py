@@ -19,14 +19,15 @@ from kvchain.engine.tiny import make_checkpoint
 from kvchain.plan import PoolKind, plan_kv_storage
 from kvchain.sizing import pages_for, size_plan
 
-FAMILIES = ("llama", "gemma3", "gpt_oss", "qwen3_next", "nemotron_h")
+FAMILIES = ("llama", "gemma3", "gpt_oss", "qwen3_next", "nemotron_h", "lfm3")
 PAGE = 4
 INTERVAL = 8  # tokens between state checkpoints
-STATE_FAMILIES = ("qwen3_next", "nemotron_h")
+STATE_FAMILIES = ("qwen3_next", "nemotron_h", "lfm3")
 #: fp32 logits: attention matches to ~3e-7; the delta rule and the SSM scan sum in another order than
 #: transformers' chunked kernels, and the gap grows with the sequence (Qwen3-Next: 3e-4 over 12
 #: requests, 1.9e-3 over 64; transformers' own cached and uncached paths differ by as much)
-LOGIT_TOL = {"llama": 1e-4, "gemma3": 1e-4, "gpt_oss": 1e-4, "qwen3_next": 5e-3, "nemotron_h": 5e-3}
+#: LFM3's short conv has no recurrence past its window, so it matches like attention
+LOGIT_TOL = {"llama": 1e-4, "gemma3": 1e-4, "gpt_oss": 1e-4, "qwen3_next": 5e-3, "nemotron_h": 5e-3, "lfm3": 1e-4}
 
 
 @functools.cache

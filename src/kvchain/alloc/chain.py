@@ -76,6 +76,8 @@ class ChainAllocator:
         self.epoch = CapacityEpoch()
         self.forward_steps = ForwardSteps(self.epoch)
         self.move_epoch = 0
+        #: float relocations so far (`_relocate`): a float band's live pages copied to a new block
+        self.relocations = 0
         self.copier = PageCopier(arena, device, scratch_bytes)
         owner_grid = self.layout.grids[plan.owner.index]
         self.n_virtual = owner_grid.n_grid + 1  # virtual page 0 is the null page: it reads the sink
@@ -589,6 +591,7 @@ class ChainAllocator:
                 self.copier.shift_pages(band.grid, src, dst, label="relocate")
         self._add_fences(band.relocate(reloc.live, reloc.dst, lo, size, key))
         self.move_epoch += 1
+        self.relocations += 1
         self.log("relocate", band.name, lo, size)
 
     def prewarm_compaction(self) -> None:

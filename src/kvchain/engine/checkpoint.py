@@ -31,6 +31,9 @@ _FLOAT_TAG = "__float__"
 _SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 # Hub checkpoints of some families keep a top-level module name the transformers class renamed.
 _PREFIX_RENAMES = {"nemotron_h": (("backbone.", "model."),)}
+# ... and some keep a module name inside the path that the class renamed (LFM3's attention output
+# gate is `gate_proj` on the hub and in `save_pretrained`'s output, `g_proj` in the module).
+_INFIX_RENAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),)}
 # Fused expert tensor -> the per-expert matrices it concatenates (along rows), in order.
 _FUSED = (
     ("gate_up_proj", ("gate_proj", "up_proj")),
@@ -135,15 +138,19 @@ def to_module_layout(
     path: Path, model_type: str, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Rename and fuse hub-layout tensors into the names the transformers modules hold: a family's
-    renamed prefix, and per-expert MoE matrices (`experts.{e}.{gate,up,down}_proj.weight`) stacked
+    renamed prefix or inner module name, and per-expert MoE matrices (`experts.{e}.{gate,up,down}_proj.weight`) stacked
     into the fused `experts.gate_up_proj` / `experts.up_proj` / `experts.down_proj` the model
     expects (gate rows before up rows). A name the model holds as is stays as it is."""
     renames = _PREFIX_RENAMES.get(model_type, ())
+    infixes = _INFIX_RENAMES.get(model_type, ())
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         for old, new in renames:
             if name.startswith(old) and name not in expected:
                 name = new + name[len(old) :]
+        for old, new in infixes:
+            if old in name and name not in expected:
+                name = name.replace(old, new)
         if name in out:
             raise InputError(f"checkpoint {path}: tensor {name!r} is stored under two names")
         out[name] = tensor

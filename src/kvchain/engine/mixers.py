@@ -1,5 +1,6 @@
 """`install_state_mixers`: switch a model's recurrent mixers to kvchain's forwards, which read and
-write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `mamba2.py`)."""
+write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `mamba2.py`,
+`shortconv.py`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from ..errors import InputError
 from .batch import ForwardBatch
 from .deltanet import deltanet_forward, deltanet_module_types
 from .mamba2 import mamba2_forward, mamba2_module_types
+from .shortconv import shortconv_forward, shortconv_module_types
 
 
 def install_state_mixers(model: torch.nn.Module) -> int:
     """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet,
-    Nemotron-H Mamba2) with kvchain's, which reads and writes the state in the pool through the
+    Nemotron-H Mamba2, LFM2/LFM3 short conv) with kvchain's, which reads and writes the state in the pool through the
     `kvchain_batch` keyword the model passes down. Returns how many were installed."""
-    kinds = [(deltanet_module_types(), deltanet_forward), (mamba2_module_types(), mamba2_forward)]
+    kinds = [(deltanet_module_types(), deltanet_forward), (mamba2_module_types(), mamba2_forward),
+             (shortconv_module_types(), shortconv_forward)]
     installed = 0
     for module in model.modules():
         for types, forward in kinds:

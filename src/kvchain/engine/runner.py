@@ -49,7 +49,7 @@ class _NoMasks(dict):
 _NO_MASKS = _NoMasks()
 #: model types whose model forward takes a precomputed mask mapping in `attention_mask` (transformers
 #: 5: `isinstance(attention_mask, dict)` skips its mask building); the others build (and ignore) masks
-MASK_MAPPING_MODEL_TYPES = frozenset({"gemma3_text", "gemma3", "gpt_oss", "qwen3_next", "nemotron_h"})
+MASK_MAPPING_MODEL_TYPES = frozenset({"gemma3_text", "gemma3", "gpt_oss", "qwen3_next", "nemotron_h", "lfm2", "lfm3"})
 
 
 class ModelRunner:

@@ -96,6 +96,8 @@ class GenerateStats:
     checkpoints: int = 0
     window_pages_retired: int = 0
     peak_utilisation: float = 0.0
+    #: times the allocator relocated a float band (a window sub-pool between the chain's ends)
+    float_relocations: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -176,7 +178,8 @@ class Engine:
         before = dict(self.pool.stats_counters)
         counters = self.pool.counters
         forwards0 = counters.forwards
-        moves0 = self.storage.stats().moves
+        before_storage = self.storage.stats()
+        moves0, relocations0 = before_storage.moves, before_storage.relocations
         peak = 0.0
         t0 = time.perf_counter()
 
@@ -213,7 +216,7 @@ class Engine:
             compaction_moves=self.storage.stats().moves - moves0,
             checkpoints=self.pool.stats_counters["checkpoints"] - before["checkpoints"],
             window_pages_retired=self.pool.stats_counters["window_retired"] - before["window_retired"],
-            peak_utilisation=peak)
+            peak_utilisation=peak, float_relocations=self.storage.stats().relocations - relocations0)
         logits = {}
         if cfg.keep_logits:
             index = {r.rid: i for i, r in enumerate(reqs)}

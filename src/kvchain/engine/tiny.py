@@ -111,12 +111,27 @@ def _nemotron_h() -> dict[str, Any]:
     }
 
 
+def _lfm3() -> dict[str, Any]:
+    # short-conv, sliding and full attention layers: the pool plans three sub-pools (state, window,
+    # full), so the window band floats between the chain's two ends
+    return {
+        "model_type": "lfm3",
+        "num_hidden_layers": 4,
+        "layer_types": ["conv", "sliding_attention", "conv", "full_attention"],
+        "intermediate_size": 128,
+        "conv_L_cache": 4,
+        "sliding_window": 16,
+        "tie_word_embeddings": False,
+    }
+
+
 FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "llama": _llama,
     "gemma3": _gemma3,
     "gpt_oss": _gpt_oss,
     "qwen3_next": _qwen3_next,
     "nemotron_h": _nemotron_h,
+    "lfm3": _lfm3,
 }
 
 

@@ -23,6 +23,8 @@ class StorageStats:
     chain_bytes: int
     active_rows: int
     moves: int
+    #: float bands relocated so far (each a whole float's live pages copied to a new block)
+    relocations: int = 0
 
     @property
     def utilisation(self) -> float:
@@ -35,8 +37,8 @@ class Inspection(Protocol):
 
     @abstractmethod
     def stats(self) -> StorageStats:
-        """Live, hole, pending and span pages per sub-pool, live and chain bytes, rows in use and
-        pages moved so far. Reads counters only (no device sync)."""
+        """Live, hole, pending and span pages per sub-pool, live and chain bytes, rows in use,
+        pages moved and float relocations so far. Reads counters only (no device sync)."""
 
     @abstractmethod
     def expected_live_pages(self) -> dict[str, int]:

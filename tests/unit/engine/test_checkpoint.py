@@ -23,6 +23,7 @@ POOL_KINDS = {
     "gpt_oss": {PoolKind.FULL, PoolKind.WINDOW},
     "qwen3_next": {PoolKind.FULL, PoolKind.STATE},
     "nemotron_h": {PoolKind.FULL, PoolKind.STATE},
+    "lfm3": {PoolKind.FULL, PoolKind.WINDOW, PoolKind.STATE},
 }
 
 

@@ -35,7 +35,9 @@ def check_family(family: str, n: int) -> None:
     assert stats.compaction_moves > 0  # pages moved under the running forwards
     assert stats.cached_tokens > 0  # prefix hits
     plan = plan_kv_storage(load_checkpoint(checkpoint_dir(family)).model_spec().decls, page_size=PAGE)
-    if plan.windows:
+    if plan.windows and plan.state is None:
+        # with state, every checkpoint hands the prefix behind it to the tree, whose pages the row
+        # then never frees itself (test_lfm3_float.py serves LFM3 without the prefix cache for this)
         assert stats.window_pages_retired > 0
     if plan.state is not None:
         assert stats.checkpoints > 0
