@@ -20,7 +20,7 @@ from kvchain.storage_roles import ROLES
 from support.chains import small_storage
 
 #: what the facade may read of the allocator besides its methods: plain values, never its parts
-_ALLOCATOR_VALUES = {"device", "move_epoch"}
+_ALLOCATOR_VALUES = {"device", "move_epoch", "relocations"}  # plain counters and handles
 
 
 def _role_members(role) -> set[str]:
