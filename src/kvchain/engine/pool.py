@@ -306,8 +306,11 @@ class KVChainPool:
         self.relieve()  # the lock just taken (if any) replaces the one the request held while waiting
         if cached:  # what the match just locked is no longer reclaimable
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
-        if match is not None and match.branch:  # the first chunk ends where the branch leaves the tree
-            token_limit = min(token_limit, match.branch - cached)
+        if match is not None and match.branch:
+            if self.exact_checkpoints:  # the first chunk ends where the branch leaves the tree
+                token_limit = min(token_limit, match.branch - cached)
+            else:  # the model-free pool counts the state there as a kernel saving it would (`processed`)
+                state["branch"] = match.branch
         token_limit = self._grid_cut(cached, req.input_len, token_limit)
         a = ctx.consider(req.input_len, self.policy.admit_output(req), cached, token_limit)
         if a.decision is Decision.ADMIT and not self._make_room(self._admit_demand(cached + a.chunk_len, cached)):
@@ -319,6 +322,7 @@ class KVChainPool:
                 # the match itself pins what it would need: start over without it, from an emptied cache
                 self.tree.evict_all()
                 ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
+                state.pop("branch", None)
                 return self._admit_fresh(ctx, req, token_limit, state)
             if cached and a.decision is Decision.WAIT and self.policy.pins_waiting:
                 self._pin = (req, state)  # the head keeps its match while it waits
@@ -408,6 +412,11 @@ class KVChainPool:
             checkpoints = np.zeros(len(reqs), dtype=np.int64)
             for i, req in enumerate(reqs):
                 grid = self.tree.swa_retain_floor(req.computed)
+                branch = req.pool_state.get("branch", 0)
+                if branch and branch <= req.computed:  # where later siblings will leave this branch
+                    del req.pool_state["branch"]
+                    if req.pool_state["checkpoint"] < branch < grid:
+                        self.checkpoint_into_tree(req, branch)
                 if grid > req.pool_state["checkpoint"]:
                     if grid == req.computed or not self.exact_checkpoints:
                         self.checkpoint_into_tree(req, grid)

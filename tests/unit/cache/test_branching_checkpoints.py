@@ -28,15 +28,17 @@ B = {"arrival_step": 20, "input_length": 2400, "output_length": 8, "hash_ids": [
 C = {"arrival_step": 40, "input_length": 2400, "output_length": 8, "hash_ids": [0, 1, 2, 4, 6]}
 
 
-def _replay(tmp_path, lines, interval=INTERVAL):
+def _replay(tmp_path, lines, interval=INTERVAL, exact=False):
     """Serve the trace `lines` through the simulator's kvchain pool on Qwen3-Next (80 GiB, so
-    memory never binds) with `extra_buffer` checkpoints; returns the requests."""
+    memory never binds) with `extra_buffer` checkpoints; returns the requests. `exact`: hold only
+    the states chunks end on, as a pool that runs a model does."""
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     requests = load_trace(path, block_tokens=BLOCK)
     model = model_from_preset("qwen3-next-80b")
     pool = kvchain_pool(model.decls, PoolConfig(80 * 2**30, strategy=CheckpointStrategy.EXTRA_BUFFER,
                                                 checkpoint_interval=interval))
+    pool.exact_checkpoints = exact
     sched = Scheduler(pool, max_batched_tokens=8192, max_running=256)
     sched.add(requests)
     while not sched.idle:
@@ -60,15 +62,22 @@ def test_trace_replay_a_sibling_branch_does_not_lose_the_checkpoint(tmp_path):
 
 def test_trace_replay_the_three_requests_hit_with_the_default_interval(tmp_path):
     """With the interval chosen for chat traffic (256 tokens, a divisor of the 512-token blocks)
-    each first chunk ends where its branch leaves the tree: B checkpoints at the 1,536 tokens it
-    shares with A (its prefill is one chunk otherwise, whose only checkpoint lies past any
-    sibling), C matches it and checkpoints at the 2,048 it shares with B, and a fourth request on
-    C's branch matches that."""
+    each request checkpoints where its branch leaves the tree besides its chunk's last grid point:
+    B at the 1,536 tokens it shares with A (its prefill is one chunk, whose last grid point lies
+    past any sibling), C matches it and checkpoints at the 2,048 it shares with B, and a fourth
+    request on C's branch matches that. The simulator counts the state at the branch point inside
+    the chunk, as a kernel saving it there would, so each prompt still prefills in one step; a pool
+    that holds only the states chunks end on (`exact_checkpoints`, the engine's) ends the first
+    chunk there instead (and the next at the prompt's last grid point): the same hits, later first
+    tokens."""
     d = {"arrival_step": 60, "input_length": 2400, "output_length": 8, "hash_ids": [0, 1, 2, 4, 7]}
-    requests, pool = _replay(tmp_path, [A, B, C, d], interval=None)
-    assert pool.checkpoint_interval == 256
-    a, b, c, d = sorted(requests, key=lambda r: r.rid)
-    assert (a.cached, b.cached, c.cached, d.cached) == (0, 0, 3 * BLOCK, 4 * BLOCK)
+    # the engine's pool: B and C cut at the branch point, then at the prompt's last grid point
+    for exact, prefill_steps in ((False, [1, 1, 1]), (True, [3, 3, 2])):
+        requests, pool = _replay(tmp_path, [A, B, C, d], interval=None, exact=exact)
+        assert pool.checkpoint_interval == 256
+        a, b, c, d2 = sorted(requests, key=lambda r: r.rid)
+        assert (a.cached, b.cached, c.cached, d2.cached) == (0, 0, 3 * BLOCK, 4 * BLOCK)
+        assert [r.first_token_step - r.admitted_step + 1 for r in (b, c, d2)] == prefill_steps
 
 
 # -- the tree itself ---------------------------------------------------------------------------------
