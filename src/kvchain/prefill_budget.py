@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .alloc.demand import DemandPurpose, KVDemand, request_demand
+from .alloc.npfast import unique_sorted
 from .capacity import capacity_decision
 from .storage import KVStorage
 
@@ -150,7 +151,7 @@ def peak_pages(lengths: np.ndarray, remaining: np.ndarray, page_size: int) -> in
     remaining = np.asarray(remaining, dtype=np.int64)
     if not len(lengths):
         return 0
-    ks = np.unique(remaining)
+    ks = unique_sorted(remaining)
     pages = (lengths[:, None] + ks[None, :] + page_size - 1) // page_size
     live = remaining[:, None] >= ks[None, :]
     now = int(((lengths + page_size - 1) // page_size).sum())

@@ -30,6 +30,7 @@ from ..plan import Placement, SubPool
 from . import invariants
 from .band_state import HOLE, LIVE, OUT, PENDING, SINK, VACATED, BandState, PageState, SnapshotMode
 from .forward_steps import LaunchRecord, PendingBatch
+from .npfast import has_duplicates, unique_sorted
 from .page_usage import Fence, Hazard, PageUse, Wait, forward_reads
 from .pricing import BandSnap, CapacityEpoch, Side
 
@@ -234,7 +235,7 @@ class Band(BandState):
             self.usage.unknown_writer = PageUse(Hazard.FORWARD, np.empty(0, dtype=np.int64), writes=True,
                                                 event=event, step=step, label=f"unknown writes of step {step}")
         elif len(pages):
-            self.usage.record(PageUse(Hazard.FORWARD, np.unique(pages), writes=True, event=event, step=step,
+            self.usage.record(PageUse(Hazard.FORWARD, unique_sorted(pages), writes=True, event=event, step=step,
                                       label=f"writes of step {step}"))
 
     def retire_forwards_through(self, step: int) -> None:
@@ -436,7 +437,7 @@ def check_freed_pages(band: Band, ids: np.ndarray) -> None:
     bad = ~in_grid
     if in_grid.all():
         bad = (band.state[ids] != LIVE) | (band.ids.p2v[ids] < 0)
-        if len(np.unique(ids)) != len(ids):
+        if has_duplicates(ids):
             invariants.fail("band.free_of_bound_page", f"{band.name}: a free names the same page twice")
     if bad.any():
         invariants.fail("band.free_of_bound_page", f"{band.name}: free of unbound pages {ids[bad][:8].tolist()}")

@@ -16,6 +16,7 @@ from ..memory.arena import BandGrid
 from ..plan import Placement, PoolKind, SubPool
 from .forward_steps import PendingPages
 from .id_space import IdStack, UnitIds
+from .npfast import unique_sorted
 from .page_usage import Hazard, PageUsage
 from .pricing import BandSnap, CapacityEpoch
 
@@ -137,7 +138,7 @@ class BandState:
             pages.append(np.flatnonzero(self.held))
         if not pages:
             return np.empty(0, dtype=np.int64)
-        ids = np.unique(np.concatenate(pages))
+        ids = unique_sorted(np.concatenate(pages))
         return ids[self.state[ids] == LIVE]
 
     def network_used(self, ids: np.ndarray) -> np.ndarray:
@@ -162,7 +163,7 @@ class BandState:
             parts.append(self.network_held())
         if not parts:
             return np.empty(0, dtype=np.int64)
-        return np.unique(np.concatenate(parts))
+        return unique_sorted(np.concatenate(parts))
 
     def snapshot(self, mode: SnapshotMode = SnapshotMode.TAKE) -> BandSnap:
         """Counts and frontiers only, never hole positions (CAP-4). Fixed pages, vacated pages and

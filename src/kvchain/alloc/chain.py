@@ -44,6 +44,7 @@ from .demand import DemandPurpose, KVDemand, request_demand
 from .forward_steps import ForwardSteps, LaunchRecord
 from .id_space import UNBOUND, IdStack
 from .invariants import check_windows_released
+from .npfast import has_duplicates
 from .page_usage import Clear, Consumer, Fence, Hazard, PageUse, Wait, clearance, forward_reads
 from .pricing import (
     BandSnap,
@@ -973,7 +974,7 @@ def _band_problems(band: Band) -> list[str]:
         out.append(f"{band.name}: {counts[PENDING]} pending pages ({band.pending.count} batched), "
                    f"counted {band.n_pending}")
     listed = band.holes.view()
-    if len(listed) and (len(np.unique(listed)) != len(listed) or (st[listed] != HOLE).any()):
+    if len(listed) and (has_duplicates(listed) or (st[listed] != HOLE).any()):
         out.append(f"{band.name}: hole list repeats ids or lists pages that are not holes")
     if band.parked:
         if (st != OUT).sum() - (st == SINK).sum():

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import faults
 from ..device.base import Event
+from .npfast import add_at
 from .signals import HostTransfer, NetworkTransfer
 
 
@@ -133,7 +134,7 @@ class PageUsage:
 
     def record(self, use: PageUse) -> PageUse:
         use.pages = np.asarray(use.pages, dtype=np.int64)
-        np.add.at(self.count, use.pages, 1)
+        add_at(self.count, use.pages, 1)
         self.uses.append(use)
         return use
 
@@ -142,7 +143,7 @@ class PageUsage:
             self.unknown_writer = None
             return
         self.uses.remove(use)
-        np.subtract.at(self.count, use.pages, 1)
+        add_at(self.count, use.pages, -1)
 
     def busy(self, pages: np.ndarray) -> np.ndarray:
         """Per page, whether any unfinished use covers it."""

@@ -72,6 +72,7 @@ class ModelPool(KVChainPool):
         self.steps = StepSequence(storage, depth=1 if overlap else 0, war_barrier=war_barrier,
                                   on_processed=self._record_outputs)
         self.eos = np.asarray(sorted(set(eos)), dtype=np.int64)
+        self._eos_set = frozenset(int(t) for t in self.eos)
         self.keep_logits = keep_logits
         self.counters = EngineCounters()
         self.layer_pool = runner.layer_pool
@@ -192,18 +193,25 @@ class ModelPool(KVChainPool):
 
     def _record_outputs(self, launched: Launched[StepOutputs]) -> None:
         outputs = launched.payload
-        tokens = outputs.tokens.cpu().numpy()  # the host waited this forward: no device sync here
+        sampled = outputs.tokens
+        if sampled.device.type != "cpu":
+            sampled = sampled.cpu()  # the host waited this forward: no device sync here
+        tokens = sampled.tolist()
+        known, future, eos = self._known, self._future, self._eos_set
+        keep = self.keep_logits and outputs.logits is not None
         for k, req in enumerate(outputs.reqs):
             j = outputs.index[k]
             if j >= req.output_len:  # sampled past an end-of-sequence found since: dropped
                 continue
-            req.output[j] = tokens[k]
-            self._known[req.rid] = max(self._known.get(req.rid, 0), j + 1)
-            if self._future.get(req.rid, (None, -1))[1] == j:
-                del self._future[req.rid]
-            if self.keep_logits and outputs.logits is not None:
-                self.counters.logits[(req.rid, j)] = outputs.logits[k].cpu()
-            if len(self.eos) and np.isin(tokens[k], self.eos) and j + 1 < req.output_len:
+            token = tokens[k]
+            req.output[j] = token
+            rid = req.rid
+            known[rid] = max(known.get(rid, 0), j + 1)
+            if future.get(rid, (None, -1))[1] == j:
+                del future[rid]
+            if keep:
+                self.counters.logits[(rid, j)] = outputs.logits[k].cpu()
+            if token in eos and j + 1 < req.output_len:
                 req.output_len = j + 1  # the scheduler finishes it after this step
 
 
@@ -215,5 +223,8 @@ def _group_futures(futures: list[tuple[int, StepOutputs, int]], device: torch.de
         entry = by_src.setdefault(id(src), (src, [], []))
         entry[1].append(pos)
         entry[2].append(idx)
-    return [(src, torch.from_numpy(np.array(dst, np.int64)).to(device),
-             torch.from_numpy(np.array(idx, np.int64)).to(device)) for src, dst, idx in by_src.values()]
+    def tensor(values: list[int]) -> torch.Tensor:
+        t = torch.from_numpy(np.array(values, np.int64))
+        return t if device.type == "cpu" else t.to(device)
+
+    return [(src, tensor(dst), tensor(idx)) for src, dst, idx in by_src.values()]

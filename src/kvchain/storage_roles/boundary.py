@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..alloc.npfast import has_duplicates
 from ..errors import InputError
 
 
@@ -59,7 +60,7 @@ def in_range(ids: np.ndarray, lo: int, hi: int, what: str) -> None:
 
 def distinct(ids: np.ndarray, what: str) -> None:
     """No id named twice; `ids` must already be in range (non-negative)."""
-    if len(ids) > 1:
+    if len(ids) > 1 and has_duplicates(ids):
         seen = np.bincount(ids)
         if seen.max() > 1:
             raise InputError(f"{what} named more than once: {np.flatnonzero(seen > 1)[:8].tolist()}")
