@@ -394,7 +394,8 @@ class FloatBand(Band):
             self.usage.record(PageUse(Hazard.FORWARD, live.copy(), writes=False, event=key.event, step=key.step,
                                       vacated=True, label=f"relocated under step {key.step}"))
         old = np.arange(self.lo, self.hi, dtype=np.int64) if not self.parked else np.empty(0, dtype=np.int64)
-        leaving = np.setdiff1d(old, np.arange(lo, lo + size, dtype=np.int64))
+        # the old block less the new span: both are ranges, so two ranges (no sort of the block)
+        leaving = old[(old < lo) | (old >= lo + size)]
         fences = self.fences_leaving(leaving) if len(leaving) else []
         self.state[old] = OUT
         self.holes.keep(np.zeros(self.holes.count, dtype=bool))

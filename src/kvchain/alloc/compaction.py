@@ -108,15 +108,17 @@ def plan_relocation(band: FloatBand, lo: int, size: int) -> RelocationPlan:
     live = band.live_pages()
     if size < len(live) or lo < band.grid.first_id or lo + size > band.grid.n_grid:
         raise CapacityError(f"{band.name}: block [{lo}, {lo + size}) cannot hold {len(live)} live pages")
-    dst = np.arange(lo, lo + len(live), dtype=np.int64)
-    old = np.arange(band.lo, band.hi, dtype=np.int64) if not band.parked else np.empty(0, dtype=np.int64)
-    return RelocationPlan(
-        lo, size, live, dst,
-        fresh=np.setdiff1d(np.arange(lo, lo + size), old),
-        reused=np.intersect1d(dst, old),
-        over_live=bool(len(np.intersect1d(dst, live))),
-        shifts=_shifts(band, live, dst),
-    )
+    n = len(live)
+    dst = np.arange(lo, lo + n, dtype=np.int64)
+    # the old block, the new span and `dst` are ranges, `live` is sorted: range arithmetic, no sets
+    old_lo, old_hi = (band.lo, band.hi) if not band.parked else (lo, lo)
+    fresh = np.concatenate([np.arange(lo, min(lo + size, max(old_lo, lo)), dtype=np.int64),
+                            np.arange(max(lo, old_hi), lo + size, dtype=np.int64)]) if old_hi > old_lo else \
+        np.arange(lo, lo + size, dtype=np.int64)
+    reused = np.arange(max(lo, old_lo), min(lo + n, old_hi), dtype=np.int64)
+    over_live = bool(np.searchsorted(live, lo + n) > np.searchsorted(live, lo))
+    return RelocationPlan(lo, size, live, dst, fresh=fresh, reused=reused, over_live=over_live,
+                          shifts=_shifts(band, live, dst))
 
 
 def _shifts(band: FloatBand, src: np.ndarray, dst: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
