@@ -76,12 +76,16 @@ def bounded_int(limit: int, why: str):
     return parse
 
 
-def positive_float(text: str) -> float:
-    """A finite number above zero (a rate, a duration)."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number above zero (a rate, a duration)."""
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
     return value
@@ -106,10 +110,7 @@ def byte_size(text: str) -> int:
 
 def share(text: str) -> float:
     """A fraction strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _number(text)
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
     return value

@@ -35,8 +35,7 @@ def has_duplicates(values: np.ndarray) -> bool:
 
 def add_at(counts: np.ndarray, ids: np.ndarray, delta: int) -> None:
     """`np.add.at(counts, ids, delta)`: `delta` added once per occurrence of each id in `ids`."""
-    if len(ids) > SHORT:
-        np.add.at(counts, ids, delta)
+    if len(ids) <= SHORT and not has_duplicates(ids):
+        counts[ids] += delta  # distinct ids: a plain indexed add is the same and keeps the lock
         return
-    for i in ids.tolist():
-        counts[i] += delta
+    np.add.at(counts, ids, delta)
