@@ -16,7 +16,8 @@ C, H = Consumer, Hazard
 
 
 def test_clearance_table_is_the_spec():
-    """LEDG-10..29."""
+    """LEDG-9: the one table the code reads is the design's, cell for cell. Each cell's behaviour
+    (the wait really happening on the device) is held in `test_clearance_behaviour.py`."""
     expected = {
         C.FORWARD: ("none", "stream wait", "stream wait", "host wait", "excluded"),
         C.SCHEDULE_COPY: ("stream wait", "stream wait", "stream wait", "host wait", "excluded"),
