@@ -24,3 +24,24 @@ def test_every_rule_is_held_by_a_test_or_listed_as_not_built():
     bare = [r for r in rules if r not in named and r not in not_built]
     assert not bare, f"no test names these rules and docs/rules.md does not list them: {' '.join(bare)}"
     assert all(reason for reason in not_built.values())
+
+
+def test_every_clearance_cell_is_held_by_behaviour():
+    """Each cell of CLEARANCE (consumer x hazard) has its own behavioural case in
+    `alloc/test_clearance_behaviour.py`, named by the cell's rule, and together they name every
+    rule of the table: comparing the dict with the design's table alone holds none of them."""
+    import importlib.util
+    import re
+    import sys
+
+    from kvchain.alloc.page_usage import CLEARANCE
+    from support.rules import ROOT
+
+    path = ROOT / "tests/unit/alloc/test_clearance_behaviour.py"
+    spec = importlib.util.spec_from_file_location("clearance_behaviour", path)
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    cells = {(c, h) for c, row in CLEARANCE.items() for h in row}
+    assert set(module.CELLS) == cells == set(module.RULE)
+    table_rules = {r for r in rule_ids() if re.fullmatch(r"LEDG-(1\d|2\d)", r)}
+    assert set(module.RULE.values()) == table_rules

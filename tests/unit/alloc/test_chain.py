@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvchain.alloc.pricing import BandSnap, Relocation, Step, move_order
+from kvchain.alloc.band import PENDING
+from kvchain.alloc.pricing import BandSnap, Relocation, Step, feasible, move_order
+from kvchain.engine import StepSequence
 from kvchain.errors import CapacityError
 from kvchain.plan import Placement
 from support.chains import Payloads, small_storage
+from support.modeled import launch_forward, modeled_storage, process, request
 
 
 def _fill(storage, lens):
@@ -36,7 +39,7 @@ def test_flush_moves_pages_and_keeps_their_bytes():
 
 
 def test_opportunistic_flush_is_capped():
-    """COMP-7."""
+    """COMP-7: a band flush makes at most the moves it is given."""
     storage = small_storage(page_size=1, chain_kib=32)
     rows, payloads = _fill(storage, [20] * 4)
     owner = storage.allocator.owner
@@ -44,6 +47,30 @@ def test_opportunistic_flush_is_capped():
     nearest_base = max(rows, key=lambda r: owner.ids.v2p[storage.table.pages_of(r)].max())
     storage.free_rows(np.array([nearest_base]))
     assert storage.allocator.flush(owner, max_moves=3) == 3
+    payloads.check()
+    storage.check_idle()
+
+
+@pytest.mark.parametrize("entry", ["storage", "step_sequence"])
+def test_opportunistic_flush_reads_its_cap_from_the_environment(monkeypatch, entry):
+    """COMP-7: with no cap given, `flush_opportunistic` (from the storage, or from the engine's step
+    sequence between steps) makes at most `KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL` moves per
+    band, though more pages could move; a second call moves the next ones."""
+    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL", "2")
+    monkeypatch.setenv("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION", "1.0")  # every end counts as pressed
+    storage = small_storage(page_size=1, chain_kib=32)
+    rows, payloads = _fill(storage, [20] * 4)
+    chain = storage.allocator
+    owner = chain.owner
+    nearest_base = max(rows, key=lambda r: owner.ids.v2p[storage.table.pages_of(r)].max())
+    storage.free_rows(np.array([nearest_base]))
+    flush = storage.flush_opportunistic if entry == "storage" else StepSequence(storage).flush
+    for _ in range(2):
+        before = [b.stats["moves"] for b in chain.bands]
+        moved = flush()
+        per_band = [b.stats["moves"] - m for b, m in zip(chain.bands, before)]
+        assert max(per_band) <= 2 and per_band[owner.index] == 2 and moved == sum(per_band)
+        assert owner.n_holes >= 2  # room for more moves was left
     payloads.check()
     storage.check_idle()
 
@@ -125,24 +152,57 @@ def test_flush_ends_relief_and_data_survives():
 
 
 def test_refused_take_changes_nothing_and_says_why():
-    """ALLOC-10: no layout serves it, so it is refused before anything moves."""
-    storage = small_storage(page_size=2, chain_kib=8)
+    """ALLOC-10, ALLOC-7: no layout serves the take, so it is refused before any pending page is
+    settled: the pages freed under the running forward stay pending, no stream wait is queued,
+    and the allocator's state is as it was."""
+    storage, dev = modeled_storage(chain_kib=8)
     chain = storage.allocator
-    before = chain.snapshot()
+    owner = chain.owner
+    row, _ = request(storage, 8)
+    forward = launch_forward(storage, None, np.empty(0, dtype=np.int64))
+    storage.free_rows(np.array([row]))
+    assert owner.n_pending > 0
+    pending = np.flatnonzero(owner.state == PENDING)
+    before, waits = chain.snapshot(), dev.counters.stream_waits
     with pytest.raises(CapacityError, match="no layout"):
         chain.take([10**6] * len(chain.bands))
     assert chain.snapshot() == before
+    assert (owner.state[pending] == PENDING).all() and owner.n_pending == len(pending)
+    assert dev.counters.stream_waits == waits
+    process(storage, forward)
+
+
+def _lone_shortfall(chain, band):
+    """The fewest pages `band` alone cannot take where it is, though some layout serves them."""
+    for n in range(1, band.grid.n_grid):
+        demand = [0] * len(chain.bands)
+        demand[band.index] = n
+        if not chain.in_place(demand) and feasible(chain.pricing_snapshot(), tuple(demand)):
+            return n
+    raise AssertionError(f"{band.name}: every take is served in place or by no layout")
 
 
 def test_band_relieve_runs_the_chain_relief():
-    """ALLOC-19: a lone short band relieves like a chain take (`ChainAllocator.take_alone`)."""
-    storage = small_storage(page_size=2, chain_kib=16)
-    _fill(storage, [10, 10])
-    window = storage.allocator.window_bands[-1]
-    ids = storage.allocator.take_alone(window, 3)
-    assert len(ids) == 3
+    """ALLOC-19: a lone band short of room where it is (a host-tier load's take) runs the chain's
+    relief through `ChainAllocator.take_alone`, then takes; without the relief the same take is
+    refused, and every byte reads back the same afterwards. A take no layout serves is refused."""
+    storage = small_storage(page_size=2, chain_kib=8, rows=32)
+    rows, payloads = _fill(storage, [10] * 5)
+    storage.free_rows(np.array(rows[::2]))  # holes in every band, none large enough
+    chain = storage.allocator
+    window = chain.window_bands[0]
+    n = _lone_shortfall(chain, window)
     with pytest.raises(CapacityError):
-        storage.allocator.take_alone(window, 10**6)
+        chain.take_from(window, n)  # the band alone, no relief: short
+    chain.decisions = []
+    ids = chain.take_alone(window, n)
+    assert len(ids) == n and len(np.unique(ids)) == n
+    assert [d for d in chain.decisions if d[0] == "relief"], "the take went through without a relief"
+    payloads.check()
+    with pytest.raises(CapacityError):
+        chain.take_alone(window, 10**6)
+    chain.free(window, ids)
+    storage.check_idle()
 
 
 def test_handout_zeroing():

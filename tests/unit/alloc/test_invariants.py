@@ -32,14 +32,17 @@ def _one_request(storage, length=12):
 
 
 def test_levels(monkeypatch):
-    """CHK-1, CHK-2: unset is off, or strict under the older assert switch."""
+    """CHK-1, CHK-2: 0 is off, 1 warns, 2 is strict; unset is off, or strict under the older
+    assert switch."""
     monkeypatch.delenv("KVCHAIN_INVARIANT_CHECK", raising=False)
     monkeypatch.delenv("KVCHAIN_ENABLE_ASYNC_ASSERT", raising=False)
     assert invariant_level() is InvariantCheckLevel.OFF
     monkeypatch.setenv("KVCHAIN_ENABLE_ASYNC_ASSERT", "1")
     assert invariant_level() is InvariantCheckLevel.STRICT
-    monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "1")
-    assert invariant_level() is InvariantCheckLevel.WARN
+    for raw, level in (("0", InvariantCheckLevel.OFF), ("1", InvariantCheckLevel.WARN),
+                       ("2", InvariantCheckLevel.STRICT)):  # a set level wins over the older switch
+        monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", raw)
+        assert invariant_level() is level, raw
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "7")
     with pytest.raises(ValueError):
         invariant_level()

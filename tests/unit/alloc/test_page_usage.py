@@ -16,7 +16,8 @@ C, H = Consumer, Hazard
 
 
 def test_clearance_table_is_the_spec():
-    """LEDG-10..29."""
+    """LEDG-9: the one table the code reads is the design's, cell for cell. Each cell's behaviour
+    (the wait really happening on the device) is held in `test_clearance_behaviour.py`."""
     expected = {
         C.FORWARD: ("none", "stream wait", "stream wait", "host wait", "excluded"),
         C.SCHEDULE_COPY: ("stream wait", "stream wait", "stream wait", "host wait", "excluded"),
@@ -281,3 +282,31 @@ def test_ledger_is_empty_at_quiescence():
     storage.end_host_transfer(backup)
     storage.end_network_transfer(send)
     assert not any(len(b.usage) for b in storage.allocator.bands) and not storage.allocator.fences
+
+
+def test_a_load_beyond_the_holes_settles_pending_pages_first():
+    """HIC-5, LIFE-29: a band with pending pages whose holes do not cover a load settles before it
+    takes: the load gets pages pending under the forward in flight instead of growing the band,
+    and its zeroing of them runs behind a schedule-stream wait on that forward; the host never
+    blocks."""
+    from kvchain.device.modeled import clock_leq
+
+    storage, dev = modeled_storage(chain_kib=16)
+    owner = storage.allocator.owner
+    idle, _ = request(storage, 8)
+    busy, _ = request(storage, 8)
+    storage.free_rows(np.array([idle]))  # two holes
+    forward = launch_forward(storage, None, np.empty(0, dtype=np.int64))
+    pending = full_pages(storage, busy)
+    storage.free_rows(np.array([busy]))  # two pages pending under the forward
+    assert owner.n_holes == 2 and owner.n_pending == 2
+    span, blocked, start = owner.span, dev.counters.host_waits_blocked, len(dev.history)
+    pages, reservation = storage.alloc_load("full", 3)
+    settled = pages[np.isin(pages, pending)]
+    assert len(settled) and owner.span == span, "the load grew the band instead of settling"
+    zeroes = [w for w in dev.history[start:] if w.label == "zero"
+              and any(a.band == owner.index and np.isin(settled, a.ids).any() for a in w.writes)]
+    assert zeroes and all(clock_leq(forward.event.clock, w.clock) for w in zeroes)
+    assert dev.counters.host_waits_blocked == blocked and not forward.processed
+    storage.end_load_reservations("full", reservation)
+    process(storage, forward)

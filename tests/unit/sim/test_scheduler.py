@@ -8,12 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvchain.alloc.demand import retained_window, span_pages
+from kvchain.alloc.demand import KVDemand, retained_window, span_pages
 from kvchain.cache.radix import CheckpointStrategy
 from kvchain.engine.request import Phase, ScheduledRequest
 from kvchain.engine.scheduler import Scheduler
 from kvchain.errors import CapacityError
 from kvchain.plan import PoolKind
+from kvchain.prefill_budget import ChainPrefillBudget, Decision
 from support.simworld import workload, world
 
 
@@ -185,14 +186,28 @@ def test_a_prompt_past_the_context_length_is_rejected():
     assert req.phase is Phase.REJECTED and "context length 64" in req.reason
 
 
+def _admits_into_an_empty_pool(input_len: int, output_len: int, **world_kwargs) -> bool:
+    """Whether admission, alone in an empty pool like the test's, admits the request."""
+    pool = world(**world_kwargs)
+    budget = ChainPrefillBudget(pool.storage, KVDemand.zero(len(pool.plan.sub_pools)), False,
+                                pool.checkpoint_interval, pool.shares)
+    return budget.consider(input_len, output_len, 0, input_len).decision is Decision.ADMIT
+
+
 def test_memory_clip_lowers_max_new():
     """ADM-16: the clip and admission share request_demand: an output too long for the pool is
-    clipped at arrival instead of rejected."""
-    pool = world(chain_kib=6, window=8, state=True, context=4096)
+    clipped at arrival, not rejected, to exactly the most output admission admits into an empty
+    pool (one token more it refuses), and the clipped request runs to its end."""
+    shape = {"chain_kib": 6, "window": 8, "state": True, "context": 4096}
+    pool = world(**shape)
     req = ScheduledRequest(0, 0, np.arange(1, 20), max_new=10_000, output_len=10_000)
+    input_len = req.input_len
     _run(pool, [req], max_steps=50_000)
-    assert req.phase is Phase.FINISHED and req.max_new < 4096 - 19  # memory, not the context, bound it
+    clip = req.max_new
+    assert req.phase is Phase.FINISHED and clip < 4096 - 19  # memory, not the context, bound it
     assert pool.stats_counters["clipped"] == 2
+    assert _admits_into_an_empty_pool(input_len, clip, **shape), "the clip let through what admission refuses"
+    assert not _admits_into_an_empty_pool(input_len, clip + 1, **shape), "the clip held back what admission admits"
 
 
 def test_unschedulable_request_is_aborted_with_its_reason():

@@ -148,3 +148,24 @@ def test_seeded_traces_record_and_replay_through_the_real_allocator(tmp_path, mo
     found = [trace.replay(StorageAdapter(r.config), r) for r in runs]
     diverged = [d for d in found if d is not None]
     assert diverged and all("decision" in d.what or "result" in d.what for d in diverged)
+
+
+def test_replay_names_the_first_decision_that_differs(monkeypatch):
+    """TRACE-2: a replay whose calls all return what was recorded but whose allocator decided
+    one thing differently diverges at that call, naming the first differing decision."""
+    runs = list(trace.record_runs([16], [], seeds=range(1), steps_per_seed=60))
+    run = next(r for r in runs if any(c.get("decisions") for c in r.calls))
+    first = next(i for i, c in enumerate(run.calls) if c.get("decisions"))
+    original = StorageAdapter.decisions
+
+    def one_changed(self):
+        got = original(self)
+        if got and not getattr(self, "changed", False):
+            self.changed = True
+            return [["a different decision"], *got[1:]]
+        return got
+
+    monkeypatch.setattr(StorageAdapter, "decisions", one_changed)
+    found = trace.replay(StorageAdapter(run.config), run)
+    assert found is not None and found.call == first
+    assert "decision 0 is" in found.what and "a different decision" in found.what, found.what
