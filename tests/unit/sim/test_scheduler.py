@@ -18,7 +18,7 @@ from kvchain.prefill_budget import ChainPrefillBudget, Decision
 from support.simworld import workload, world
 
 
-def _run(pool, requests, *, budget=64, running=16, check_every_step=True, max_steps=20_000):
+def _run(pool, requests, *, budget=64, running=16, check_every_step=True, max_steps=20_000, decode_tight=False):
     sched = Scheduler(pool, max_batched_tokens=budget, max_running=running, max_wait_steps=2_000)
     sched.add(requests)
     while not sched.idle:
@@ -26,23 +26,26 @@ def _run(pool, requests, *, budget=64, running=16, check_every_step=True, max_st
         sched.step()
         if check_every_step and pool.tree is not None:
             pool.tree.verify()
-        _check_window_bound(pool, sched)
+        _check_window_bound(pool, sched, decode_tight)
     pool.check_idle()
     if pool.tree is not None:
         pool.tree.verify()
     return sched
 
 
-def _check_window_bound(pool, sched):
-    """LIM-5: no running request holds more of its own window rows than admission priced."""
+def _check_window_bound(pool, sched, decode_tight=False):
+    """LIM-5: no running request holds more of its own window rows than admission priced: the
+    retained window plus the chunk it last wrote (one token for a request past its first decode,
+    when `decode_tight`; else up to the step's token budget)."""
     table = pool.storage.table
     for req in sched.running:
         row = req.row
+        chunk = 1 if decode_tight and req.generated >= 2 else sched.max_batched_tokens
         for band in pool.chain.window_bands:
             own = table.own_pages(np.array([row]))
             held = int(np.count_nonzero(band.ids.v2p[own] >= 0))
             bound = span_pages(retained_window(band.pool.window, pool.checkpoint_interval, pool.shares)
-                               + sched.max_batched_tokens, pool.page_size)
+                               + chunk, pool.page_size)
             assert held <= bound, f"row {row} holds {held} {band.name} pages, priced at most {bound}"
 
 
@@ -131,6 +134,19 @@ def test_forced_checkpoint_stalls_still_finish(monkeypatch):
     assert pool.stats_counters["checkpoint_stalls"] > 0
     assert all(r.phase is Phase.FINISHED for r in requests if r.admitted_step >= 0)
     assert sched.stats.finished > 30
+
+
+@pytest.mark.parametrize("state", [False, True])
+def test_long_decodes_never_hold_more_window_rows_than_priced(state):
+    """LIM-5: without the prefix tree (so every window row a request keeps is its own), requests that
+    decode far past the window never hold more window rows than admission priced for them, checked
+    every step, and all of them finish."""
+    pool = world(chain_kib=24, window=16, state=state, prefix_cache=False)
+    requests = workload(5, n=30, max_output=160)
+    sched = _run(pool, requests, budget=16, decode_tight=True)
+    assert max(r.output_len for r in requests) > 4 * 16, "the workload never decodes past the window"
+    assert all(r.phase is Phase.FINISHED for r in requests if r.admitted_step >= 0)
+    assert sched.stats.finished > 20
 
 
 def test_prefix_reuse_allocates_fewer_pages():
