@@ -176,6 +176,7 @@ class _Tally:
     def __init__(self, runs: int, total: int, progress: ProgressFn | None, shared: bool) -> None:
         self.total = total
         self.progress = progress
+        self.shared = shared
         self.counts: Any = multiprocessing.get_context().Array("q", runs, lock=False) if shared else [0] * runs
         self.done = 0
 
@@ -196,7 +197,7 @@ def _map(fn: Callable, tasks: list, executor: ProcessPoolExecutor | None, tally:
     """`fn` over `tasks` in order, here or in the workers; the workers' progress is read at least
     every `PROGRESS_POLL_S` while they run, and a failed run stops the wait at once."""
     if executor is None:
-        return [fn(t, tally) for t in tasks]
+        return [fn(t, tally if tally.progress is not None else None) for t in tasks]
     futures: list[Future] = [executor.submit(fn, t) for t in tasks]
     pending = set(futures)
     try:
@@ -233,9 +234,9 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[Schedu
 
         grid = static_grid(plan_kv_storage(decls, page_size=cfg.page_size))
     tally = _Tally(len(grid) + len(pools), len(grid) * len(sample) + len(pools) * len(requests), progress,
-                   shared=jobs > 1)
+                   shared=jobs > 1 and progress is not None)
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(), initializer=_init_worker,
-                                   initargs=(tally.counts,)) if jobs > 1 else None
+                                   initargs=(tally.counts if tally.shared else None,)) if jobs > 1 else None
     try:
         if grid:
             tasks = [(i, split, decls, cfg, sample, sched) for i, split in enumerate(grid)]

@@ -133,11 +133,17 @@ def test_worker_processes_report_progress_while_they_run(monkeypatch):
     assert any(d % 60 for d in done), "no count from inside a run reached the parent"
 
 
+#: a budget that binds, so that the pools' whole-run figures differ
+BINDING = ["simulate", "--model", "gpt-oss-20b", "--budget", "512MiB", "--context", "4096", "--workload", "chat",
+           "--requests", "30", "--jobs", "1"]
+
+
 def test_the_headline_is_the_whole_run_ratio_and_leads_the_report(capsys):
-    argv = [*SMALL, "--pools", "vllm-hybrid,kvchain,ideal"]
+    argv = [*BINDING, "--pools", "vllm-hybrid,kvchain,sglang-static"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     head, steps = out["headline"], {r["pool"]: r["steps"] for r in out["results"]}
+    assert len(set(steps.values())) == 3  # the ratios below are not all 1
     assert head["metric"] == "steps" and head["reference"] == "kvchain"
     assert head["reference_value"] == steps["kvchain"]
     for p in head["pools"]:
@@ -156,10 +162,12 @@ def test_the_headline_is_the_whole_run_ratio_and_leads_the_report(capsys):
 
 
 def test_the_headline_is_in_seconds_with_the_step_time_model(capsys):
-    assert main([*SMALL, "--pools", "kvchain,sglang-static", "--step-time", "base_ms=8", "--json"]) == 0
+    assert main([*BINDING, "--pools", "kvchain,sglang-static", "--step-time", "base_ms=8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     seconds = {r["pool"]: r["seconds"] for r in out["results"]}
+    steps = {r["pool"]: r["steps"] for r in out["results"]}
     head = out["headline"]
+    assert seconds["kvchain"] / seconds["sglang-static"] != pytest.approx(steps["kvchain"] / steps["sglang-static"])
     assert head["metric"] == "seconds" and head["reference_value"] == seconds["kvchain"]
     ratio = next(p["reference_over_pool"] for p in head["pools"] if p["pool"] == "sglang-static")
     assert ratio == pytest.approx(seconds["kvchain"] / seconds["sglang-static"])
