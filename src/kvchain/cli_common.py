@@ -240,9 +240,28 @@ def report_error(command: str, error: KVChainError) -> int:
     return 2
 
 
-def progress(*columns: str | ProgressColumn, disable: bool, **kwargs: Any) -> Progress:
-    """A transient progress bar on stderr (stdout stays for results), off when `disable`."""
+def progress_columns(unit: str = "") -> tuple[str | ProgressColumn, ...]:
+    """The bar every long command shows: what runs, the bar, done/total `unit`, the time spent and
+    the time left (rich's estimate from the recent pace)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn(unit), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+
+
+def progress(*columns: str | ProgressColumn, disable: bool, unit: str = "", **kwargs: Any) -> Progress:
+    """A transient progress bar on stderr (stdout stays for results), off when `disable` or when
+    stderr is not a terminal (a pipe or a file gets no bar). With no `columns`, those of
+    `progress_columns(unit)`: the bar, done/total, elapsed and the time left."""
     from rich.console import Console
     from rich.progress import Progress
 
-    return Progress(*columns, console=Console(stderr=True), transient=True, disable=disable, **kwargs)
+    console = Console(stderr=True)
+    return Progress(*(columns or progress_columns(unit)), console=console, transient=True,
+                    disable=disable or not console.is_terminal, **kwargs)

@@ -103,9 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
-    with Engine(checkpoint, config) as engine, progress(
-            "[progress.description]{task.description}", "{task.completed}/{task.total} requests",
-            disable=args.json) as bar:
+    with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
     if args.json:

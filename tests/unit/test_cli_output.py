@@ -1,5 +1,6 @@
 """What the commands print: tables that fit a 100-column terminal without cutting a cell,
-`--version`, and JSON with a `schema_version`, fixed snake_case keys and no NaN."""
+`--version`, JSON with a `schema_version`, fixed snake_case keys and no NaN, and a progress bar
+with an ETA on stderr only where stderr is a terminal and `--json` is not given."""
 
 from __future__ import annotations
 
@@ -152,3 +153,53 @@ def test_simulate_json_of_a_trace_longer_than_the_context_has_no_nan(tmp_path, c
     out = _strict(capsys.readouterr().out)
     assert out["schema_version"] == SCHEMA_VERSION
     assert all(r["rejected"] == 1 for r in out["results"])
+
+
+def _has_eta(columns) -> bool:
+    from rich.progress import TimeRemainingColumn
+
+    return any(isinstance(c, TimeRemainingColumn) for c in columns)
+
+
+def test_progress_bar_has_an_eta_and_is_off_without_a_terminal(monkeypatch):
+    from kvchain.cli_common import progress
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    bar = progress(disable=False)  # pytest's stderr is not a terminal
+    assert bar.disable and _has_eta(bar.columns)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    assert not progress(disable=False).disable
+    assert progress(disable=True).disable
+
+
+@pytest.mark.parametrize("json_flag", [False, True])
+def test_simulate_bar_goes_to_stderr_on_a_terminal_and_never_with_json(json_flag, monkeypatch, capsys):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    argv = ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "12",
+            "--jobs", "1", "--pools", "kvchain,ideal", *(["--json"] if json_flag else [])]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "simulate 2 pools" not in out
+    if json_flag:
+        assert err == "" and json.loads(out)["headline"]["reference"] == "kvchain"
+    else:
+        assert "simulate 2 pools" in err and "24/24" in err and "requests" in err and "eta" in err
+
+
+def test_stress_bar_has_an_eta(monkeypatch, capsys):
+    import kvchain.testing.stress_cli as stress_cli
+
+    seen = []
+    real = stress_cli.progress
+
+    def spy(*columns, **kwargs):
+        seen.append(columns)
+        return real(*columns, **kwargs)
+
+    monkeypatch.setattr(stress_cli, "progress", spy)
+    assert main(["stress", "--seeds", "0:2", "--ops", "30"]) == 0
+    capsys.readouterr()
+    assert len(seen) == 1 and _has_eta(seen[0])

@@ -7,6 +7,9 @@ import argparse
 
 from ..cli_common import byte_size, dump_json, non_negative_int, positive_int, progress
 
+#: timed flushes of `bench moves` (the best counts)
+MOVES_REPEATS = 7
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
@@ -58,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--device cuda: CUDA is not available on this machine")
         if args.device not in ("cpu",) and not args.device.startswith("cuda"):
             raise InputError(f"--device must be cpu or cuda, not {args.device!r}")
-        result = run_moves_bench(page_size=args.page_size, device=args.device)
+        with progress(disable=args.json, unit="repeats") as bar:
+            task = bar.add_task("bench moves", total=MOVES_REPEATS)
+            result = run_moves_bench(page_size=args.page_size, device=args.device, repeats=MOVES_REPEATS,
+                                     progress=lambda n: bar.advance(task, n))
         rows = [("moves GB/s", "moves_gb_per_s"), ("copy_ GB/s", "copy_gb_per_s"), ("ratio (moves / copy_)", "ratio")]
     if args.json:
         print(dump_json(result))

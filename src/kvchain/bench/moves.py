@@ -31,9 +31,9 @@ def _sync(device: str) -> None:
 
 
 def run_moves_bench(page_size: int = 64, heads: int = 8, layers: int = 18, budget: int = 2**30,
-                    repeats: int = 7, device: str = "cpu") -> dict:
+                    repeats: int = 7, device: str = "cpu", progress=None) -> dict:
     """Default geometry: gpt-oss-120b's full-attention band (18 layers, 8 KV heads x 64), 64-token
-    pages of 2.25 MiB."""
+    pages of 2.25 MiB. `progress(1)` after each repeat."""
     best_move = best_copy = float("inf")
     moved_pages = 0
     page_bytes = 0
@@ -67,6 +67,8 @@ def run_moves_bench(page_size: int = 64, heads: int = 8, layers: int = 18, budge
         _sync(device)
         best_copy = min(best_copy, time.perf_counter() - t0)
         del storage, src, dst
+        if progress is not None:
+            progress(1)
     nbytes = moved_pages * page_bytes
     move_gbs = nbytes / best_move / 1e9
     copy_gbs = nbytes / best_copy / 1e9

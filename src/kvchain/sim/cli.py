@@ -17,6 +17,7 @@ from ..cli_common import (
     load_model,
     non_negative_int,
     positive_float,
+    progress,
 )
 from ..cli_common import byte_size as _byte_size
 from ..cli_common import positive_int as _positive_int
@@ -101,9 +102,6 @@ def _check_pages(model, budget: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-
     from ..units import format_bytes
     from .baselines import POOLS, PoolConfig
     from .compare import SchedulerConfig, compare
@@ -134,12 +132,10 @@ def run(args: argparse.Namespace) -> int:
                      strategy=None if args.strategy == "auto" else CheckpointStrategy(args.strategy),
                      admission=args.admission)
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority)
-    console = Console(stderr=True)
-    total = len(pools) + (1 if "static-best" in pools else 0)
-    with Progress(console=console, transient=True, disable=args.json) as progress:
-        task = progress.add_task(f"simulating {len(requests)} requests", total=total)
+    with progress(disable=args.json, unit="requests") as bar:
+        task = bar.add_task(f"simulate {len(pools)} pools", total=None)
         result = compare(model.decls, cfg, requests, pools, sched, jobs=args.jobs,
-                         progress=lambda _name: progress.advance(task))
+                         progress=lambda done, total: bar.update(task, completed=done, total=total))
     if args.plot:
         plot_comparison(result, args.plot, title=f"{model.name}, {format_bytes(args.budget)}, {args.trace or args.workload}")
     if args.json:

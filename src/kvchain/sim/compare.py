@@ -1,16 +1,24 @@
-"""Side by side: the same trace, byte budget and scheduler loop through each pool."""
+"""Side by side: the same trace, byte budget and scheduler loop through each pool.
+
+Progress is counted in requests settled (finished, aborted or rejected), every run's requests
+together (the `static-best` sweep's sample runs included), because that count tracks the time a
+run takes far better than its steps do (the drain's steps are cheap). In one process the caller's
+callback hears every step; worker processes write their count to a shared array each step and
+the parent reads it while it waits for their runs, at most `PROGRESS_POLL_S` apart."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..decl import KVLayerDecl
 from ..engine.request import ScheduledRequest
-from ..engine.scheduler import StepRecord
+from ..engine.scheduler import Scheduler, StepRecord
 from ..errors import InputError
 from .baselines import (
     DEFAULT_POOLS,
@@ -29,6 +37,12 @@ from .runner import PoolResult, StepTimeModel, run_pool
 
 #: static-best sweeps its split on the first requests of the trace, then runs the best on all of it
 SWEEP_REQUESTS = 400
+#: the longest the parent waits between two reads of the workers' progress (seconds)
+PROGRESS_POLL_S = 0.2
+
+#: `progress(done, total)`: requests settled so far over every run of the comparison, and how many
+#: there are in all
+ProgressFn = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,8 @@ class Comparison:
     histories: dict[str, list[StepRecord]]
     static_best: StaticSplit | None = None
     sweep: dict[str, float] = field(default_factory=dict)
+    #: with the step-time model: when each history record of each pool ends, in seconds
+    times: dict[str, list[float]] = field(default_factory=dict)
 
     def result(self, pool: str) -> PoolResult:
         return next(r for r in self.results if r.pool == pool)
@@ -56,6 +72,26 @@ class Comparison:
             return {}
         b = getattr(self.result(base), metric) or 0.0
         return {r.pool: (getattr(r, metric) / b if b else float("nan")) for r in self.results}
+
+    def headline(self) -> dict[str, Any]:
+        """The one whole-run figure a comparison leads with: seconds to serve the whole trace with
+        the step-time model, steps without, of the reference pool (kvchain, or the first pool when
+        kvchain is not run) and, for every pool, the reference's figure over the pool's (below 1:
+        the reference serves the trace in less)."""
+        if not self.results:
+            return {}
+        timed = self.results[0].seconds is not None
+        metric = "seconds" if timed else "steps"
+        ref = self.result("kvchain") if any(r.pool == "kvchain" for r in self.results) else self.results[0]
+        value = getattr(ref, metric)
+        return {
+            "metric": metric,
+            "reference": ref.pool,
+            "reference_value": value,
+            "pools": [{"pool": r.pool, "value": getattr(r, metric),
+                       "reference_over_pool": value / getattr(r, metric) if getattr(r, metric) else float("nan")}
+                      for r in self.results],
+        }
 
 
 def _make(name: str, decls, cfg: PoolConfig, split: StaticSplit | None):
@@ -80,27 +116,109 @@ def _make(name: str, decls, cfg: PoolConfig, split: StaticSplit | None):
     raise InputError(f"unknown pool {name!r} (known: {', '.join(POOLS)})")
 
 
-def _run_one(args) -> tuple[PoolResult, list[StepRecord]]:
-    name, decls, cfg, split, requests, sched = args
+#: in a worker process: the shared array each run writes its settled count to (one slot a run)
+_worker_counts: Any = None
+
+
+def _init_worker(counts: Any) -> None:
+    global _worker_counts
+    _worker_counts = counts
+
+
+def _counter(slot: int, tally: _Tally | None) -> Callable[[Scheduler], None] | None:
+    """The per-step hook of run `slot`: its settled count to `tally` (one process) or to the
+    shared array (a worker)."""
+    if tally is not None:
+        return lambda s: tally.report(slot, len(s.done))
+    counts = _worker_counts
+    if counts is None:
+        return None
+
+    def write(s: Scheduler) -> None:
+        counts[slot] = len(s.done)
+
+    return write
+
+
+def _run_one(args, tally: _Tally | None = None) -> tuple[PoolResult, list[StepRecord], list[float]]:
+    slot, name, decls, cfg, split, requests, sched = args
     pool = _make(name, decls, cfg, split)
+    ends: list[float] = []
     result, stats = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens,
-                             max_running=sched.max_running, step_time=sched.step_time, priority=sched.priority)
-    return result, stats.history
+                             max_running=sched.max_running, step_time=sched.step_time, priority=sched.priority,
+                             on_step=_counter(slot, tally), record_ends=ends)
+    _settle(slot, len(requests), tally)
+    return result, stats.history, ends
 
 
-def _sweep_score(args) -> tuple[float, float, float]:
+def _sweep_score(args, tally: _Tally | None = None) -> tuple[float, float, float]:
     """Fewest whole-run steps, ties broken by throughput at saturation, then by the shorter queue."""
-    split, decls, cfg, requests, sched = args
+    slot, split, decls, cfg, requests, sched = args
     pool = static_pool(decls, cfg, split, name="static-best")
     result, _ = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens, max_running=sched.max_running,
-                         priority=sched.priority)
+                         priority=sched.priority, on_step=_counter(slot, tally))
+    _settle(slot, len(requests), tally)
     return -result.steps, round(result.throughput, 6), -result.queue_delay
+
+
+def _settle(slot: int, n: int, tally: _Tally | None) -> None:
+    """A finished run counts all its requests (a run cut off at `max_steps` included)."""
+    if tally is not None:
+        if tally.counts[slot] != n:
+            tally.report(slot, n)
+    elif _worker_counts is not None:
+        _worker_counts[slot] = n
+
+
+class _Tally:
+    """Settled counts per run, summed for the caller's `progress(done, total)`."""
+
+    def __init__(self, runs: int, total: int, progress: ProgressFn | None, shared: bool) -> None:
+        self.total = total
+        self.progress = progress
+        self.shared = shared
+        self.counts: Any = multiprocessing.get_context().Array("q", runs, lock=False) if shared else [0] * runs
+        self.done = 0
+
+    def report(self, slot: int, n: int) -> None:
+        """One process: run `slot` has settled `n` requests (called every step)."""
+        self.done += n - self.counts[slot]
+        self.counts[slot] = n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def poll(self) -> None:
+        """Worker processes: what they have written so far."""
+        if self.progress is not None:
+            self.progress(sum(self.counts), self.total)
+
+
+def _map(fn: Callable, tasks: list, executor: ProcessPoolExecutor | None, tally: _Tally) -> list:
+    """`fn` over `tasks` in order, here or in the workers; the workers' progress is read at least
+    every `PROGRESS_POLL_S` while they run, and a failed run stops the wait at once."""
+    if executor is None:
+        return [fn(t, tally if tally.progress is not None else None) for t in tasks]
+    futures: list[Future] = [executor.submit(fn, t) for t in tasks]
+    pending = set(futures)
+    try:
+        while pending:
+            finished, pending = wait(pending, timeout=PROGRESS_POLL_S, return_when=FIRST_COMPLETED)
+            tally.poll()
+            for f in finished:
+                if f.exception() is not None:
+                    raise f.exception()
+    finally:
+        for f in pending:
+            f.cancel()
+    return [f.result() for f in futures]
 
 
 def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[ScheduledRequest], pools: Sequence[str] = DEFAULT_POOLS,
             sched: SchedulerConfig = SchedulerConfig(), jobs: int | None = None,
-            progress: Callable[[str], None] | None = None) -> Comparison:
-    """Run every pool in `pools` over `requests`; `jobs` worker processes (default: the cores)."""
+            progress: ProgressFn | None = None) -> Comparison:
+    """Run every pool in `pools` over `requests`; `jobs` worker processes (default: the cores).
+    `progress(done, total)` hears the requests settled over every run: each step in one process,
+    at least every `PROGRESS_POLL_S` seconds from worker processes."""
     for name in pools:
         if name not in POOLS:
             raise InputError(f"unknown pool {name!r} (known: {', '.join(POOLS)})")
@@ -108,36 +226,31 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[Schedu
     decls = list(decls)
     best = None
     sweep: dict[str, float] = {}
-    executor = ProcessPoolExecutor(jobs) if jobs > 1 else None
-    try:
-        if "static-best" in pools:
-            from ..plan import plan_kv_storage
-            from .baselines import static_grid
+    grid: list[StaticSplit] = []
+    sample = requests[:SWEEP_REQUESTS]
+    if "static-best" in pools:
+        from ..plan import plan_kv_storage
+        from .baselines import static_grid
 
-            grid = static_grid(plan_kv_storage(decls, page_size=cfg.page_size))
-            sample = requests[:SWEEP_REQUESTS]
-            tasks = [(split, decls, cfg, sample, sched) for split in grid]
-            scores = list(executor.map(_sweep_score, tasks)) if executor else [_sweep_score(t) for t in tasks]
+        grid = static_grid(plan_kv_storage(decls, page_size=cfg.page_size))
+    tally = _Tally(len(grid) + len(pools), len(grid) * len(sample) + len(pools) * len(requests), progress,
+                   shared=jobs > 1 and progress is not None)
+    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(), initializer=_init_worker,
+                                   initargs=(tally.counts if tally.shared else None,)) if jobs > 1 else None
+    try:
+        if grid:
+            tasks = [(i, split, decls, cfg, sample, sched) for i, split in enumerate(grid)]
+            scores = _map(_sweep_score, tasks, executor, tally)
             sweep = {f"window {s.window_ratio} state {s.state_ratio}": -v[0] for s, v in zip(grid, scores)}
             best = grid[max(range(len(grid)), key=lambda i: scores[i])]
-            if progress:
-                progress("static-best split chosen")
-        tasks = [(name, decls, cfg, best if name == "static-best" else None, requests, sched) for name in pools]
-        runs = []
-        if executor:
-            for out in executor.map(_run_one, tasks):
-                runs.append(out)
-                if progress:
-                    progress(out[0].pool)
-        else:
-            for task in tasks:
-                runs.append(_run_one(task))
-                if progress:
-                    progress(task[0])
+        tasks = [(len(grid) + i, name, decls, cfg, best if name == "static-best" else None, requests, sched)
+                 for i, name in enumerate(pools)]
+        runs = _map(_run_one, tasks, executor, tally)
     finally:
         if executor:
             executor.shutdown()
-    return Comparison([r for r, _ in runs], {r.pool: h for r, h in runs}, best, sweep)
+    times = {r.pool: ends for r, _h, ends in runs if ends}
+    return Comparison([r for r, _h, _e in runs], {r.pool: h for r, h, _e in runs}, best, sweep, times)
 
 
 __all__ = ["Comparison", "SchedulerConfig", "compare", "static_best_split"]

@@ -1,4 +1,10 @@
-"""The comparison as a table, as JSON, and as a plot of utilisation and running requests."""
+"""The comparison as a headline and tables, as JSON, and as a plot of utilisation and running
+requests.
+
+The headline is one line, before any table: the whole-run figure (seconds to serve the whole
+trace with the step-time model, steps without) of the reference pool, and its figure over each
+other pool's, all measured in the same run. The figures at saturation are a slice (the steps that
+ended with requests waiting, where a pool's memory sets the pace) and are labelled as one."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ def comparison_json(model, args, result: Comparison) -> dict:
         "workload": args.trace or args.workload,
         "requests": result.results[0].requests if result.results else 0,
         "admission": getattr(args, "admission", None),
+        "headline": {**result.headline(), "text": headline_text(result)} if result.results else None,
         "results": [{**r.to_dict(), "steps_vs_kvchain": steps.get(r.pool),
                      "kvchain_steps_ratio": (1 / steps[r.pool]) if steps.get(r.pool) else None,
                      "throughput_vs_kvchain": throughput.get(r.pool)} for r in result.results],
@@ -45,11 +52,26 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
+def headline_text(result: Comparison) -> str:
+    """The headline as one line: "steps to serve the whole trace: kvchain 16,283; kvchain / pool:
+    vllm-hybrid 0.997x, ..." (below 1: the reference serves the trace in less than that pool)."""
+    h = result.headline()
+    metric, ref = h["metric"], h["reference"]
+    value = f"{h['reference_value']:,.1f} s" if metric == "seconds" else f"{h['reference_value']:,}"
+    line = f"{metric} to serve the whole trace: {ref} {value}"
+    others = [p for p in h["pools"] if p["pool"] != ref]
+    if not others:
+        return line
+    ratios = ", ".join(f"{p['pool']} {p['reference_over_pool']:.3f}x" if p["value"] else f"{p['pool']} -"
+                       for p in others)
+    return f"{line}; {ref} / pool: {ratios} (below 1: {ref} takes less)"
+
+
 def render_comparison(model, args, result: Comparison, console: Console | None = None) -> None:
-    """Two stacked tables that fit 100 columns: the whole-run figures first (steps to serve the
-    trace, kvchain's steps over each pool's, seconds and tokens/s with the step-time model,
-    TTFT/TPOT, preemptions, recomputed tokens), then the memory figures at saturation and the
-    request counts."""
+    """The headline line, then two stacked tables that fit 100 columns: the whole-run figures
+    first (steps to serve the trace, kvchain's steps over each pool's, seconds and tokens/s with
+    the step-time model, TTFT/TPOT, preemptions, recomputed tokens), then the saturation slice
+    (labelled as one) and the request counts."""
     console = console or Console()
     if not console.is_terminal:
         console = Console(width=TABLE_WIDTH)
@@ -57,6 +79,7 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     timed = bool(result.results) and result.results[0].seconds is not None
     console.print(f"[bold]{model.name}[/] · {format_bytes(args.budget)} · {args.trace or args.workload} · "
                   f"{result.results[0].requests} requests")
+    console.print(f"[bold]Headline[/]: {headline_text(result)}")
     cols = ["pool", "steps", "kvchain\n/ pool"]
     if timed:
         cols += ["seconds", "tok/s", "TTFT\np50/p99 s", "TPOT\np50/p99 ms"]
@@ -64,7 +87,7 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
         cols += ["TTFT\np50/p99\nsteps", "TPOT\np50/p99\nsteps"]
     cols += ["pre-\nempted", "recomp.\ntokens"]
     whole = _table("Whole run", cols)
-    memory = _table("At saturation, and requests", ["pool", "hit\nrate", "tok/\nstep", "running", "memory\nused",
+    memory = _table("Slice: at saturation (steps with requests waiting), and requests", ["pool", "hit\nrate", "tok/\nstep", "running", "memory\nused",
                                                      "peak", "aborted", "rejected", "finished"])
     for r in result.results:
         ratio = steps.get(r.pool)
@@ -85,31 +108,77 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     console.print(whole)
     console.print(memory)
     console.print("steps: to serve the whole trace; kvchain / pool: kvchain's steps over the pool's (below 1: "
-                  "kvchain serves it in fewer); at saturation: over the steps that ended with requests waiting")
+                  "kvchain serves it in fewer); the saturation slice averages only the steps that ended with "
+                  "requests waiting, not the whole run; memory used: bytes running requests and the prefix "
+                  "cache hold over the budget")
     if result.static_best is not None:
         console.print(f"static-best split (oracle, swept on the trace): window ratio {result.static_best.window_ratio}, "
                       f"state ratio {result.static_best.state_ratio}")
 
 
+#: one marker and one line style a pool, in `--pools` order, so that pools with identical curves
+#: (kvchain and `ideal` where memory does not bind) stay visible on top of each other
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
+#: markers a curve carries; each pool's are shifted along the curve so that identical curves
+#: show every pool's
+MARKS_PER_CURVE = 12
+
+
 def plot_comparison(result: Comparison, path: str, title: str = "") -> None:
+    """Utilisation and running requests over the run, one line per pool; against seconds with
+    the step-time model, against steps without. Each pool's figure at saturation (the table's
+    "memory used") is in its legend entry and drawn as a dashed level over the steps it averages,
+    whose points are the curve's bold part: the rest of the curve (the ramp, the drain, where a
+    prefix cache keeps bytes held with few requests running) is not in that figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = comparison_figure(result, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def comparison_figure(result: Comparison, title: str = ""):
+    """The plot's figure (for `plot_comparison`, and for tests to read its lines)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    timed = bool(result.times) and all(r.pool in result.times for r in result.results)
     fig, (ax_u, ax_r) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    for pool, history in result.histories.items():
-        steps = [h.step for h in history]
-        ax_u.plot(steps, [h.utilisation * 100 for h in history], label=pool, linewidth=1)
-        ax_r.plot(steps, [h.running for h in history], label=pool, linewidth=1)
+    n = len(result.histories)
+    for i, (pool, history) in enumerate(result.histories.items()):
+        x = np.asarray(result.times[pool] if timed else [h.step for h in history], dtype=np.float64)
+        util = np.asarray([h.utilisation * 100 for h in history])
+        style = {"marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                 "markersize": 4, "markerfacecolor": "none"}
+        every = max(1, len(history) // MARKS_PER_CURVE)
+        marks = (i * every // max(n, 1), every)
+        (line,) = ax_u.plot(x, util, linewidth=0.8, markevery=marks, alpha=0.8, gid=f"{pool}:utilisation", **style)
+        colour = line.get_color()
+        ax_r.plot(x, [h.running for h in history], linewidth=0.8, markevery=marks, alpha=0.8, color=colour,
+                  gid=f"{pool}:running", **style)
+        sat = np.asarray([h.waiting > 0 for h in history])
+        r = result.result(pool)
+        label = f"{pool}: {r.utilisation:.1%} used at saturation"
+        if sat.any():
+            ax_u.plot(x[sat], util[sat], linestyle="none", marker=".", markersize=2, color=colour,
+                      gid=f"{pool}:saturated")
+            ax_u.plot([x[sat][0], x[sat][-1]], [r.utilisation * 100] * 2, linestyle=(0, (4, 2)), linewidth=1.6,
+                      color=colour, gid=f"{pool}:saturation_level", label=label)
+        else:  # never saturated: the table reports the whole run
+            ax_u.plot([x[0], x[-1]], [r.utilisation * 100] * 2, linestyle=(0, (4, 2)), linewidth=1.6,
+                      color=colour, gid=f"{pool}:saturation_level", label=f"{pool}: {r.utilisation:.1%} used "
+                      "(never saturated: whole run)")
     ax_u.set_ylabel("memory utilisation (%)")
     ax_u.set_ylim(0, 105)
     ax_r.set_ylabel("running requests")
-    ax_r.set_xlabel("scheduler step")
-    ax_u.legend(loc="lower right", fontsize=8)
+    ax_r.set_xlabel("time (s, step-time model)" if timed else "scheduler step")
+    ax_u.legend(loc="lower right", fontsize=7)
     ax_u.set_title(title)
     ax_u.grid(alpha=0.3)
     ax_r.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

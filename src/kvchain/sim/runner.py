@@ -99,11 +99,14 @@ class PoolResult:
 
 def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
              step_time: StepTimeModel | None = None, max_steps: int = 10**7, priority: bool = False,
-             on_step: Callable[[Scheduler], None] | None = None) -> tuple[PoolResult, SchedulerStats]:
+             on_step: Callable[[Scheduler], None] | None = None,
+             record_ends: list[float] | None = None) -> tuple[PoolResult, SchedulerStats]:
     """Run fresh copies of `requests` through `pool` until every one finished, aborted or was
     rejected, or `max_steps` steps ran. Idle stretches (nothing running or waiting before the next
     arrival) are skipped in one jump and count as the idle steps they stand for, so a sparse
-    trace costs what its busy steps cost."""
+    trace costs what its busy steps cost. `on_step(scheduler)` is called after every step run (a
+    progress hook); with the step-time model, `record_ends` (when given) receives the time each
+    history record ends, in seconds, for a plot against time."""
     reqs = [copy.deepcopy(r) for r in requests]
     sched = Scheduler(pool, max_batched_tokens=max_batched_tokens, max_running=max_running, priority=priority)
     sched.add(reqs)
@@ -119,6 +122,8 @@ def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens
             weights.append(gap)
             if step_time is not None:
                 seconds += gap * step_time.seconds(0, 0)
+                if record_ends is not None:
+                    record_ends.append(seconds)
             continue
         record = sched.step()
         ran += 1
@@ -128,6 +133,8 @@ def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens
             seconds += step_time.seconds(record.output_tokens + record.prefill_tokens, kv)
             stepped.append(record.step)
             ends.append(seconds)
+            if record_ends is not None:
+                record_ends.append(seconds)
         if on_step is not None:
             on_step(sched)
     stats = sched.stats

@@ -290,7 +290,13 @@ def _replay(args: argparse.Namespace) -> int:
 
 def run_stress(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Table
 
     from . import checks, mutants
@@ -312,7 +318,8 @@ def run_stress(args: argparse.Namespace) -> int:
     results: list[dict] = []
     start = time.perf_counter()
     with progress(TextColumn("[bold]stress[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), disable=args.json) as bar:
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                  disable=args.json) as bar:
         task = bar.add_task(f"{len(jobs)} seeds x {args.ops} ops", total=len(jobs), rate="")
 
         def done(out: dict) -> None:

@@ -79,3 +79,158 @@ def test_trace_priorities_reach_the_scheduler(tmp_path, capsys):
     assert plain["finished"] == prio["finished"] == 24
     assert plain["preemptions"] == 0
     assert prio["priority_preemptions"] > 0 and prio["preemptions"] >= prio["priority_preemptions"]
+
+
+# -- progress, headline, plot ------------------------------------------------------------------------
+
+def _comparison(pools=("kvchain", "vllm-hybrid", "sglang-static", "ideal"), jobs=1, step_time=None, progress=None,
+                requests=40):
+    from kvchain import PoolConfig, SchedulerConfig, compare, model_from_preset, workload_from_name
+
+    reqs = workload_from_name("chat", requests, 7, prompt_median=300, output_median=60, max_len=2048)
+    cfg = PoolConfig(budget_bytes=256 * 2**20, context_len=4096, max_running=32)
+    sched = SchedulerConfig(max_batched_tokens=1024, max_running=32, step_time=step_time)
+    return compare(model_from_preset("gpt-oss-20b").decls, cfg, reqs, list(pools), sched=sched, jobs=jobs,
+                   progress=progress)
+
+
+def test_progress_hears_every_step_with_the_total():
+    """In one process the callback is called after every simulated step of every pool, with the
+    requests settled so far over all runs and the total over all runs."""
+    calls = []
+    result = _comparison(progress=lambda done, total: calls.append((done, total)))
+    assert all(len(result.histories[r.pool]) == r.steps for r in result.results)  # no idle jumps here
+    assert len(calls) == sum(r.steps for r in result.results)
+    assert {total for _d, total in calls} == {4 * 40}
+    done = [d for d, _t in calls]
+    assert done == sorted(done) and done[-1] == 4 * 40 and done[0] < 40
+
+
+def test_progress_counts_the_static_best_sweep():
+    from kvchain.models import model_from_preset
+    from kvchain.plan import plan_kv_storage
+    from kvchain.sim.baselines import static_grid
+
+    calls = []
+    _comparison(pools=("kvchain", "static-best"), progress=lambda done, total: calls.append((done, total)),
+                requests=20)
+    grid = static_grid(plan_kv_storage(model_from_preset("gpt-oss-20b").decls, page_size=64))
+    assert calls[-1] == ((len(grid) + 2) * 20,) * 2
+
+
+def test_worker_processes_report_progress_while_they_run(monkeypatch):
+    """With `jobs` > 1 the workers write their settled counts each step and the parent reads them
+    while it waits: counts in the middle of a run reach the callback, and the last is the total."""
+    import kvchain.sim.compare as compare_mod
+
+    monkeypatch.setattr(compare_mod, "PROGRESS_POLL_S", 0.002)
+    calls = []
+    _comparison(jobs=2, progress=lambda done, total: calls.append((done, total)), requests=60)
+    total = 4 * 60
+    assert {t for _d, t in calls} == {total}
+    done = [d for d, _t in calls]
+    assert done == sorted(done) and done[-1] == total
+    assert any(d % 60 for d in done), "no count from inside a run reached the parent"
+
+
+#: a budget that binds, so that the pools' whole-run figures differ
+BINDING = ["simulate", "--model", "gpt-oss-20b", "--budget", "512MiB", "--context", "4096", "--workload", "chat",
+           "--requests", "30", "--jobs", "1"]
+
+
+def test_the_headline_is_the_whole_run_ratio_and_leads_the_report(capsys):
+    argv = [*BINDING, "--pools", "vllm-hybrid,kvchain,sglang-static"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    head, steps = out["headline"], {r["pool"]: r["steps"] for r in out["results"]}
+    assert len(set(steps.values())) == 3  # the ratios below are not all 1
+    assert head["metric"] == "steps" and head["reference"] == "kvchain"
+    assert head["reference_value"] == steps["kvchain"]
+    for p in head["pools"]:
+        assert p["value"] == steps[p["pool"]]
+        assert p["reference_over_pool"] == pytest.approx(steps["kvchain"] / steps[p["pool"]])
+        row = next(r for r in out["results"] if r["pool"] == p["pool"])
+        assert p["reference_over_pool"] == pytest.approx(row["kvchain_steps_ratio"])
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    first = text.index("Headline")
+    assert first < text.index("Whole run") < text.index("Slice: at saturation")
+    line = text[first:text.index("Whole run")]
+    for p in head["pools"]:
+        if p["pool"] != "kvchain":
+            assert f"{p['pool']} {p['reference_over_pool']:.3f}x" in " ".join(line.split())
+
+
+def test_the_headline_is_in_seconds_with_the_step_time_model(capsys):
+    assert main([*BINDING, "--pools", "kvchain,sglang-static", "--step-time", "base_ms=8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    seconds = {r["pool"]: r["seconds"] for r in out["results"]}
+    steps = {r["pool"]: r["steps"] for r in out["results"]}
+    head = out["headline"]
+    assert seconds["kvchain"] / seconds["sglang-static"] != pytest.approx(steps["kvchain"] / steps["sglang-static"])
+    assert head["metric"] == "seconds" and head["reference_value"] == seconds["kvchain"]
+    ratio = next(p["reference_over_pool"] for p in head["pools"] if p["pool"] == "sglang-static")
+    assert ratio == pytest.approx(seconds["kvchain"] / seconds["sglang-static"])
+    assert "seconds to serve the whole trace" in head["text"]
+
+
+def _lines(fig, kind: str) -> dict:
+    return {line.get_gid().split(":")[0]: line for ax in fig.axes for line in ax.get_lines()
+            if (line.get_gid() or "").endswith(f":{kind}")}
+
+
+def test_plot_gives_each_pool_its_own_marker_and_style_and_steps_without_step_time():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvchain.sim.report import comparison_figure
+
+    result = _comparison()
+    fig = comparison_figure(result)
+    util = _lines(fig, "utilisation")
+    assert set(util) == {r.pool for r in result.results}
+    assert len({line.get_marker() for line in util.values()}) == len(util)
+    # kvchain and ideal draw the same curve here: their marks sit at different points of it
+    assert len({str(line.get_markevery()) for line in util.values()}) == len(util)
+    assert fig.axes[1].get_xlabel() == "scheduler step"
+    for pool, line in util.items():
+        assert list(line.get_xdata()) == [h.step for h in result.histories[pool]]
+
+
+def test_plot_is_against_seconds_with_the_step_time_model():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvchain.sim.report import comparison_figure
+    from kvchain.sim.runner import StepTimeModel
+
+    result = _comparison(pools=("kvchain", "sglang-static"), step_time=StepTimeModel())
+    fig = comparison_figure(result)
+    assert fig.axes[1].get_xlabel().startswith("time (s")
+    for pool, line in _lines(fig, "utilisation").items():
+        x = list(line.get_xdata())
+        assert len(x) == len(result.histories[pool]) and x == sorted(x)
+        assert x[-1] == pytest.approx(result.result(pool).seconds)
+
+
+def test_plot_and_table_agree_on_utilisation_at_saturation():
+    """The table's "memory used" averages the saturated steps only; the plot draws that figure as
+    a level over exactly those steps, whose points average to it (the ramp and the drain, which
+    the table leaves out, are the rest of the curve)."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    from kvchain.sim.report import comparison_figure
+
+    result = _comparison()
+    fig = comparison_figure(result)
+    levels, points = _lines(fig, "saturation_level"), _lines(fig, "saturated")
+    for r in result.results:
+        assert list(levels[r.pool].get_ydata()) == pytest.approx([r.utilisation * 100] * 2)
+        if r.saturated_steps:
+            assert np.mean(points[r.pool].get_ydata()) == pytest.approx(r.utilisation * 100)
+            assert len(points[r.pool].get_xdata()) == r.saturated_steps
+            assert f"{r.utilisation:.1%} used at saturation" in levels[r.pool].get_label()
+        else:
+            assert "never saturated" in levels[r.pool].get_label()
