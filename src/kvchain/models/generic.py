@@ -81,6 +81,10 @@ def layer_kinds(fields: Fields, num_layers: int) -> tuple[list[Kind], str]:
         kinds = fields.layer_kinds((name,), KINDS, num_layers)
         if kinds is not None:
             return kinds, name
+    if "attn_layer_indices" in fields.values and not fields.values["attn_layer_indices"] and (
+        has_recurrent_fields(fields)
+    ):  # Bamba: a null or empty list means no attention layer (transformers' `layers_block_type`)
+        return [Kind.RECURRENT] * num_layers, "attn_layer_indices"
     for name in ("attn_layer_indices", "full_attn_idxs"):
         indices = fields.integers(name)
         if indices is not None:

@@ -81,6 +81,12 @@ def state_bytes(t) -> int:
     if attr(t, "linear_num_heads"):  # Kimi Delta Attention
         h, d = t.linear_num_heads, t.linear_head_dim
         return 3 * h * d * (t.linear_conv_kernel_dim - 1) * BF16 + h * d * d * FP32
+    if hasattr(t, "state_size") and not hasattr(t, "num_attention_heads"):  # Mamba, Mamba2: no attention
+        inner = int(t.expand * t.hidden_size)
+        if hasattr(t, "n_groups"):  # Mamba2: conv over x, B and C; SSM state per head
+            conv = inner + 2 * t.n_groups * t.state_size
+            return conv * (t.conv_kernel - 1) * BF16 + t.num_heads * t.head_dim * t.state_size * FP32
+        return inner * (t.conv_kernel - 1) * BF16 + inner * t.state_size * FP32
     heads = attr(t, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
     head_dim = attr(t, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
     d_state = attr(t, "mamba_d_state", "ssm_state_size")
@@ -103,6 +109,8 @@ def layer_names(t) -> list[str]:
     names = attr(t, "layer_types", "layers_block_type")
     if names is not None:
         return list(names)
+    if hasattr(t, "state_size") and not hasattr(t, "num_attention_heads"):
+        return ["mamba"] * t.num_hidden_layers
     window = attr(t, "sliding_window")
     if window and attr(t, "use_sliding_window", default=True):
         return ["sliding_attention"] * t.num_hidden_layers
