@@ -393,7 +393,8 @@ def test_bad_layer_lists_and_patterns_are_named():
     nemotron["hybrid_override_pattern"] = "M-X*"
     assert "'hybrid_override_pattern'" in error_of(nemotron) and "X" in error_of(nemotron)
     nemotron["hybrid_override_pattern"] = "----"
-    assert "no attention layer" in error_of(nemotron)
+    assert "'hybrid_override_pattern'" in error_of(nemotron)
+    assert "no layer that keeps KV or recurrent state" in error_of(nemotron)
 
     scout = load_preset_config("llama-4-scout")
     scout["text_config"]["no_rope_layers"] = [1, 2] * 24
@@ -596,7 +597,10 @@ def test_bamba_9b_golden_bytes():
     assert plan.by_name("state").unit_bytes == 29 * ((8192 + 256) * 3 * 2 + 128 * 64 * 128 * 4) == 123104768
     assert plan.by_name("full").layer_ids == (9, 18, 27)
     assert "'attn_layer_indices'" in error_of(config(BAMBA_9B, attn_layer_indices=[9, 40]))
-    assert "'attn_layer_indices'" in error_of(config(BAMBA_9B, attn_layer_indices=[]))  # no attention layer
+    for none in ([], None):  # no attention layer: every layer Mamba2, a token-id owner
+        all_mamba = plan_kv_storage(model_from_config(config(BAMBA_9B, attn_layer_indices=none)).decls)
+        assert [p.name for p in all_mamba.sub_pools] == ["state", "tokens"]
+        assert all_mamba.state.layer_ids == tuple(range(32))
 
 
 LFM2_1_2B = {  # LiquidAI/LFM2-1.2B: short-conv layers with attention on full_attn_idxs
@@ -675,10 +679,3 @@ def test_generic_refuses_a_kv_cache_per_loop():
     looped = config(LLAMA, model_type="dory", recurrent_kv_cache_mode="per_loop", n_recurrent_loops=2)
     assert "'recurrent_kv_cache_mode'" in error_of(looped)
     model_from_config(config(looped, recurrent_kv_cache_mode="shared"))
-
-
-def test_mamba_only_models_are_refused_naming_why():
-    mamba = {"model_type": "mamba", "num_hidden_layers": 4, "hidden_size": 768, "state_size": 16,
-             "conv_kernel": 4, "expand": 2}
-    message = error_of(mamba)
-    assert "'num_attention_heads'" in message and "Mamba" in message
