@@ -206,7 +206,8 @@ def test_the_hybrids_and_windowed_families_are_planned():
     planned = {r.model_type for r in rows() if r.result.startswith("planned")}
     for model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "zamba", "zamba2",
                        "lfm2", "kimi_linear", "minimax", "gemma2", "cohere2", "olmo2", "olmo3", "phi3",
-                       "exaone4", "smollm3", "seed_oss", "hunyuan_v1_dense", "qwen2_moe"):
+                       "exaone4", "smollm3", "seed_oss", "hunyuan_v1_dense", "qwen2_moe",
+                       "mamba", "mamba2", "falcon_mamba", "bamba", "granitemoehybrid"):
         assert model_type in planned, model_type
 
 
