@@ -12,7 +12,19 @@ from typing import Any
 from ..decl import StateLifetime, kv_layer_decls
 from ..errors import DeclarationError, InputError
 from ..units import dtype_name
-from . import deepseek, dense, falcon_h1, generic, hymba, jamba, longcat, mamba, nemotron_h, qwen3_next, windowed
+from . import (
+    deepseek,
+    dense,
+    falcon_h1,
+    generic,
+    hymba,
+    jamba,
+    longcat,
+    mamba,
+    nemotron_h,
+    qwen3_next,
+    windowed,
+)
 from .fields import Fields
 from .parts import Context, FamilyLayers
 from .spec import ModelSpec

@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 
 from kvchain.build import build_kv_storage
-from kvchain.decl import FullLifetime, KVPart, State, StateLifetime, StateTensor, WindowLifetime, kv_layer_decls
+from kvchain.decl import (
+    MHA,
+    FullLifetime,
+    KVPart,
+    State,
+    StateLifetime,
+    StateTensor,
+    WindowLifetime,
+    kv_layer_decls,
+)
 from kvchain.errors import InputError, PlanError
 from kvchain.models import model_from_config
 from kvchain.plan import TOKEN_OWNER, Placement, PoolKind, TokenIds, plan_kv_storage
@@ -115,13 +124,10 @@ def test_windows_without_a_full_attention_layer_are_still_refused_DECL_4():
     """DECL-4: a token-id owner stands in only where nothing attends; windowed attention binds
     its pages to a real full-attention owner."""
     state = KVPart(State((StateTensor("ssm", (4, 4), "float32"),)), StateLifetime())
-    window = KVPart(State((StateTensor("ssm", (4, 4), "float32"),)), StateLifetime())
-    from kvchain.decl import MHA
-
-    attention = KVPart(MHA(1, 8), WindowLifetime(16))
+    window = KVPart(MHA(1, 8), WindowLifetime(16))
     with pytest.raises(PlanError, match="full-attention owner"):
-        plan_kv_storage(kv_layer_decls([attention, [attention, state]]))
-    assert plan_kv_storage(kv_layer_decls([state, window])).owner.name == TOKEN_OWNER
+        plan_kv_storage(kv_layer_decls([window, [window, state]]))
+    assert plan_kv_storage(kv_layer_decls([state, state])).owner.name == TOKEN_OWNER
 
 
 def test_sizing_a_state_only_chain_is_bounded_by_its_state_slots_DECL_10():
