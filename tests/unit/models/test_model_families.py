@@ -666,13 +666,31 @@ def test_longcat_caches_two_mla_sublayers_per_layer():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("is_encoder_decoder", True), ("num_kv_shared_layers", 10), ("cross_attention_layers", [1]),
+    [("is_encoder_decoder", True), ("cross_attention_layers", [1]),
      ("index_n_heads", 64), ("block_types", ["recurrent", "attention"])],
 )
 def test_generic_refuses_unmodelled_structure_by_field(field, value):
     message = error_of(config(LLAMA, model_type="other", **{field: value}))
     assert f"'{field}'" in message and "does not model" in message
     model_from_config(config(LLAMA, model_type="other", **{field: 0 if not isinstance(value, list) else []}))
+
+
+def test_kv_sharing_layers_declare_no_kv():
+    """Gemma 3n: the last `num_kv_shared_layers` layers read an earlier layer's KV and hold none."""
+    layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 7  # 35 layers, 7 full
+    gemma3n = {"model_type": "gemma3n_text", "num_hidden_layers": 35, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 256, "sliding_window": 512, "layer_types": layer_types,
+               "num_kv_shared_layers": 15, "max_position_embeddings": 32768}
+    plan = plan_kv_storage(model_from_config(gemma3n).decls, page_size=64)
+    # the first 20 layers hold KV: 16 sliding and 4 full, each 2 heads x (256 + 256) x 2 bytes
+    assert plan.by_name("window512").layer_ids == tuple(i for i in range(20) if (i + 1) % 5)
+    assert plan.by_name("full").layer_ids == (4, 9, 14, 19)
+    assert plan.by_name("window512").unit_bytes == 16 * 2 * 512 * 2
+    assert plan.by_name("full").unit_bytes == 4 * 2 * 512 * 2
+    assert "'num_kv_shared_layers'" in error_of(config(gemma3n, num_kv_shared_layers=35))
+    # a shared full-attention layer with no full-attention layer before it to read from
+    no_producer = config(gemma3n, layer_types=["sliding_attention"] * 34 + ["full_attention"], num_kv_shared_layers=1)
+    assert "'num_kv_shared_layers'" in error_of(no_producer) and "layer 34" in error_of(no_producer)
 
 
 def test_generic_refuses_a_kv_cache_per_loop():
