@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..decl import StateLifetime, kv_layer_decls
+from ..decl import FullLifetime, KVPart, StateLifetime, WindowLifetime, kv_layer_decls
 from ..errors import DeclarationError, InputError
 from ..units import dtype_name
 from . import (
@@ -124,7 +124,7 @@ def model_from_config(
         model_dtype, kv = fields.model_dtype(), dtype_name(kv_dtype)
     lifetime = _state_lifetime(checkpoint_interval)
     ctx = Context(tp=tp, kv_dtype=kv, model_dtype=model_dtype, state_lifetime=lifetime)
-    parsed = _PARSERS[family](fields, ctx, model_type)
+    parsed = windows_covering_context_as_full(_PARSERS[family](fields, ctx, model_type))
     check_has_owner(fields, parsed)
     try:
         decls = tuple(kv_layer_decls(parsed.layers))
@@ -164,6 +164,22 @@ def text_fields(config: Mapping[str, Any], family: str) -> Fields:
     if not isinstance(text, Mapping):
         raise InputError(f"{family} config: 'text_config' must be an object, got {type(text).__name__}")
     return Fields(text, family, outer=config)
+
+
+def windows_covering_context_as_full(parsed: FamilyLayers) -> FamilyLayers:
+    """A sliding window at least as long as the longest context the model supports never drops a
+    token, so it is full attention (a context longer than the model's is refused at planning).
+    Chunked attention keeps its lifetime: a chunk restarts at every boundary."""
+    limit = parsed.max_context
+
+    def full(part: KVPart) -> KVPart:
+        lifetime = part.lifetime
+        if isinstance(lifetime, WindowLifetime) and not lifetime.chunked and lifetime.window >= limit:
+            return KVPart(part.geometry, FullLifetime())
+        return part
+
+    layers = [None if layer is None else [full(p) for p in layer] for layer in parsed.layers]
+    return FamilyLayers(layers, parsed.max_context)
 
 
 def check_has_owner(fields: Fields, parsed: FamilyLayers) -> None:

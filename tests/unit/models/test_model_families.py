@@ -675,6 +675,20 @@ def test_generic_refuses_unmodelled_structure_by_field(field, value):
     model_from_config(config(LLAMA, model_type="other", **{field: 0 if not isinstance(value, list) else []}))
 
 
+def test_a_window_covering_the_whole_context_is_full_attention():
+    """A sliding window as long as the longest context drops no token: the layer plans as full
+    attention, so a model whose every window covers its context has an owner."""
+    mistral = {"model_type": "mistral", "num_hidden_layers": 4, "hidden_size": 4096, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 32768, "max_position_embeddings": 32768}
+    plan = plan_kv_storage(model_from_config(mistral).decls, page_size=64)
+    assert [p.name for p in plan.sub_pools] == ["full"] and plan.owner.layer_ids == (0, 1, 2, 3)
+    assert "'sliding_window'" in error_of(config(mistral, sliding_window=32767))  # one token short: windowed
+    scout = load_preset_config("llama-4-scout")
+    scout["text_config"]["max_position_embeddings"] = 8192  # a chunk still restarts at its boundary
+    chunked = plan_kv_storage(model_from_config(scout).decls, page_size=64)
+    assert [p.name for p in chunked.sub_pools] == ["chunk8192", "full"]
+
+
 def test_kv_sharing_layers_declare_no_kv():
     """Gemma 3n: the last `num_kv_shared_layers` layers read an earlier layer's KV and hold none."""
     layer_types = (["sliding_attention"] * 4 + ["full_attention"]) * 7  # 35 layers, 7 full
