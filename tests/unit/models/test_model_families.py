@@ -581,7 +581,11 @@ def test_full_lifetime_and_window_types_are_the_decl_ones():
 
 # ---------------------------------------------------------------- published hybrid configs (generic path)
 
-BAMBA_9B = {  # ibm-ai-platform/Bamba-9B: attention on layers 9, 18, 27, Mamba2 elsewhere
+# ibm-ai-platform/Bamba-9B: attention on layers 9, 18, 27, Mamba2 elsewhere. Its config.json is not
+# among the stored sources; the model card (ibm-fms/Bamba-9B README.md, as mirrored on the web)
+# confirms 32 layers, hidden 4096, 32 heads and 8 KV heads (29 Mamba2 + 3 attention layers), not the
+# Mamba2 dimensions, which stay as typed here (mamba_d_state 128, not BambaConfig's default 256).
+BAMBA_9B = {
     "model_type": "bamba", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
     "num_key_value_heads": 8, "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64,
     "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2,
@@ -603,7 +607,10 @@ def test_bamba_9b_golden_bytes():
         assert all_mamba.state.layer_ids == tuple(range(32))
 
 
-LFM2_1_2B = {  # LiquidAI/LFM2-1.2B: short-conv layers with attention on full_attn_idxs
+# LiquidAI/LFM2-1.2B: short-conv layers with attention on full_attn_idxs. Its config.json is not
+# among the stored sources; the model card (LiquidAI/LFM2-1.2B README.md, as mirrored on the web)
+# confirms 16 layers, 10 conv and 6 attention, which is what these bytes depend on.
+LFM2_1_2B = {
     "model_type": "lfm2", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
     "num_key_value_heads": 8, "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3,
     "max_position_embeddings": 128000, "torch_dtype": "bfloat16",

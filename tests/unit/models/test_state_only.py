@@ -25,7 +25,7 @@ from kvchain.decl import (
     WindowLifetime,
     kv_layer_decls,
 )
-from kvchain.errors import InputError, PlanError
+from kvchain.errors import BudgetError, InputError, PlanError
 from kvchain.models import model_from_config
 from kvchain.plan import TOKEN_OWNER, Placement, PoolKind, TokenIds, plan_kv_storage
 from kvchain.sizing import size_plan
@@ -164,6 +164,14 @@ def test_a_state_only_storage_serves_requests_and_returns_every_page():
     storage.check_idle()
     counts = storage.allocator.band_counts()
     assert counts["state"]["live"] == counts[TOKEN_OWNER]["live"] == 0
+
+
+def test_a_state_only_storage_too_large_for_its_id_arrays_is_refused_in_one_line():
+    plan = plan_of(FALCON_MAMBA_7B)
+    sizing = size_plan(plan, 8 * 2**30, context_len=8192, max_running_requests=64)
+    with pytest.raises(BudgetError) as info:
+        build_kv_storage(plan, sizing, "meta")
+    assert "virtual pages" in str(info.value) and "\n" not in str(info.value)
 
 
 # ---------------------------------------------------------------- the command line
