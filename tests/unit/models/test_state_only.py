@@ -146,6 +146,16 @@ def test_sizing_a_state_only_chain_is_bounded_by_its_state_slots_DECL_10():
     assert (explicit.state_slots, explicit.concurrency, explicit.limited_by) == (40, 40, "state slots")
 
 
+def test_a_token_id_owner_boots_with_what_the_request_rows_use():
+    """Its ids cost no KV, so its boot target is every row at the full context, not the leftover
+    bytes, and a budget with slots to spare is bounded by the request rows."""
+    plan = plan_of(FALCON_MAMBA_7B)
+    sizing = size_plan(plan, 80 * 2**30, context_len=32768, max_running_requests=256)
+    assert sizing.full_tokens == 256 * 32768
+    assert (sizing.state_slots, sizing.concurrency, sizing.limited_by) == (256, 256, "max running requests")
+    assert sizing.to_dict()["unused_bytes"] > 60 * 2**30
+
+
 def test_a_state_only_storage_serves_requests_and_returns_every_page():
     """The chain's allocator runs a state-only plan: rows take virtual ids from the token-id owner
     and a slot from the state band's own id space (IDS-5), and give both back."""
