@@ -8,10 +8,10 @@ import torch
 from .alloc.chain import ChainAllocator
 from .device.base import Device
 from .device.immediate import ImmediateDevice
-from .errors import InputError
+from .errors import BudgetError, InputError
 from .layout.views import SubPoolView
 from .memory.arena import KVArena
-from .plan import KVStoragePlan
+from .plan import MAX_TOKEN_OWNER_PAGES, KVStoragePlan, TokenIds
 from .requests import RequestTable
 from .sizing import PlanSizing
 from .storage import KVStorage
@@ -35,6 +35,7 @@ def build_kv_storage(
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise InputError(f"no torch device {device!r}: {e}") from None
+    _check_token_owner_pages(plan, sizing)
     arena = KVArena(plan, sizing.arena_bytes, device)
     allocator = ChainAllocator(plan, arena, backend or ImmediateDevice(), scratch_bytes=sizing.fixed.scratch)
     table = RequestTable(sizing.max_running_requests + 1, sizing.context_len, plan.page_size, len(plan.windows))
@@ -42,3 +43,18 @@ def build_kv_storage(
     storage = KVStorage(plan, sizing, arena, allocator, table, views)
     allocator.prewarm_compaction()
     return storage
+
+
+def _check_token_owner_pages(plan: KVStoragePlan, sizing: PlanSizing) -> None:
+    """Refuse to build a state-only chain whose token-id owner would index more virtual pages than
+    the allocator's id arrays should hold (planning and sizing it at any budget still work)."""
+    owner = plan.owner
+    if not isinstance(owner.geometry, TokenIds):
+        return
+    pages = sizing.arena_bytes // owner.page_bytes
+    if pages > MAX_TOKEN_OWNER_PAGES:
+        raise BudgetError(
+            f"a state-only chain's token ids at {sizing.arena_bytes:,} arena bytes are {pages:,} virtual pages; "
+            f"it builds with at most {MAX_TOKEN_OWNER_PAGES:,} (a budget of at most "
+            f"{MAX_TOKEN_OWNER_PAGES * owner.page_bytes:,} bytes)"
+        )

@@ -12,13 +12,39 @@ from dataclasses import dataclass, field
 
 from .decl import FullLifetime, Geometry, KVLayerDecl, Lifetime, StateLifetime, Unit, WindowLifetime
 from .errors import InputError, PlanError
-from .layout.entry import PageEnvelope, page_envelope
+from .layout.entry import ENVELOPE_ALIGN, PageEnvelope, page_envelope
 
 
 class PoolKind(enum.Enum):
     FULL = "full"
     WINDOW = "window"
     STATE = "state"
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The geometry of a token-id owner: virtual token ids and no KV bytes behind them.
+
+    A model whose every layer keeps only recurrent state (Mamba, Mamba2, Falcon-Mamba) still runs
+    requests that hold virtual token ids (`req_to_token`, the prefix tree); this owner mints them.
+    It has no layers, so a token costs no KV bytes; each page of ids takes the smallest page
+    envelope (`ENVELOPE_ALIGN` bytes) so the owner's id space is byte-bounded like any band's."""
+
+    unit = Unit.TOKEN
+    dtype = "uint8"
+
+    def unit_bytes(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return "token ids (no KV)"
+
+
+#: Name of the token-id owner sub-pool of a state-only chain.
+TOKEN_OWNER = "tokens"
+#: Most virtual pages a token-id owner's grid may hold when built: its 16-byte pages span the whole
+#: arena, and the allocator keeps id arrays of that length.
+MAX_TOKEN_OWNER_PAGES = 1 << 24
 
 
 class Placement(enum.Enum):
@@ -37,7 +63,7 @@ class SubPool:
     name: str
     kind: PoolKind
     lifetime: Lifetime
-    geometry: Geometry
+    geometry: Geometry | TokenIds
     layer_ids: tuple[int, ...]
     draft_layer_ids: tuple[int, ...]
     placement: Placement
@@ -220,6 +246,10 @@ def plan_kv_storage(
                     lifetime = target_state
                 add(lifetime, part.geometry, part.unit, offset + decl.layer_id, True)
 
+    token_owner = not any(lt.rank > StateLifetime.rank for (lt, _u) in groups)
+    if token_owner:  # only recurrent state: a token-id owner mints the virtual ids (DECL-4)
+        groups[(FullLifetime(), Unit.TOKEN)] = {"geometry": TokenIds(), "layers": [], "draft": [],
+                                                "target": True}
     if not any(isinstance(lt, FullLifetime) for (lt, _u) in groups):
         raise PlanError(
             "no full-attention sub-pool: the chain needs a full-attention owner to mint virtual page ids "
@@ -237,17 +267,23 @@ def plan_kv_storage(
         else:
             placement = Placement.FLOAT
         layer_ids = tuple(group["layers"])
+        geometry = group["geometry"]
+        if isinstance(geometry, TokenIds):
+            name, envelope = TOKEN_OWNER, PageEnvelope((), ENVELOPE_ALIGN, 0)
+        else:
+            name = _name(lifetime, draft_only=not group["target"])
+            envelope = page_envelope(geometry, layer_ids, page_size)
         sub_pools.append(
             SubPool(
                 index=index,
-                name=_name(lifetime, draft_only=not group["target"]),
+                name=name,
                 kind=_kind(lifetime),
                 lifetime=lifetime,
-                geometry=group["geometry"],
+                geometry=geometry,
                 layer_ids=layer_ids,
                 draft_layer_ids=tuple(group["draft"]),
                 placement=placement,
-                envelope=page_envelope(group["geometry"], layer_ids, page_size),
+                envelope=envelope,
                 page_size=page_size,
             )
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import env
 from .errors import BudgetError, InputError
 from .memory.arena import ARENA_ALIGN, arena_layout
-from .plan import KVStoragePlan, PoolKind, SubPool
+from .plan import KVStoragePlan, PoolKind, SubPool, TokenIds
 from .units import format_bytes
 
 #: Per-request device state besides the KV pages (lengths, slot ids, reset flags), bytes per row.
@@ -305,6 +305,9 @@ def size_plan(
         )
     full_pages = _max_true(0, (avail - state_bytes) // owner.page_bytes,
                            lambda p: state_bytes + token_bytes(p) <= avail)
+    token_owner = isinstance(owner.geometry, TokenIds)
+    if token_owner:  # ids cost no KV: boot with what every request row can use, not the leftover bytes
+        full_pages = min(full_pages, max_running_requests * ctx_pages)
     wp = window_pages(full_pages)
     targets = []
     for pool in chain:
@@ -316,7 +319,8 @@ def size_plan(
             pages = slots
         targets.append(PoolTarget(pool.name, pool.kind, pages, pages * pool.units_per_page, pages * pool.page_bytes))
 
-    bounds = {"tokens": full_pages // ctx_pages, "max running requests": max_running_requests}
+    bounds = {} if token_owner else {"tokens": full_pages // ctx_pages}
+    bounds["max running requests"] = max_running_requests
     if state is not None:
         bounds["state slots"] = slots // spr
     limited_by = min(bounds, key=lambda k: bounds[k])

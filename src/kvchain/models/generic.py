@@ -22,7 +22,6 @@ _PATTERN_KINDS = {"M": Kind.RECURRENT, "*": Kind.FULL, "-": Kind.NONE, "E": Kind
 #: Fields that, when set (truthy), mean a structure whose cache kvchain does not declare.
 UNMODELLED = {
     "is_encoder_decoder": "encoder-decoder models (the decoder also caches cross-attention)",
-    "num_kv_shared_layers": "layers that reuse another layer's KV",
     "cross_attention_layers": "cross-attention layers",
     "per_layer_config": "per-layer attention settings",
     "num_attention_heads_per_layer": "a head count that varies by layer",
@@ -49,6 +48,7 @@ def parse(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
     _refuse_unmodelled(fields)
     num_layers = fields.num_layers()
     kinds, source = layer_kinds(fields, num_layers)
+    kinds = _without_kv_sharing_layers(fields, kinds)
     attention = _attention_parts(fields, ctx, kinds)
     state = None
     if any(k in (Kind.RECURRENT, Kind.HYBRID) for k in kinds):
@@ -81,6 +81,10 @@ def layer_kinds(fields: Fields, num_layers: int) -> tuple[list[Kind], str]:
         kinds = fields.layer_kinds((name,), KINDS, num_layers)
         if kinds is not None:
             return kinds, name
+    if "attn_layer_indices" in fields.values and not fields.values["attn_layer_indices"] and (
+        has_recurrent_fields(fields)
+    ):  # Bamba: a null or empty list means no attention layer (transformers' `layers_block_type`)
+        return [Kind.RECURRENT] * num_layers, "attn_layer_indices"
     for name in ("attn_layer_indices", "full_attn_idxs"):
         indices = fields.integers(name)
         if indices is not None:
@@ -168,6 +172,24 @@ def kv_head_count(fields: Fields, heads: int) -> int:
     if not fields.flag("new_decoder_architecture", False) and fields.flag("multi_query", False):
         return 1
     return fields.integer("num_kv_heads", heads)
+
+
+def _without_kv_sharing_layers(fields: Fields, kinds: list[Kind]) -> list[Kind]:
+    """Gemma 3n: the last `num_kv_shared_layers` layers read the KV of the last earlier layer of
+    their own attention type and cache none of their own, so they declare nothing."""
+    shared = fields.integer("num_kv_shared_layers", 0, minimum=0)
+    if not shared:
+        return kinds
+    first = len(kinds) - shared
+    if first <= 0:
+        raise fields.error("num_kv_shared_layers", f"= {shared} leaves no layer of the {len(kinds)} to hold KV")
+    producers = set(kinds[:first])
+    for i, kind in enumerate(kinds[first:], start=first):
+        if kind not in producers:
+            raise fields.error(
+                "num_kv_shared_layers", f"makes layer {i} ({kind.value}) reuse KV no earlier {kind.value} layer holds"
+            )
+    return kinds[:first] + [Kind.NONE] * shared
 
 
 def _refuse_unmodelled(fields: Fields) -> None:

@@ -9,10 +9,22 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..decl import StateLifetime, kv_layer_decls
+from ..decl import FullLifetime, KVPart, StateLifetime, WindowLifetime, kv_layer_decls
 from ..errors import DeclarationError, InputError
 from ..units import dtype_name
-from . import deepseek, dense, falcon_h1, generic, hymba, jamba, longcat, nemotron_h, qwen3_next, windowed
+from . import (
+    deepseek,
+    dense,
+    falcon_h1,
+    generic,
+    hymba,
+    jamba,
+    longcat,
+    mamba,
+    nemotron_h,
+    qwen3_next,
+    windowed,
+)
 from .fields import Fields
 from .parts import Context, FamilyLayers
 from .spec import ModelSpec
@@ -32,6 +44,7 @@ _PARSERS: dict[str, Parser] = {
     "deepseek_v3": deepseek.parse,
     "hymba": hymba.parse,
     "longcat_flash": longcat.parse,
+    "mamba": mamba.parse,
     "generic": generic.parse,
 }
 
@@ -54,6 +67,7 @@ MODEL_TYPES: dict[str, str] = {
     "deepseek_v2": "deepseek_v3",
     "hymba": "hymba",
     "longcat_flash": "longcat_flash",
+    **{t: "mamba" for t in (*mamba.MAMBA1_TYPES, *mamba.MAMBA2_TYPES)},
 }
 
 #: `architectures` entry -> model_type, for configs that omit model_type.
@@ -78,6 +92,9 @@ _ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "HymbaForCausalLM": "hymba",
     "LongcatFlashForCausalLM": "longcat_flash",
+    "MambaForCausalLM": "mamba",
+    "FalconMambaForCausalLM": "falcon_mamba",
+    "Mamba2ForCausalLM": "mamba2",
 }
 
 
@@ -107,7 +124,7 @@ def model_from_config(
         model_dtype, kv = fields.model_dtype(), dtype_name(kv_dtype)
     lifetime = _state_lifetime(checkpoint_interval)
     ctx = Context(tp=tp, kv_dtype=kv, model_dtype=model_dtype, state_lifetime=lifetime)
-    parsed = _PARSERS[family](fields, ctx, model_type)
+    parsed = windows_covering_context_as_full(_PARSERS[family](fields, ctx, model_type))
     check_has_owner(fields, parsed)
     try:
         decls = tuple(kv_layer_decls(parsed.layers))
@@ -149,13 +166,30 @@ def text_fields(config: Mapping[str, Any], family: str) -> Fields:
     return Fields(text, family, outer=config)
 
 
+def windows_covering_context_as_full(parsed: FamilyLayers) -> FamilyLayers:
+    """A sliding window at least as long as the longest context the model supports never drops a
+    token, so it is full attention (a context longer than the model's is refused at planning).
+    Chunked attention keeps its lifetime: a chunk restarts at every boundary."""
+    limit = parsed.max_context
+
+    def full(part: KVPart) -> KVPart:
+        lifetime = part.lifetime
+        if isinstance(lifetime, WindowLifetime) and not lifetime.chunked and lifetime.window >= limit:
+            return KVPart(part.geometry, FullLifetime())
+        return part
+
+    layers = [None if layer is None else [full(p) for p in layer] for layer in parsed.layers]
+    return FamilyLayers(layers, parsed.max_context)
+
+
 def check_has_owner(fields: Fields, parsed: FamilyLayers) -> None:
-    """Refuse, naming the config field, a model with no full-attention layer: the chain's
-    full-attention band owns the token ids, so a model whose every attention layer is windowed, or
-    which has no attention at all, cannot be planned."""
-    attention = [p for layer in parsed.layers if layer for p in layer if p.is_attention]
+    """Refuse, naming the config field, a model whose attention is all windowed: the chain's
+    full-attention band owns the token ids, and windows bind their pages to its ids. A model with
+    no attention at all (only recurrent state) plans with a token-id owner instead (DECL-4)."""
+    parts = [p for layer in parsed.layers if layer for p in layer]
+    attention = [p for p in parts if p.is_attention]
     lifetimes = [type(p.lifetime).__name__ for p in attention]
-    if "FullLifetime" in lifetimes:
+    if "FullLifetime" in lifetimes or (parts and not attention):
         return
     structure = next(
         (n for n in ("layer_types", "layers_block_type", "attn_layer_indices", "hybrid_override_pattern")
@@ -170,11 +204,7 @@ def check_has_owner(fields: Fields, parsed: FamilyLayers) -> None:
             "kvchain needs at least one full-attention layer to own the token ids "
             "(expected a full_attention layer, or 'sliding_window': null to plan it as full attention)",
         )
-    raise fields.error(
-        structure or "num_hidden_layers",
-        "leaves no attention layer (every layer keeps recurrent state or nothing); kvchain needs at "
-        "least one full-attention layer to own the token ids",
-    )
+    raise fields.error(structure or "num_hidden_layers", "leaves no layer that keeps KV or recurrent state")
 
 
 def num_model_layers(config: Mapping[str, Any]) -> int:

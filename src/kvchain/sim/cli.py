@@ -101,6 +101,14 @@ def _check_pages(model, budget: int) -> None:
                          f"simulated pools index at most {MAX_PAGES:,} (use a smaller budget)")
 
 
+def _check_attention(model) -> None:
+    """Refuse a model that keeps only recurrent state: the pools compared here size their pages,
+    static splits and checkpoint grids by attention bytes, which such a model has none of."""
+    if not any(part.is_attention for decl in model.decls for part in decl.parts):
+        raise InputError(f"{model.name} keeps only recurrent state (no attention layer); simulate compares "
+                         "pools by their attention pages: run `kvchain plan` for its state slots and concurrency")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..units import format_bytes
     from .baselines import POOLS, PoolConfig
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
     model = load_model(args)
     check_model_flags(model, args)
+    _check_attention(model)
     args.context = check_context(model, args.context)
     _check_pages(model, args.budget)
     requests = _requests(args)

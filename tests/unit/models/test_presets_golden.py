@@ -104,6 +104,15 @@ GOLDEN: dict[str, list[tuple[str, int, int]]] = {
         # 61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes = 70272
         ("full", 61, 70272),
     ],
+    "falcon-mamba-7b": [
+        # tiiuae/falcon-mamba-7b (the published config.json as copied in sdpython/experimental-experiment,
+        # experimental_experiment/torch_models/llm_model_helper.py): 64 Mamba1 layers, intermediate_size
+        # 8192 (its `expand` of 16 is not what sizes the mixer); conv 8192 x (4 - 1) x 2 = 49152,
+        # ssm 8192 x 16 x 4 = 524288; 64 x 573440 = 36700160
+        ("state", 64, 36700160),
+        # no attention: the token-id owner mints the virtual ids with no layers and no KV bytes
+        ("tokens", 0, 0),
+    ],
     "hymba-1.5b": [
         # all 32 layers hold Mamba1 state: intermediate = 2 x 1600 = 3200,
         # conv 3200 x (4 - 1) x 2 = 19200; ssm 3200 x 16 x 4 = 204800; 32 x 224000 = 7168000

@@ -81,6 +81,12 @@ def state_bytes(t) -> int:
     if attr(t, "linear_num_heads"):  # Kimi Delta Attention
         h, d = t.linear_num_heads, t.linear_head_dim
         return 3 * h * d * (t.linear_conv_kernel_dim - 1) * BF16 + h * d * d * FP32
+    if hasattr(t, "state_size") and not hasattr(t, "num_attention_heads"):  # Mamba, Mamba2: no attention
+        inner = int(t.expand * t.hidden_size)
+        if hasattr(t, "n_groups"):  # Mamba2: conv over x, B and C; SSM state per head
+            conv = inner + 2 * t.n_groups * t.state_size
+            return conv * (t.conv_kernel - 1) * BF16 + t.num_heads * t.head_dim * t.state_size * FP32
+        return inner * (t.conv_kernel - 1) * BF16 + inner * t.state_size * FP32
     heads = attr(t, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
     head_dim = attr(t, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
     d_state = attr(t, "mamba_d_state", "ssm_state_size")
@@ -103,6 +109,8 @@ def layer_names(t) -> list[str]:
     names = attr(t, "layer_types", "layers_block_type")
     if names is not None:
         return list(names)
+    if hasattr(t, "state_size") and not hasattr(t, "num_attention_heads"):
+        return ["mamba"] * t.num_hidden_layers
     window = attr(t, "sliding_window")
     if window and attr(t, "use_sliding_window", default=True):
         return ["sliding_attention"] * t.num_hidden_layers
@@ -112,7 +120,9 @@ def layer_names(t) -> list[str]:
 def expected_bytes(t) -> tuple[int, int]:
     """(bytes per token, bytes per state slot) over every layer of the text config `t`."""
     per_token = per_slot = 0
-    for name in layer_names(t):
+    names = layer_names(t)
+    shared = attr(t, "num_kv_shared_layers", default=0)  # Gemma 3n: the last ones reuse earlier KV
+    for name in names[: len(names) - shared]:
         if name in ("full_attention", "attention", "sliding_attention", "chunked_attention", "hybrid"):
             per_token += attention_bytes(t)
         if name in ("linear_attention", "mamba", "conv", "hybrid"):
@@ -198,7 +208,8 @@ def test_the_hybrids_and_windowed_families_are_planned():
     planned = {r.model_type for r in rows() if r.result.startswith("planned")}
     for model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "zamba", "zamba2",
                        "lfm2", "kimi_linear", "minimax", "gemma2", "cohere2", "olmo2", "olmo3", "phi3",
-                       "exaone4", "smollm3", "seed_oss", "hunyuan_v1_dense", "qwen2_moe"):
+                       "exaone4", "smollm3", "seed_oss", "hunyuan_v1_dense", "qwen2_moe",
+                       "mamba", "mamba2", "falcon_mamba", "bamba", "granitemoehybrid", "gemma3n", "gemma3n_text"):
         assert model_type in planned, model_type
 
 
