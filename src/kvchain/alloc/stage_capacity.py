@@ -286,9 +286,7 @@ class StageCapacity:
         """The digest of this iteration's questions and answers and the units held now; the fold
         starts over. Stages that made the same decisions return the same string."""
         counts = self.counts()
-        chain = self.chain
-        self._fold.update(repr((counts.held, counts.virtual_held, counts.slots_held,
-                                tuple(b.n_live for b in chain.bands))).encode())
+        self._fold.update(repr((counts.held, counts.virtual_held, counts.slots_held)).encode())
         digest = self._fold.hexdigest()
         self._fold = hashlib.blake2b(digest_size=16)
         self.questions = 0
