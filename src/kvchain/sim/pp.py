@@ -116,3 +116,33 @@ def run_stages_in_process(pools: Sequence[KVChainPool], requests: list[Scheduled
         if all(loop.done for loop in loops):
             break
     return loops
+
+
+def stage_process(stage: int, n_stages: int, port: int, spec: StageSpec, requests: list[ScheduledRequest],
+                  iterations: int, corrupt: tuple[int, int] | None = None, timeout_s: float = 20.0) -> dict:
+    """One stage of a pipeline in its own process: build the stage's pool, all-gather every stage's
+    geometry and install it (PP-6), then run `iterations` scheduler iterations, receiving the previous
+    stage's digest and sending this stage's to the next after each (PP-15, PP-16). `corrupt`, a
+    (stage, iteration), corrupts that stage's count of live owner pages before that iteration (a
+    test of the check)."""
+    from ..dist.pp import StageLink
+
+    if spec.n_stages != n_stages:
+        raise InputError(f"the stage spec splits {spec.n_stages} stages, the group has {n_stages}")
+    link = StageLink.join(stage, n_stages, port, timeout_s)
+    # on an error the group is left as it is: a teardown would wait on the peers' unmatched sends,
+    # and the process ends anyway
+    pool = build_stage(spec, stage)
+    geometries = link.all_gather(StageGeometry.of_chain(pool.chain, stage))
+    pool.chain.install_stage_capacity(geometries, stage)
+    loop = StageLoop(pool, requests, recv_interval=spec.recv_interval)
+    for it in range(iterations):
+        if corrupt == (stage, it):
+            pool.chain.owner.n_live += 1
+        digest = loop.iterate()
+        previous = link.recv_previous()
+        if previous is not None:
+            check_stage_agreement(digest, previous, stage, it)
+        link.send_next(digest)
+    link.close()
+    return {**loop.summary(), "digests": loop.digests, "geometries": [g.to_dict() for g in geometries]}

@@ -15,40 +15,12 @@ from kvchain.errors import CapacityError, InputError, InvariantError
 from kvchain.plan import StagePartitionError, plan_stages, stage_layer_ranges
 from kvchain.sim.pp import StageLoop, StageSpec, build_stage, install_stages, run_stages_in_process
 from kvchain.sizing import size_plan, size_stages
-from support.simworld import workload
-
-PARTITION = (7, 5)
-
-
-def gemma_like(blocks: int = 2, window: int = 16) -> tuple:
-    """Gemma 3's interleave: five sliding-window layers, then one global layer."""
-    w = KVPart(MHA(2, 4), WindowLifetime(window))
-    f = KVPart(MHA(1, 8), FullLifetime())
-    return tuple(kv_layer_decls([w, w, w, w, w, f] * blocks))
-
-
-def spec(chain_kib: int = 16, partition=PARTITION, **kwargs) -> StageSpec:
-    decls = gemma_like()
-    plans = plan_stages(decls, 2, page_size=4, partition=partition)
-    fixed = size_plan(plans[0], 2**30, context_len=256, max_running_requests=16).fixed.total
-    return StageSpec(decls, 2, fixed + chain_kib * 1024, partition=partition, **kwargs)
-
-
-def stage_pools(chain_kib: int = 16, install: bool = True):
-    s = spec(chain_kib)
-    pools = [build_stage(s, stage) for stage in range(2)]
-    if install:
-        install_stages(pools)
-    return pools
+from support.stages import PARTITION, gemma_like, spec, stage_pools, traffic
 
 
 @pytest.fixture(autouse=True)
 def _checks_on(monkeypatch):
     monkeypatch.setenv("KVCHAIN_INVARIANT_CHECK", "1")
-
-
-def traffic(n: int = 80):
-    return workload(1, n=n, max_prompt=60, max_output=40)
 
 
 # -- partition, planning and sizing --------------------------------------------------------------
