@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..env import InvariantCheckLevel
-from ..plan import Placement, PoolKind, StagePartitionError
+from ..memory.arena import ArenaLayout
+from ..plan import KVStoragePlan, Placement, PoolKind, StagePartitionError
 from . import invariants
 from .pricing import BandSnap, ChainSnapshot, feasible, reclaimed_snapshot
 
@@ -60,15 +61,20 @@ class StageGeometry:
 
     @classmethod
     def of_chain(cls, chain: ChainAllocator, stage: int) -> StageGeometry:
+        """The geometry of a built stage's chain."""
+        return cls.of_layout(chain.plan, chain.layout, stage)
+
+    @classmethod
+    def of_layout(cls, plan: KVStoragePlan, layout: ArenaLayout, stage: int) -> StageGeometry:
+        """The geometry a stage's plan has in an arena laid out as `layout` (no chain needed)."""
+        n_virtual = layout.grids[plan.owner.index].n_grid  # virtual page 0 is the null page
         bands = []
-        for band in chain.bands:
-            pool, grid = band.pool, band.grid
-            n_ids = grid.n_grid if pool.kind is PoolKind.STATE else chain.n_virtual - 1
+        for pool, grid in zip(plan.sub_pools, layout.grids):
+            n_ids = grid.n_grid if pool.kind is PoolKind.STATE else n_virtual
             bands.append(BandGeometry(pool.name, pool.kind.value, pool.lifetime.describe(), pool.placement.value,
                                       pool.units_per_page, pool.unit_bytes, grid.page_bytes, grid.origin,
                                       grid.first_id, grid.n_grid, n_ids))
-        layout = chain.layout
-        return cls(stage, chain.plan.page_size, layout.arena_bytes, layout.chain_lo, tuple(bands))
+        return cls(stage, plan.page_size, layout.arena_bytes, layout.chain_lo, tuple(bands))
 
     @property
     def chain_bytes(self) -> int:

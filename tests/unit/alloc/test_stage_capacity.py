@@ -322,3 +322,38 @@ def test_a_chain_without_stages_answers_from_its_own_snapshot():
     assert chain.stage_capacity is None
     fits = [n for n in range(1, chain.owner.grid.n_grid) if feasible(chain.pricing_snapshot(), (n, n))]
     assert chain.units_fit([fits[-1]] * 2) and not chain.units_fit([fits[-1] + 1] * 2)
+
+
+# -- kvchain plan --pp -------------------------------------------------------------------------------
+
+
+def test_plan_pp_prints_each_stage_and_the_reduced_concurrency(capsys):
+    """PP-1, PP-3: `kvchain plan --pp 2` sizes each stage's layers; JSON keys are snake_case and the
+    concurrency is the least of the stages'."""
+    import json
+
+    from kvchain.cli import main
+
+    args = ["plan", "--model", "gemma-3-12b", "--budget", "20GiB", "--pp", "2", "--pp-partition", "26,22"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stages = report["stages"]
+    assert [(s["first_layer"], s["last_layer"]) for s in stages] == [(0, 25), (26, 47)]
+    assert stages[0]["bytes_per_token"] > stages[1]["bytes_per_token"]
+    assert report["concurrency"] == min(s["sizing"]["concurrency"] for s in stages)
+    assert stages[0]["sizing"]["concurrency"] != stages[1]["sizing"]["concurrency"]
+    keys = {k for s in stages for k in (*s, *s["geometry"], *s["geometry"]["bands"][0])} | set(report)
+    assert all(k == k.lower() and " " not in k and "-" not in k for k in keys)
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert f"MIN-reduce across stages: {report['concurrency']} requests" in text
+
+
+def test_plan_pp_refuses_a_partition_with_one_line(capsys):
+    """PP-4: a stage of only sliding-window layers is refused on one line, exit code 2."""
+    from kvchain.cli import main
+
+    assert main(["plan", "--model", "gemma-3-12b", "--budget", "20GiB", "--pp", "2", "--pp-partition", "5,43"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stage 0 (layers 0..4) has no full-attention layer" in err
