@@ -782,6 +782,8 @@ class ChainAllocator:
     def usage(self) -> float:
         """Live bytes over chain bytes."""
         observe_only_read("usage")
+        if self._stages is not None:
+            return self._stages.usage()
         live = sum(b.n_live * b.page_bytes for b in self.bands)
         return live / max(1, self.layout.chain_bytes)
 

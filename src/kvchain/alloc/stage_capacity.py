@@ -272,6 +272,12 @@ class StageCapacity:
         return min(g.chain_bytes - sum(n * b.page_bytes for n, b in zip(counts.held, g.bands))
                    for g in self.geometries)
 
+    def usage(self) -> float:
+        """Held bytes over chain bytes on the fullest stage."""
+        counts = self.counts()
+        return max(sum(n * b.page_bytes for n, b in zip(counts.held, g.bands)) / max(1, g.chain_bytes)
+                   for g in self.geometries)
+
     def estimated_units_available(self, index: int) -> int:
         """The fewest units band `index` could take on any stage, from free bytes and id room."""
         counts = self.counts()

@@ -160,6 +160,8 @@ def test_estimates_read_the_same_snapshots():
         want = min(min(f // g.bands[owner].page_bytes, g.virtual_ids - counts.virtual_held) * 4
                    for f, g in zip(free, geoms))
         assert chain.full_available_size() == want
+        held = [sum(n * b.page_bytes for n, b in zip(counts.held, g.bands)) / g.chain_bytes for g in geoms]
+        assert chain.usage() == max(held)
 
 
 def test_stages_agree_on_every_iteration_of_mixed_traffic():
