@@ -15,6 +15,7 @@ from .alloc.chain import ChainAllocator
 from .alloc.demand import DEMAND_RULES, DemandPurpose, KVDemand, WindowRetirement, request_demand
 from .alloc.iteration_ids import IterationIds
 from .alloc.runner_ids import RunnerIds
+from .alloc.stage_capacity import StageCapacity, StageGeometry, simulated_snapshot
 from .build import build_kv_storage
 from .cache.radix import CheckpointStrategy, UnifiedRadixCache
 from .capacity import evict_until_fits, reclaimable_pages
@@ -55,12 +56,19 @@ from .errors import (
 from .memory.arena import KVArena
 from .models import list_presets, load_config_file, model_from_config, model_from_preset
 from .models.small import small_hybrid
-from .plan import KVStoragePlan, SubPool, plan_kv_storage
+from .plan import (
+    KVStoragePlan,
+    StagePartitionError,
+    SubPool,
+    plan_kv_storage,
+    plan_stages,
+    stage_layer_ranges,
+)
 from .prefill_budget import Admission, ChainPrefillBudget, Decision, mamba_prefill_chunk_grid
 from .sim.baselines import PoolConfig
 from .sim.compare import Comparison, SchedulerConfig, compare
 from .sim.workloads import load_trace, save_trace, workload_from_name
-from .sizing import PlanSizing, check_bs1_floor, size_plan
+from .sizing import PipelineSizing, PlanSizing, check_bs1_floor, size_plan, size_stages
 from .storage import KVStorage
 from .storage_roles import (
     ForwardHooks,
@@ -123,6 +131,7 @@ __all__ = [
     "ModelRunner",
     "ModeledDevice",
     "PDTransfers",
+    "PipelineSizing",
     "PlanError",
     "PlanSizing",
     "PoolConfig",
@@ -131,6 +140,9 @@ __all__ = [
     "RunnerIds",
     "Scheduler",
     "SchedulerConfig",
+    "StageCapacity",
+    "StageGeometry",
+    "StagePartitionError",
     "State",
     "StateLifetime",
     "StateTensor",
@@ -160,10 +172,14 @@ __all__ = [
     "model_from_preset",
     "parse_bytes",
     "plan_kv_storage",
+    "plan_stages",
     "reclaimable_pages",
     "request_demand",
     "save_trace",
+    "simulated_snapshot",
     "size_plan",
+    "size_stages",
     "small_hybrid",
+    "stage_layer_ranges",
     "workload_from_name",
 ]

@@ -57,15 +57,46 @@ def plan_and_size(args: argparse.Namespace):
     return model, plan, sizing
 
 
+def plan_stages_and_size(args: argparse.Namespace):
+    """Model -> one plan per pipeline stage -> each stage sized, the concurrency MIN-reduced."""
+    from .plan import plan_stages, stage_layer_ranges
+    from .sizing import size_stages
+
+    model = load_model(args)
+    check_model_flags(model, args)
+    context = check_context(model, args.context)
+    plans = plan_stages(model.decls, args.pp, page_size=args.page_size, partition=args.pp_partition)
+    sizing = size_stages(plans, args.budget, context_len=context, max_running_requests=args.max_running,
+                         state_slots=args.state_slots, state_share=args.state_share)
+    ranges = stage_layer_ranges(max(d.layer_id for d in model.decls) + 1, args.pp, args.pp_partition)
+    return model, ranges, plans, sizing
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """Layers per pipeline stage, such as `26,22`."""
+    return tuple(positive_int(part) for part in text.split(","))
+
+
 def configure_plan(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_budget_args(p)
     p.add_argument("--json", action="store_true", help="print the plan and sizing as JSON")
+    p.add_argument("--pp", type=positive_int, default=1,
+                   help="pipeline stages: plan and size each stage's layers (default 1)")
+    p.add_argument("--pp-partition", type=layer_counts, default=None,
+                   help="layers per stage, comma separated (default: an even split, as engines do)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .report import plan_report, render_plan
+    from .report import plan_report, render_plan, render_stages, stages_report
 
+    if args.pp > 1 or args.pp_partition is not None:
+        report = stages_report(*plan_stages_and_size(args))
+        if args.json:
+            print(dump_json(report, indent=2))
+        else:
+            render_stages(report)
+        return 0
     model, plan, sizing = plan_and_size(args)
     if args.json:
         print(dump_json(plan_report(model, plan, sizing), indent=2))

@@ -301,3 +301,63 @@ def _tree_slots(sub_pools: list[SubPool], groups: dict) -> tuple[int, ...]:
     rest = [p.index for p in windows if p not in primary]
     state = [p.index for p in sub_pools if p.kind is PoolKind.STATE]
     return tuple(full + [p.index for p in primary] + rest + state)
+
+
+# -- pipeline stages ------------------------------------------------------------------------------
+
+
+class StagePartitionError(PlanError):
+    """A layer partition across pipeline stages that the stages cannot run together: a stage without a
+    full-attention owner, a layer kind or window length another stage lacks, a different page size."""
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int, partition: Sequence[int] | None = None) -> list[range]:
+    """The model layers each pipeline stage hosts, contiguous, as engines split them: an even share
+    each, the remainder one layer apiece to the stages before the last (whose stage also runs the
+    head); or `partition`, explicit layer counts per stage."""
+    if not isinstance(n_stages, int) or n_stages <= 0:
+        raise InputError(f"pipeline stages must be a positive integer, got {n_stages!r}")
+    if partition is not None:
+        counts = [int(c) for c in partition]
+        if len(counts) != n_stages or any(c <= 0 for c in counts) or sum(counts) != n_layers:
+            raise StagePartitionError(f"layer partition {counts} must give each of {n_stages} stages at least "
+                                      f"one layer, {n_layers} in all")
+    else:
+        if n_layers < n_stages:
+            raise StagePartitionError(f"{n_layers} layers cannot be split across {n_stages} stages")
+        counts = [n_layers // n_stages] * n_stages
+        for i in range(2, n_layers % n_stages + 2):
+            counts[-i] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def plan_stages(decls: Sequence[KVLayerDecl], n_stages: int, *, page_size: int = 64, n_layers: int | None = None,
+                partition: Sequence[int] | None = None) -> list[KVStoragePlan]:
+    """One plan per pipeline stage, of the layers it hosts (`stage_layer_ranges` over `n_layers`,
+    by default one past the last declared layer). Refuses a stage without a full-attention owner
+    (PP-4) and stages whose sub-pools differ in kind, window length or lifetime (PP-5)."""
+    if n_layers is None:
+        n_layers = max(d.layer_id for d in decls) + 1 if decls else 0
+    plans = []
+    for stage, layers in enumerate(stage_layer_ranges(n_layers, n_stages, partition)):
+        local = [d for d in decls if d.layer_id in layers]
+        kinds = {p.lifetime.describe() for d in local for p in d.parts}
+        if not any(isinstance(p.lifetime, FullLifetime) for d in local for p in d.parts):
+            raise StagePartitionError(
+                f"stage {stage} (layers {layers.start}..{layers.stop - 1}) has no full-attention layer "
+                f"({', '.join(sorted(kinds)) or 'no KV state'}): every stage needs a full-attention owner")
+        plans.append(plan_kv_storage(local, page_size=page_size))
+    first = [(p.name, p.lifetime) for p in plans[0].sub_pools]
+    for stage, plan in enumerate(plans[1:], 1):
+        have = [(p.name, p.lifetime) for p in plan.sub_pools]
+        if have != first:
+            lacking = sorted({n for n, _ in first} ^ {n for n, _ in have}) or [n for (n, a), (_, b) in
+                                                                             zip(first, have) if a != b]
+            raise StagePartitionError(
+                f"stage {stage} has sub-pools {[n for n, _ in have]}, stage 0 {[n for n, _ in first]} "
+                f"(differing: {', '.join(lacking)}): every stage needs the same layer kinds and window lengths")
+    return plans

@@ -89,3 +89,49 @@ def render_models(presets, console: Console | None = None) -> None:
     for p in presets:
         table.add_row(p.name, p.family, str(p.num_layers), p.hf_id)
     console.print(table)
+
+
+def stages_report(model, ranges, plans, sizing) -> dict:
+    """Pipeline stages as JSON: each stage's layers, plan, sizing and geometry, and the concurrency
+    after the MIN-reduce across stages (docs/cli.md lists the keys)."""
+    from .alloc.stage_capacity import StageGeometry
+    from .memory.arena import arena_layout
+
+    stages = []
+    for i, (layers, plan, sized) in enumerate(zip(ranges, plans, sizing.stages)):
+        geometry = StageGeometry.of_layout(plan, arena_layout(plan, sized.arena_bytes), i)
+        with_kv = len({layer for pool in plan.sub_pools for layer in pool.layer_ids})
+        stages.append({"stage": i, "first_layer": layers.start, "last_layer": layers.stop - 1, "layers_with_kv": with_kv,
+                       "bytes_per_token": geometry.bytes_per_token(), "plan": plan.to_dict(),
+                       "sizing": sized.to_dict(), "geometry": geometry.to_dict()})
+    return {"model": {"name": model.name, "family": model.family, "layers_with_kv": len(model.decls),
+                      "tp_size": model.tp_size, "max_context": model.max_context},
+            "pp_size": len(stages), "stages": stages, "concurrency": sizing.concurrency,
+            "limiting_stage": sizing.limiting_stage}
+
+
+def render_stages(report: dict, console: Console | None = None) -> None:
+    console = console or _console()
+    model, stages = report["model"], report["stages"]
+    first = stages[0]["sizing"]
+    console.print(f"[bold]{model['name']}[/] (tp={model['tp_size']}, pp={report['pp_size']}) · "
+                  f"budget {format_bytes(first['budget_bytes'])} per stage · page size "
+                  f"{stages[0]['plan']['page_size']} · context {first['context_len']:,}")
+    table = Table(title="Stages (each plans and sizes its own layers)", title_justify="left")
+    for col in ("stage", "layers", "arena", "bytes/token", "concurrency", "limited by"):
+        _column(table, col, number=col not in ("layers", "limited by"))
+    geometry = Table(title="Stage geometry (all-gathered when the loop starts)", title_justify="left")
+    for col in ("stage", "sub-pool", "layers", "unit bytes", "page bytes", "pages", "ids"):
+        _column(geometry, col, number=col != "sub-pool")
+    for s in stages:
+        sized = s["sizing"]
+        table.add_row(str(s["stage"]), f"{s['first_layer']}..{s['last_layer']}",
+                      format_bytes(sized["arena_bytes"]), f"{s['bytes_per_token']:,}",
+                      f"{sized['concurrency']:,}", sized["limited_by"])
+        for pool, band in zip(s["plan"]["chain"], s["geometry"]["bands"]):
+            geometry.add_row(str(s["stage"]), band["name"], str(pool["layers"]), f"{band['unit_bytes']:,}",
+                             f"{band['page_bytes']:,}", f"{band['n_pages']:,}", f"{band['n_ids']:,}")
+    console.print(table)
+    console.print(geometry)
+    console.print(f"Concurrency after the MIN-reduce across stages: [bold]{report['concurrency']:,} requests[/] "
+                  f"at {first['context_len']:,} tokens (stage {report['limiting_stage']} limits)")

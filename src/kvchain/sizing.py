@@ -339,3 +339,29 @@ def size_plan(
         limited_by=limited_by,
         floor=floor,
     )
+
+
+@dataclass(frozen=True)
+class PipelineSizing:
+    """Each pipeline stage's own sizing of its own layers, and the concurrency the pipeline serves:
+    the least of the stages' (PP-3), since every stage holds every request's units."""
+
+    stages: tuple[PlanSizing, ...]
+
+    @property
+    def concurrency(self) -> int:
+        return min(s.concurrency for s in self.stages)
+
+    @property
+    def limiting_stage(self) -> int:
+        return min(range(len(self.stages)), key=lambda i: (self.stages[i].concurrency, i))
+
+    def to_dict(self) -> dict:
+        return {"stages": [s.to_dict() for s in self.stages], "concurrency": self.concurrency,
+                "limiting_stage": self.limiting_stage}
+
+
+def size_stages(plans: list[KVStoragePlan], budget_bytes: int, **kwargs) -> PipelineSizing:
+    """Size each stage's plan for the same per-device budget (`size_plan`'s keywords apply to every
+    stage) and MIN-reduce the concurrency across the stages (PP-3)."""
+    return PipelineSizing(tuple(size_plan(p, budget_bytes, **kwargs) for p in plans))

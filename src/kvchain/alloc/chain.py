@@ -59,6 +59,7 @@ from .pricing import (
     take_layout,
 )
 from .signals import HostTransfer, NetworkTransfer, NetworkTransferWaiter
+from .stage_capacity import StageCapacity, StageGeometry
 
 log = logging.getLogger("kvchain.chain")
 
@@ -115,6 +116,19 @@ class ChainAllocator:
         self.max_moves_per_call = int(env.get("KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL"))
         self.log_compaction_stats = bool(env.get("KVCHAIN_LOG_LAZY_COMPACTION_STATS"))
         self.compaction_gap_fraction = float(env.get("KVCHAIN_LAZY_COMPACTION_GAP_FRACTION"))
+        #: under pipeline parallelism, every stage's geometry: capacity is asked of them all (PP-7)
+        self._stages: StageCapacity | None = None
+
+    def install_stage_capacity(self, geometries: Sequence[StageGeometry], stage: int) -> StageCapacity:
+        """Install every pipeline stage's geometry, this chain's as stage `stage` among them (PP-6):
+        from now on every capacity question and estimate is answered on every stage's simulated
+        snapshot (PP-7..9). Refuses stages that differ in sub-pools or page size (PP-5)."""
+        self._stages = StageCapacity(self, geometries, stage)
+        return self._stages
+
+    @property
+    def stage_capacity(self) -> StageCapacity | None:
+        return self._stages
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -188,6 +202,8 @@ class ChainAllocator:
     def units_fit(self, pages: Sequence[int]) -> bool:
         """Would a take of `pages` (per band) succeed now? Exactly the take's own answer (CAP-11)."""
         pages = self._check_demand(pages)
+        if self._stages is not None:
+            return self._within_caps(pages) and self._stages.units_fit(pages)
         return self._within_caps(pages) and feasible(self.pricing_snapshot(), pages)
 
     @capacity_decision
@@ -195,6 +211,8 @@ class ChainAllocator:
         """Admission: owner virtual ids (ADM-4), free state slots (ADM-5), and a layout for the
         demand once the prefix cache frees what it could evict per band (ADM-6). Every cached
         virtual page has an owner page, so evicting the owner pages credited frees as many ids."""
+        if self._stages is not None:
+            return self._stages.admits(demand, reclaimable)
         evictable_ids = reclaimable[self.owner.pool.index] if reclaimable is not None else 0
         if demand.virtual_pages > len(self.virtual_free) + evictable_ids:
             return False
@@ -212,6 +230,8 @@ class ChainAllocator:
         """Would `pages` fit once `freed` pages per band are given back? An eviction walk stops at
         the first yes (ADM-8)."""
         pages = self._check_demand(pages)
+        if self._stages is not None:
+            return self._within_caps(pages, freed) and self._stages.fits_after_frees(pages, freed)
         return self._within_caps(pages, freed) and feasible(reclaimed_snapshot(self.pricing_snapshot(), freed), pages)
 
     @capacity_decision
@@ -221,9 +241,11 @@ class ChainAllocator:
         pages = self._check_demand(pages)
         if not self._within_caps(pages):
             return False
+        if self._stages is not None and not self._stages.take_fits(pages):
+            return False
         if self.in_place(pages):
             return True
-        if not feasible(self.pricing_snapshot(), pages):
+        if self._stages is None and not feasible(self.pricing_snapshot(), pages):
             return False
         self._relieve(pages)
         return True
@@ -239,6 +261,8 @@ class ChainAllocator:
         bands = self.bands
         if self.caps is not None and not self._within_caps(pages):
             raise CapacityError(f"a fixed per-kind pool is full: {pages} pages over caps {self.caps}")
+        if self._stages is not None:
+            return self._stage_take(pages)
         growers = [i for i, (b, n) in enumerate(zip(bands, pages)) if n > b.n_holes + b.n_pending]
         if not growers:
             # every band serves its share from holes and pending pages: the in-place plan holds
@@ -262,6 +286,16 @@ class ChainAllocator:
         # the in-place plan ran take_layout on each band in chain order on the current state:
         # hand its per-band result to the take instead of computing it again
         return [self.take_from(band, n, after) for band, n, after in zip(self.bands, pages, in_place.after)]
+
+    def _stage_take(self, pages: tuple[int, ...]) -> list[np.ndarray]:
+        """A take under pipeline parallelism: refused when some stage's simulated snapshot refuses it
+        (PP-8); else realized on this stage's real layout, in place or by relief (PP-11)."""
+        if not self._stages.take_fits(pages):
+            raise CapacityError(f"a pipeline stage cannot serve the take: {self._shortfall_message(pages)}")
+        if self.in_place(pages):
+            return [self.take_from(band, n) for band, n in zip(self.bands, pages)]
+        self._relieve(pages)
+        return [self.take_from(band, n) for band, n in zip(self.bands, pages)]
 
     def take_from(self, band: Band, n: int, after: BandSnap | None = None,
                   consumer: Consumer = Consumer.ZERO) -> np.ndarray:
@@ -689,16 +723,19 @@ class ChainAllocator:
         """The most output tokens (up to `max_new_tokens`) a request of `input_len` tokens can hold in
         an empty pool, priced by `request_demand` (ADM-16). None when even its input does not fit."""
         empty = self.empty_snapshot()
+        stages = self._stages
 
         def fits(output_len: int) -> bool:
             d = request_demand(self.plan, DemandPurpose.CEILING, input_len=input_len,
                                output_len=output_len, **demand_kwargs)
             within = self.caps is None or all(n <= cap for n, cap in zip(d.pages, self.caps))
+            if stages is not None:
+                return within and stages.fits_empty(d.pages, d.virtual_pages, d.state_slots)
             return (within and d.virtual_pages < self.n_virtual
                     and d.state_slots <= len(self.slot_free) + self._slots_held() and feasible(empty, d.pages))
 
         if not fits(0):
-            return None
+            return None if stages is None else stages.record_clip(input_len, max_new_tokens, None)
         lo, hi = 0, max_new_tokens
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -706,7 +743,7 @@ class ChainAllocator:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo if stages is None else stages.record_clip(input_len, max_new_tokens, lo)
 
     def _slots_held(self) -> int:
         return self.state_band.n_live if self.state_band is not None else 0
@@ -714,12 +751,16 @@ class ChainAllocator:
     # -- estimates (stats only) --------------------------------------------------------------------
 
     def available_bytes_estimate(self) -> int:
+        if self._stages is not None:
+            return self._stages.available_bytes_estimate()
         gaps = self.layout.chain_bytes - sum(b.span * b.page_bytes for b in self.bands)
         return gaps + sum((b.n_holes + b.n_pending) * b.page_bytes for b in self.bands)
 
     def estimated_units_available(self, band: Band) -> int:
         """Units `band` could take from free bytes, ignoring alignment, fixed and pending pages."""
         observe_only_read("estimated_units_available")
+        if self._stages is not None:
+            return self._stages.estimated_units_available(band.index)
         free_bytes = self.available_bytes_estimate()
         pages = free_bytes // band.page_bytes
         if band is self.owner:
@@ -741,6 +782,8 @@ class ChainAllocator:
     def usage(self) -> float:
         """Live bytes over chain bytes."""
         observe_only_read("usage")
+        if self._stages is not None:
+            return self._stages.usage()
         live = sum(b.n_live * b.page_bytes for b in self.bands)
         return live / max(1, self.layout.chain_bytes)
 
@@ -790,6 +833,10 @@ class ChainAllocator:
         """One chain take: `n_pages` pages in every token band bound to as many fresh owner virtual
         pages, and `n_slots` state pages bound to fresh slot ids. Returns (virtual pages, slot ids).
         Raises CapacityError, with nothing changed, when ids or bytes run short."""
+        if self._stages is not None:
+            short = self._stages.ids_fit(n_pages, n_slots)
+            if short is not None:
+                raise CapacityError(short)
         if n_pages > len(self.virtual_free):
             raise CapacityError(f"owner has {len(self.virtual_free)} free virtual pages, {n_pages} needed")
         if n_slots > len(self.slot_free):

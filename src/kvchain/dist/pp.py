@@ -1,0 +1,152 @@
+"""Pipeline stages as real processes over torch.distributed (gloo on the loopback interface).
+
+`StageLink` is what one stage says to the others: the all-gather of every stage's geometry when the
+pipeline loop starts (PP-6), and each iteration's capacity digest, sent to the next stage and
+received from the previous one (PP-15). Every wait is bounded: a stage that stops answering makes
+its neighbour raise `TransferTimeoutError` instead of hanging. `run_stage_processes` starts one
+process per stage on a free loopback port, collects what each returns, and ends every process it
+started, whatever happened."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import KVChainError, TransferTimeoutError
+
+#: bytes of one digest on the wire (`StageCapacity.take_digest` returns 32 hex characters)
+DIGEST_BYTES = 32
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def loopback_env(port: int) -> dict[str, str]:
+    """The environment a stage process joins the group with: gloo on `lo`, rendezvous on `port`."""
+    return {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+class StageLink:
+    """One stage's link to the other stages of its process group."""
+
+    def __init__(self, stage: int, n_stages: int, timeout_s: float) -> None:
+        self.stage = stage
+        self.n_stages = n_stages
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    @classmethod
+    def join(cls, stage: int, n_stages: int, port: int, timeout_s: float = 30.0) -> StageLink:
+        """Join the group of `n_stages` stages on 127.0.0.1:`port` over gloo."""
+        os.environ.update(loopback_env(port))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage, world_size=n_stages,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(stage, n_stages, timeout_s)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every stage's `obj`, in stage order (the geometries when the loop starts, PP-6)."""
+        out: list[Any] = [None] * self.n_stages
+        dist.all_gather_object(out, obj)
+        return out
+
+    def send_next(self, digest: str) -> None:
+        """Send this iteration's digest to the next stage (the last stage sends nothing)."""
+        if self.stage + 1 >= self.n_stages:
+            return
+        data = digest.encode()
+        if len(data) != DIGEST_BYTES:
+            raise KVChainError(f"a stage digest is {DIGEST_BYTES} bytes, got {len(data)}")
+        work = dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.stage + 1)
+        self._wait(work, "send to", self.stage + 1)
+
+    def recv_previous(self) -> str | None:
+        """The previous stage's digest of this iteration (None on the first stage)."""
+        if self.stage == 0:
+            return None
+        buf = torch.zeros(DIGEST_BYTES, dtype=torch.uint8)
+        self._wait(dist.irecv(buf, self.stage - 1), "receive from", self.stage - 1)
+        return bytes(buf.tolist()).decode()
+
+    def _wait(self, work, what: str, peer: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise TransferTimeoutError(f"stage {self.stage}: digest {what} stage {peer} did not finish within "
+                                       f"{self.timeout.total_seconds():g} s ({e})") from None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _child(target: Callable[..., Any], stage: int, n_stages: int, port: int, env: dict[str, str], args: tuple,
+           results) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)  # as a forked data-loader worker does: no thread pool shared with the parent
+    try:
+        results.put((stage, "ok", target(stage, n_stages, port, *args)))
+    except BaseException as e:  # the parent reads every outcome, an error's text included
+        results.put((stage, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+
+
+def run_stage_processes(target: Callable[..., Any], n_stages: int, args: tuple = (), *, timeout_s: float = 60.0,
+                        env: dict[str, str] | None = None, start_method: str | None = None
+                        ) -> dict[int, tuple[str, Any]]:
+    """Run `target(stage, n_stages, port, *args)` in one process per stage and return each stage's
+    ("ok", result) or ("error", text). Stops waiting at the first error or after `timeout_s`; a
+    stage that did not report is ("timeout", None). Every process it started is ended before it
+    returns. Processes fork where the platform allows (a spawned one spends seconds importing
+    torch again), else spawn; `start_method` overrides."""
+    if start_method is None:
+        start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    child_env = {**loopback_env(port), **(env or {})}
+    procs = [ctx.Process(target=_child, args=(target, s, n_stages, port, child_env, args, results), daemon=True)
+             for s in range(n_stages)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n_stages:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                stage, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            out[stage] = (status, value)
+            if status == "error":  # the others may be failing too: a moment to hear from them
+                deadline = min(deadline, time.monotonic() + 2.0)
+    finally:
+        for p in procs:
+            p.join(timeout=2.0 if len(out) == n_stages else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+    for s in range(n_stages):
+        out.setdefault(s, ("timeout", None))
+    return out
