@@ -103,6 +103,18 @@ def test_withdraw_returns_the_pass_to_where_it_was():
     a2 = budget.consider(100, 0, 0, 64)
     budget.withdraw(a2)
     assert budget.admitted == a1.demand and budget.admitted_count == 1
+    budget.withdraw(a1)
+    assert budget.admitted == ZERO and budget.admitted_count == 0
+
+
+def test_a_shared_prefix_window_is_charged_behind_the_latest_checkpoint():
+    """ADM-2, WIN-11: with prefixes shared and checkpoints every 16 tokens, the window retains
+    64 + 16 rows, so a 64-token chunk charges span(80 + 64) = 1 + ceil(143/16) = 10 pages;
+    without sharing span(64 + 64) = 9."""
+    shared, alloc = _budget(checkpoint_interval=16, shares_prefixes=True)
+    assert shared.consider(1000, 0, 0, 64) == Admission(Decision.ADMIT, 64, KVDemand((1, 10, 63), 63, 1))
+    alone, _ = _budget(checkpoint_interval=16)
+    assert alone.consider(1000, 0, 0, 64) == Admission(Decision.ADMIT, 64, KVDemand((1, 9, 63), 63, 1))
 
 
 def test_a_limit_short_of_the_grid_waits_without_asking():
@@ -207,8 +219,17 @@ def test_projected_admission_charges_full_attention_at_its_peak():
 def test_projected_full_charge_is_never_negative():
     """Pages held beyond the projected peak are not credited to the request."""
     budget, alloc = _projected(lengths=[16], remaining=[0], held=50)
-    budget.consider(16, 0, 0, 100)
-    assert alloc.asked[0][0] == KVDemand((1, 1, 0), 0, 1)
+    budget.consider(17, 0, 0, 100)  # full 2, window min(2, span(81)); peak 1 + 2 = 3 < 50 held
+    assert alloc.asked[0][0] == KVDemand((1, 2, 0), 0, 1)
+    assert budget.held == 52  # the 17 tokens it takes hold ceil(17/16) = 2 pages
+
+
+def test_projected_abort_names_the_requests_output():
+    """ADM-11 under projection: the abort names the request's own numbers, its output included."""
+    budget, _ = _projected(rule=lambda d: False)
+    a = budget.consider(100, 30, 0, 100)
+    assert a.decision is Decision.ABORT
+    assert a.reason.startswith("unschedulable: 100 input + 30 output tokens (0 cached) need state 1, ")
 
 
 def test_one_partial_prompt_at_a_time_under_chunk_only():
@@ -225,6 +246,6 @@ def test_one_partial_prompt_at_a_time_under_chunk_only():
     assert (budget.lengths, budget.held, budget.partial_slots) == ([64, 500], 8, 0)
     budget.withdraw(a2)
     assert (budget.lengths, budget.held, budget.partial_slots) == ([64], 4, 0)
-    budget, _ = _projected(chunk_only=True)
+    budget, _ = _projected(chunk_only=True, partial_slots=2)
     budget.withdraw(budget.consider(1000, 10, 0, 64))
-    assert (budget.lengths, budget.remaining, budget.held, budget.partial_slots) == ([], [], 0, 1)
+    assert (budget.lengths, budget.remaining, budget.held, budget.partial_slots) == ([], [], 0, 2)
