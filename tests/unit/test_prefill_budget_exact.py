@@ -189,6 +189,7 @@ def test_peak_pages_by_hand():
     assert peak_pages(np.array([3, 8]), np.array([2, 6]), 4) == 5
     assert peak_pages(np.array([4, 8]), np.array([0, 0]), 4) == 3  # nothing grows: 1 + 2 pages
     assert peak_pages(np.array([1]), np.array([7]), 4) == 2
+    assert peak_pages(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 4) == 0
 
 
 def _projected(rule=lambda d: True, **kw):

@@ -328,3 +328,22 @@ def test_reclaimed_snapshot_credits_what_the_cache_could_free():
         (b[0]._replace(live=4, pending=2), b[1]._replace(live=0, pending=3), b[2], b[3]._replace(live=0, pending=4)),
         16, 1024, -1, True,
     )
+
+
+def test_a_float_is_parked_only_when_it_holds_nothing_at_all():
+    """ADM-6: a float that keeps a live, fixed or pending page stays placed after the credit; one
+    freed of nothing is left as it is, even when it holds nothing live; a single page is credited."""
+    snap = ChainSnapshot(
+        (
+            band(0, UP, lo=0, hi=8, live=6, holes=2),
+            band(1, lo=10, hi=14, live=3, pending=1),  # frees 2: 1 live + 1 pending left
+            band(2, lo=20, hi=25, live=1, fixed=2, pending=2),  # frees 1: 2 fixed + 2 pending left
+            band(3, lo=30, hi=32, live=0, holes=2),  # frees nothing
+            band(4, DOWN, lo=60, hi=64, live=4),
+        ),
+        0, 1024,
+    )
+    got = reclaimed_snapshot(snap, (1, 2, 1, 0, 0))
+    b = snap.bands
+    assert got.bands == (b[0]._replace(live=5, holes=3), b[1]._replace(live=1, holes=2),
+                         b[2]._replace(live=0, holes=1), b[3], b[4])
