@@ -111,10 +111,16 @@ def test_a_shared_prefix_window_is_charged_behind_the_latest_checkpoint():
     """ADM-2, WIN-11: with prefixes shared and checkpoints every 16 tokens, the window retains
     64 + 16 rows, so a 64-token chunk charges span(80 + 64) = 1 + ceil(143/16) = 10 pages;
     without sharing span(64 + 64) = 9."""
-    shared, alloc = _budget(checkpoint_interval=16, shares_prefixes=True)
+    shared, _ = _budget(checkpoint_interval=16, shares_prefixes=True)
     assert shared.consider(1000, 0, 0, 64) == Admission(Decision.ADMIT, 64, KVDemand((1, 10, 63), 63, 1))
     alone, _ = _budget(checkpoint_interval=16)
     assert alone.consider(1000, 0, 0, 64) == Admission(Decision.ADMIT, 64, KVDemand((1, 9, 63), 63, 1))
+
+
+def test_a_one_token_limit_admits_one_token():
+    """Without a checkpoint grid any positive limit cuts a chunk: one token, window span(65) = 5."""
+    budget, _ = _budget()
+    assert budget.consider(100, 0, 0, 1) == Admission(Decision.ADMIT, 1, KVDemand((1, 5, 7), 7, 1))
 
 
 def test_a_limit_short_of_the_grid_waits_without_asking():

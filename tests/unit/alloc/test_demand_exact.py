@@ -71,6 +71,22 @@ def test_window_charge_never_exceeds_full_attention():
     assert d == KVDemand((1, 1, 1), 1, 1)
 
 
+def test_a_one_token_pass_still_charges_the_token_it_writes():
+    """ADM-2: a pass of 0 or 1 token is charged the retained window plus one token: span(65) = 5."""
+    plan = _plan()
+    for chunk in (0, 1):
+        d = request_demand(plan, DemandPurpose.ADMIT, input_len=1000, chunk_len=chunk)
+        assert d == KVDemand((1, 5, 63), 63, 1)
+    assert request_demand(plan, DemandPurpose.ADMIT, input_len=1000, chunk_len=2).pages == (1, 6, 63)
+
+
+def test_a_plan_without_state_charges_no_slot():
+    """ADM-3 where there is no state: no slot is charged."""
+    plan = plan_kv_storage(small_hybrid(MHA(1, 8), (64,)), page_size=16)
+    assert [p.name for p in plan.sub_pools] == ["window64", "full"]
+    assert request_demand(plan, DemandPurpose.ADMIT, input_len=100) == KVDemand((7, 7), 7, 0)
+
+
 def test_an_empty_request_is_charged_its_state_slot_only():
     d = request_demand(_plan(), DemandPurpose.ADMIT, input_len=0)
     assert d == KVDemand((1, 0, 0), 0, 1)
