@@ -347,3 +347,26 @@ def test_a_float_is_parked_only_when_it_holds_nothing_at_all():
     b = snap.bands
     assert got.bands == (b[0]._replace(live=5, holes=3), b[1]._replace(live=1, holes=2),
                          b[2]._replace(live=0, holes=1), b[3], b[4])
+
+
+def test_relayout_of_a_lone_band_grows_it_down_to_the_chain_start():
+    """CAP-8: a chain of one band (full attention alone) is its down end: a relayout packs it and
+    grows it down to the first whole page at or above the chain's start (byte 16, id 1)."""
+    lone = band(0, DOWN, lo=60, hi=64, live=4, holes=0, pending=3)
+    snap = ChainSnapshot((lone,), 16, 1024)
+    got = plan(snap, (59,), Step.RELAYOUT)
+    assert got == LayoutPlan(Step.RELAYOUT, (59,), (0,), (), (), (lone._replace(lo=1, live=63, pending=0),))
+    assert plan(snap, (60,), Step.RELAYOUT) is None
+
+
+def test_relayout_of_two_ends_moves_nothing():
+    """CAP-8: with no float between them, a relayout compacts both ends and each grows toward the
+    other: the up end's top reaches byte 96, the down end's base byte 176."""
+    up = band(0, UP, lo=0, hi=6, live=4, holes=2)
+    down = band(1, DOWN, n_grid=16, lo=12, hi=16, live=4)
+    snap = ChainSnapshot((up, down), 0, 256)
+    got = plan(snap, (2, 1), Step.RELAYOUT)
+    assert got == LayoutPlan(Step.RELAYOUT, (2, 1), (0, 1), (), (),
+                             (up._replace(live=6, holes=0), down._replace(lo=11, live=5)))
+    assert plan(snap, (2, 6), Step.RELAYOUT).after[1] == down._replace(lo=6, live=10)  # base at byte 96
+    assert plan(snap, (2, 7), Step.RELAYOUT) is None  # byte 80: below the up end's top
