@@ -370,3 +370,67 @@ def test_relayout_of_two_ends_moves_nothing():
                              (up._replace(live=6, holes=0), down._replace(lo=11, live=5)))
     assert plan(snap, (2, 6), Step.RELAYOUT).after[1] == down._replace(lo=6, live=10)  # base at byte 96
     assert plan(snap, (2, 7), Step.RELAYOUT) is None  # byte 80: below the up end's top
+
+
+def test_flush_settles_a_floats_pending_pages_and_parks_an_empty_one():
+    """CAP-8: a flush settles each float's pending pages into holes; a float left with no live or
+    fixed page is parked. Fixed pages near an end's base pack to live + fixed."""
+    f1 = band(1, lo=6, hi=9, live=1, holes=1, pending=1)
+    f2 = band(2, lo=12, hi=14, live=0, holes=1, pending=1)
+    up = band(0, UP, lo=0, hi=6, live=5, fixed=1, fixed_far=2)
+    down = band(3, DOWN, lo=58, hi=64, live=5, fixed=1, fixed_far=2)
+    got = plan(ChainSnapshot((up, f1, f2, down), 0, 1024), (0, 0, 0, 0), Step.FLUSH_ENDS)
+    assert got.after == (up._replace(fixed_far=6), f1._replace(holes=2, pending=0),
+                         f2._replace(lo=-1, hi=-1, parked=True, holes=0, pending=0), down._replace(fixed_far=6))
+
+
+def test_a_parked_float_region_counts_from_its_grid_origin():
+    """A grid that starts at byte 8: the region runs from id ceil(92/32) = 3 to 692 // 32 = 21."""
+    p = band(1, page_bytes=32, origin=8, n_grid=32, parked=True)
+    assert take_layout(p, 5, 100, 700) == p._replace(lo=9, hi=14, parked=False, live=5)
+    assert growth_rooms(band(page_bytes=32, origin=8, first_id=1, n_grid=30, lo=5, hi=8), 100, 504) == (2, 7)
+
+
+def test_relayout_places_floats_on_their_own_grids():
+    """A float packs at the first page of its own grid at or above the cursor (origin 8: id
+    ceil(56/32) = 2); one that would pass its grid's end is refused, one that ends on it is not;
+    a float in place with a hole is rewritten without it."""
+    up = band(0, UP, lo=0, hi=4, live=4)
+    down = band(2, DOWN, lo=60, hi=64, live=4)
+    shifted = ChainSnapshot((up, band(1, page_bytes=32, origin=8, lo=5, hi=7, live=2), down), 0, 1024)
+    assert plan(shifted, (0, 0, 0), Step.RELAYOUT).relocations == (Relocation(1, 2, 2),)
+    short = ChainSnapshot((up, band(1, n_grid=20, lo=4, hi=6, live=2), down), 0, 1024)
+    assert plan(short, (0, 14, 0), Step.RELAYOUT).relocations == (Relocation(1, 4, 16),)
+    assert plan(short, (0, 15, 0), Step.RELAYOUT) is None
+    holed = ChainSnapshot((up, band(1, lo=4, hi=7, live=2, holes=1), down), 0, 1024)
+    assert plan(holed, (0, 1, 0), Step.RELAYOUT).relocations == (Relocation(1, 4, 3),)
+
+
+def test_relayout_tries_each_side_for_each_pinned_float_and_moves_the_floats_after_them():
+    """Two pinned floats: the first extends down (to id 7), which leaves the second no room below
+    (its base would pass the first's top, byte 192), so it extends up; the float above them moves
+    down to the second's new top (id 17)."""
+    up = band(0, UP, lo=0, hi=4, live=4)
+    p1 = band(1, lo=10, hi=12, live=1, fixed=1, pinned=True)
+    p2 = band(2, lo=13, hi=15, live=1, fixed=1, pinned=True)
+    f = band(3, lo=30, hi=32, live=2)
+    snap = ChainSnapshot((up, p1, p2, f, band(4, DOWN, lo=60, hi=64, live=4)), 0, 1024)
+    got = plan(snap, (0, 3, 2, 0, 0), Step.RELAYOUT)
+    assert got.extensions == (Extension(1, Side.DOWN, 3), Extension(2, Side.UP, 2))
+    assert got.relocations == (Relocation(3, 17, 2),)
+    assert got.after[1:4] == (p1._replace(lo=7, live=4), p2._replace(hi=17, live=3), f._replace(lo=17, hi=19))
+
+
+def test_a_pinned_floats_extension_may_reach_its_neighbour_or_its_grid_end_exactly():
+    """Down to the up end's top (byte 64) at the grid's first id; up from a base at the up end's
+    top to the grid's end; not past either."""
+    down = band(2, DOWN, lo=60, hi=64, live=4)
+    low = band(1, first_id=4, lo=10, hi=12, live=1, fixed=1, pinned=True)
+    got = plan(ChainSnapshot((band(0, UP, lo=0, hi=4, live=4), low, down), 0, 1024), (0, 6, 0), Step.RELAYOUT)
+    assert got.extensions == (Extension(1, Side.DOWN, 6),)
+    high = band(1, n_grid=15, lo=10, hi=12, live=1, fixed=1, pinned=True)
+    touching = band(0, UP, lo=0, hi=10, live=10)
+    got = plan(ChainSnapshot((touching, high, down), 0, 1024), (0, 3, 0), Step.RELAYOUT)
+    assert got.extensions == (Extension(1, Side.UP, 3),)
+    assert plan(ChainSnapshot((touching, high._replace(n_grid=14), down), 0, 1024), (0, 3, 0), Step.RELAYOUT) is None
+    assert plan(ChainSnapshot((touching, high, down), 0, 1024), (1, 3, 0), Step.RELAYOUT) is None  # top 176
