@@ -434,3 +434,31 @@ def test_a_pinned_floats_extension_may_reach_its_neighbour_or_its_grid_end_exact
     assert got.extensions == (Extension(1, Side.UP, 3),)
     assert plan(ChainSnapshot((touching, high._replace(n_grid=14), down), 0, 1024), (0, 3, 0), Step.RELAYOUT) is None
     assert plan(ChainSnapshot((touching, high, down), 0, 1024), (1, 3, 0), Step.RELAYOUT) is None  # top 176
+
+
+def test_a_down_end_may_reach_the_cursor_or_its_first_id_exactly():
+    """CAP-9: a down end whose base sits on the up end's top still serves a take from its free
+    pages; one growing to its grid's first id is served; a full chain refuses even one page."""
+    up = band(0, UP, lo=0, hi=4, live=4)
+    snug = band(1, DOWN, n_grid=16, lo=4, hi=16, live=10, fixed=1, fixed_far=12)  # 1 hole after packing
+    snap = ChainSnapshot((up, snug), 0, 256)
+    assert plan(snap, (0, 1), Step.RELAYOUT).after[1] == snug._replace(live=11, holes=0)
+    assert plan(snap, (0, 2), Step.RELAYOUT) is None
+    lone = band(0, DOWN, first_id=1, lo=60, hi=64, live=4)
+    assert plan(ChainSnapshot((lone,), 16, 1024), (59,), Step.RELAYOUT).after[0] == lone._replace(lo=1, live=63)
+    full = ChainSnapshot((band(0, UP, lo=0, hi=8, live=8), band(1, DOWN, n_grid=16, lo=8, hi=16, live=8)), 0, 256)
+    assert not feasible(full, (0, 1)) and not feasible(full, (1, 0))
+
+
+def test_a_parked_float_does_not_hide_the_float_behind_it():
+    """A parked float met while checking a move does not end the check: the float after it still
+    blocks a copy into its bytes."""
+    mover = band(1, lo=0, hi=2, live=2)  # bytes 0..32
+    ghost = band(2, lo=-1, hi=-1, parked=True)
+    holder = band(3, lo=4, hi=6, live=2)  # bytes 64..96
+    current = [band(0, UP, lo=0, hi=0), mover, ghost, holder]
+    into, ghost_move, away = Relocation(1, 4, 2), Relocation(2, 10, 1), Relocation(3, 8, 2)
+    assert move_order(current, [into, ghost_move, away]) == [ghost_move, away, into]
+    with pytest.raises(InvariantError) as err:
+        move_order(current, [Relocation(1, 4, 2), Relocation(3, 0, 2)])
+    assert err.value.check == "pricing.move_order"
