@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.kvchain-installed
 JOBS    ?= 2
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install clean mutation
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,12 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
+
+# Mutation score of the pricing, demand, admission and capacity modules ([tool.mutmut] in
+# pyproject.toml; docs/testing.md, "Mutation score"). Slow (tens of minutes), so not part of `test`.
+mutation: $(STAMP)
+	@$(PY) -m pip install -q -e '.[test,mutation]'
+	@rm -rf mutants && mkdir mutants
+	@$(VENV)/bin/mutmut run --max-children $(JOBS) > mutants/run.log 2>&1 || { tail -c 4000 mutants/run.log; exit 1; }
+	@$(VENV)/bin/mutmut results
+	@$(PY) scripts/mutation_score.py
