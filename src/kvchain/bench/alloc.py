@@ -8,8 +8,10 @@ compaction. Only time inside the pools counts.
 
 Two profiles, timed in one process: `roomy` gives kvchain a budget four times what the workload
 needs (no band ever meets another: nothing moves), `pressure` the least budget at which the
-workload's peak fills `fill` of the chain, so bands meet, relief compacts and relocates, and the
-pool runs above 90% utilisation. The static pool is sized, in both, to the workload's own peak per
+chain holds `pressure` (default 0.9) of the bytes the workload's requests would hold at their peak
+if none were ever refused: a scheduler admits arrivals while their prefill fits and preempts the
+youngest request when a decode step does not, so the pool runs above 90% utilisation, bands meet,
+and relief compacts and relocates every few iterations. The static pool is sized, in both, to the workload's own peak per
 sub-pool (a dry run through `PeakTrackingPool`), as an engine with fixed per-kind pools must be to
 serve it. Every driver runs in alternating blocks of iterations (round robin over profiles and
 pools) so machine noise hits all alike; a block of kvchain and the block of the static pool beside
@@ -33,15 +35,13 @@ from ..memory.arena import arena_layout
 from ..models.small import small_hybrid
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import fixed_allocations, size_plan
+from . import DEFAULT_PRESSURE
 from .static_pool import PeakTrackingPool, StaticPagedPool
 from .workload import BenchRequest, decode_heavy
 
 PROFILES = ("roomy", "pressure")
 #: the roomy profile's budget over the workload's peak bytes
 ROOMY_HEADROOM = 4.0
-#: the pressure profile's default: its chain's bytes over what the workload needs when it is
-#: never refused (the peak bytes its requests hold at once)
-DEFAULT_PRESSURE = 0.9
 CONTEXT_LEN = 8192
 WARMUP_ITERS = 100
 
@@ -256,6 +256,7 @@ def summarise(name: str, budget: int, kv: _Driver, static: _Driver, iters: int) 
         "reliefs": chain.reliefs,
         "moves": stats.moves,
         "relocations": stats.relocations,
+        "requests_served": kv.next_req,
         "preemptions": sum(p for p, _a in kv.log[-iters:]),
         "admissions": sum(a for _p, a in kv.log[-iters:]),
     }

@@ -13,6 +13,8 @@ the band: memory knows nothing of the allocator above it."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -124,6 +126,6 @@ def _copy_runs_host(words: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     bounds = np.concatenate(([0], breaks, [len(src)])).tolist()
     s_list, d_list = src.tolist(), dst.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         s0, d0, k = s_list[a], d_list[a], b - a
         words[d0 : d0 + k] = words[s0 : s0 + k]
