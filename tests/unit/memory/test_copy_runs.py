@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from support.chains import small_storage
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data(), page_size=st.sampled_from([2, 64]))
 def test_move_pages_lands_every_source_on_its_destination(data, page_size):
     storage = small_storage(page_size=page_size, chain_kib=32 if page_size == 2 else 512)
