@@ -76,6 +76,9 @@ class _Driver:
     block_us: list[float] = field(default_factory=list)
     utilisation: list[float] = field(default_factory=list)
     log: list[tuple[int, int]] = field(default_factory=list)
+    #: takes the pool refused (CapacityError): an admission or a decode step that did not fit
+    refused: int = 0
+    refused_before_timing: int = 0
 
     def __post_init__(self) -> None:
         self.rows: list[int] = []
@@ -121,6 +124,7 @@ class _Driver:
         except CapacityError:
             self.pool.free_rows(rows)
             self.pool_ns += time.perf_counter_ns() - t0
+            self.refused += 1
             if must:
                 raise
             return False
@@ -161,6 +165,7 @@ class _Driver:
                     pool.advance(rows)
             except CapacityError:
                 self.pool_ns += time.perf_counter_ns() - t0
+                self.refused += 1
                 if self.script is not None or len(self.rows) <= 1:
                     raise
                 self._preempt()
@@ -259,6 +264,7 @@ def summarise(name: str, budget: int, kv: _Driver, static: _Driver, iters: int) 
         "requests_served": kv.next_req,
         "preemptions": sum(p for p, _a in kv.log[-iters:]),
         "admissions": sum(a for _p, a in kv.log[-iters:]),
+        "refused_takes": kv.refused - kv.refused_before_timing,
     }
 
 
@@ -295,6 +301,7 @@ def run_alloc_bench(iters: int = 2000, batch: int = 256, page_size: int = 64, se
     for _budget, kv, _static in pairs.values():
         chain = kv.pool.allocator
         chain.reliefs = 0
+        kv.refused_before_timing = kv.refused
         for band in chain.bands:
             band.stats["moves"] = 0
         chain.relocations = 0

@@ -21,7 +21,7 @@ PROFILE_KEYS = {
     "profile", "budget_bytes", "static_pool_bytes", "kvchain_us_per_iter", "static_us_per_iter", "ratio",
     "kvchain_mean_us_per_iter", "static_mean_us_per_iter", "kvchain_block_us", "static_block_us",
     "utilisation_mean", "utilisation_min", "reliefs", "moves", "relocations", "requests_served",
-    "preemptions", "admissions",
+    "preemptions", "admissions", "refused_takes",
 }
 
 
@@ -66,12 +66,14 @@ def test_pressure_profile_runs_full_and_relieves(result: dict) -> None:
     pressure = result["profiles"]["pressure"]
     assert pressure["utilisation_mean"] >= 0.9
     assert pressure["reliefs"] > 0 and pressure["moves"] > 0
+    assert 0 < pressure["refused_takes"] and pressure["preemptions"] <= pressure["refused_takes"]  # a preemption follows a refused decode
     assert pressure["budget_bytes"] < result["workload_peak_bytes"]
 
 
 def test_roomy_profile_never_moves(result: dict) -> None:
     roomy = result["profiles"]["roomy"]
     assert roomy["reliefs"] == roomy["moves"] == roomy["relocations"] == roomy["preemptions"] == 0
+    assert roomy["refused_takes"] == 0
     assert roomy["utilisation_mean"] < 0.5
 
 
