@@ -78,7 +78,8 @@ class _Driver:
     log: list[tuple[int, int]] = field(default_factory=list)
     #: takes the pool refused (CapacityError): an admission or a decode step that did not fit
     refused: int = 0
-    refused_before_timing: int = 0
+    #: `_counters` when timing began: the reported counts are the timed iterations' alone
+    counted_from: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rows: list[int] = []
@@ -240,10 +241,14 @@ def block_ratios(kv_blocks: list[float], static_blocks: list[float]) -> list[flo
     return [k / s for k, s in zip(kv_blocks, static_blocks)]
 
 
+def _counters(kv: _Driver) -> dict[str, int]:
+    stats = kv.pool.stats()
+    return {"reliefs": kv.pool.allocator.reliefs, "moves": stats.moves, "relocations": stats.relocations,
+            "refused_takes": kv.refused}
+
+
 def summarise(name: str, budget: int, kv: _Driver, static: _Driver, iters: int) -> dict:
     """One profile's figures: medians over blocks, the ratio the median of per-block ratios."""
-    stats = kv.pool.stats()
-    chain = kv.pool.allocator
     util = kv.utilisation
     return {
         "profile": name,
@@ -258,13 +263,10 @@ def summarise(name: str, budget: int, kv: _Driver, static: _Driver, iters: int) 
         "static_block_us": [round(x, 2) for x in static.block_us],
         "utilisation_mean": round(float(np.mean(util)), 4) if util else None,
         "utilisation_min": round(float(np.min(util)), 4) if util else None,
-        "reliefs": chain.reliefs,
-        "moves": stats.moves,
-        "relocations": stats.relocations,
+        **{key: n - kv.counted_from.get(key, 0) for key, n in _counters(kv).items()},
         "requests_served": kv.next_req,
         "preemptions": sum(p for p, _a in kv.log[-iters:]),
         "admissions": sum(a for _p, a in kv.log[-iters:]),
-        "refused_takes": kv.refused - kv.refused_before_timing,
     }
 
 
@@ -299,12 +301,7 @@ def run_alloc_bench(iters: int = 2000, batch: int = 256, page_size: int = 64, se
             kv.step()
             static.step()
     for _budget, kv, _static in pairs.values():
-        chain = kv.pool.allocator
-        chain.reliefs = 0
-        kv.refused_before_timing = kv.refused
-        for band in chain.bands:
-            band.stats["moves"] = 0
-        chain.relocations = 0
+        kv.counted_from = _counters(kv)
     # Serving engines freeze the objects that live for the whole process after start-up, so a
     # full collection does not walk torch's module graph in the middle of a step; do the same.
     gc.collect()
