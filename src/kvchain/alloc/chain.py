@@ -80,6 +80,8 @@ class ChainAllocator:
         self.move_epoch = 0
         #: float relocations so far (`_relocate`): a float band's live pages copied to a new block
         self.relocations = 0
+        #: reliefs so far (`_relieve`): takes that compacted or relocated bands before they fit
+        self.reliefs = 0
         self.copier = PageCopier(arena, device, scratch_bytes)
         owner_grid = self.layout.grids[plan.owner.index]
         self.n_virtual = owner_grid.n_grid + 1  # virtual page 0 is the null page: it reads the sink
@@ -355,6 +357,7 @@ class ChainAllocator:
         return self.take_from(band, n, consumer=consumer)
 
     def _relieve(self, pages: tuple[int, ...]) -> LayoutPlan:
+        self.reliefs += 1
         self._recover_for_relief()
         layout, hold_network = self._relief_plan(pages)
         if layout is None:

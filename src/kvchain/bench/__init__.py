@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_common import byte_size, dump_json, non_negative_int, positive_int, progress
+from ..cli_common import byte_size, dump_json, non_negative_int, positive_int, progress, share
 
-#: timed flushes of `bench moves` (the best counts)
-MOVES_REPEATS = 7
+#: the pressure profile's default: its chain's bytes over the peak bytes the workload's requests
+#: would hold if none were ever refused (here, so `--help` imports nothing heavy)
+DEFAULT_PRESSURE = 0.9
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -18,9 +19,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     alloc.add_argument("--batch", type=positive_int, default=256)
     alloc.add_argument("--page-size", type=positive_int, default=64)
     alloc.add_argument("--seed", type=non_negative_int, default=0)
+    alloc.add_argument("--profile", choices=("both", "roomy", "pressure"), default="both",
+                       help="roomy: 4x the workload's bytes, nothing moves; pressure: --pressure of them")
+    alloc.add_argument("--pressure", type=share, default=DEFAULT_PRESSURE,
+                       help="the pressure profile's chain bytes over the workload's unrefused peak")
     alloc.add_argument("--json", action="store_true")
-    moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_")
-    moves.add_argument("--page-size", type=positive_int, default=64)
+    moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_, "
+                           "swept over page sizes and torch threads")
+    moves.add_argument("--repeats", type=positive_int, default=5, help="per cell; the median counts")
     moves.add_argument("--device", default="cpu", help="cpu or cuda")
     moves.add_argument("--json", action="store_true")
     engine = sub.add_parser("engine", help="serving throughput: kvchain's engine vs transformers' generate_batch "
@@ -37,50 +43,82 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from ..errors import InputError
 
     if args.bench == "engine":
         return _run_engine(args)
     if args.bench == "alloc":
-        from .alloc import run_alloc_bench
+        from .alloc import PROFILES, run_alloc_bench
 
+        profiles = PROFILES if args.profile == "both" else (args.profile,)
         with progress(disable=args.json) as bar:
             task = bar.add_task("bench alloc", total=args.iters)
-            result = run_alloc_bench(iters=args.iters, batch=args.batch, page_size=args.page_size,
-                                     seed=args.seed, progress=lambda n: bar.advance(task, n))
-        rows = [("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", "static_us_per_iter"),
-                ("ratio (kvchain / static)", "ratio")]
-    else:
-        import torch
-
-        from .moves import run_moves_bench
-
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError("--device cuda: CUDA is not available on this machine")
-        if args.device not in ("cpu",) and not args.device.startswith("cuda"):
-            raise InputError(f"--device must be cpu or cuda, not {args.device!r}")
-        with progress(disable=args.json, unit="repeats") as bar:
-            task = bar.add_task("bench moves", total=MOVES_REPEATS)
-            result = run_moves_bench(page_size=args.page_size, device=args.device, repeats=MOVES_REPEATS,
+            result = run_alloc_bench(iters=args.iters, batch=args.batch, page_size=args.page_size, seed=args.seed,
+                                     profiles=profiles, pressure=args.pressure,
                                      progress=lambda n: bar.advance(task, n))
-        rows = [("moves GB/s", "moves_gb_per_s"), ("copy_ GB/s", "copy_gb_per_s"), ("ratio (moves / copy_)", "ratio")]
+        if args.json:
+            print(dump_json(result))
+            return 0
+        Console().print(alloc_table(result))
+        return 0
+    import torch
+
+    from .moves import default_threads, run_moves_bench
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda: CUDA is not available on this machine")
+    if args.device not in ("cpu",) and not args.device.startswith("cuda"):
+        raise InputError(f"--device must be cpu or cuda, not {args.device!r}")
+    from .moves import SWEEP_LAYERS
+
+    with progress(disable=args.json, unit="cells") as bar:
+        task = bar.add_task("bench moves", total=len(SWEEP_LAYERS) * len(default_threads()))
+        result = run_moves_bench(repeats=args.repeats, device=args.device, progress=lambda n: bar.advance(task, n))
     if args.json:
         print(dump_json(result))
         return 0
-    table = Table(title=f"kvchain bench {args.bench}", show_header=False, title_justify="left")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    shown = {key for _label, key in rows}
-    for key, value in result.items():
-        if key not in shown:
-            table.add_row(key, str(value))
-    for label, key in rows:
-        table.add_row(f"[bold]{label}[/]", f"[bold]{result[key]}[/]")
-    Console().print(table)
+    Console().print(moves_table(result))
     return 0
 
+
+ALLOC_COLUMNS = (("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", "static_us_per_iter"),
+                 ("ratio", "ratio"), ("util mean", "utilisation_mean"), ("reliefs", "reliefs"),
+                 ("moves", "moves"), ("relocations", "relocations"), ("preemptions", "preemptions"), ("refused takes", "refused_takes"),
+                 ("budget GiB", "budget_bytes"), ("static GiB", "static_pool_bytes"))
+
+
+def alloc_table(result: dict):
+    """A row per figure, a column per profile."""
+    from rich.table import Table
+
+    head = result["headline"]
+    table = Table(title=f"kvchain bench alloc: batch {result['batch']}, {result['iters']} iterations, medians of "
+                  f"blocks of {result['block']}; worst ratio {head['ratio']} ({head['worst_profile']})",
+                  title_justify="left")
+    table.add_column("")
+    profiles = result["profiles"]
+    for name in profiles:
+        table.add_column(name, justify="right")
+    for label, key in ALLOC_COLUMNS:
+        cells = [f"{row[key] / 2**30:.2f}" if key.endswith("_bytes") else str(row[key]) for row in profiles.values()]
+        table.add_row(f"[bold]{label}[/]" if key == "ratio" else label, *cells)
+    return table
+
+
+def moves_table(result: dict):
+    from rich.table import Table
+
+    head = result["headline"]
+    table = Table(title=f"kvchain bench moves on {result['device']}, medians of {result['repeats']}; worst ratio "
+                  f"{head['worst_ratio']} ({head['page_bytes'] // 1024} KiB pages, {head['threads']} threads)",
+                  title_justify="left")
+    for label in ("page KiB", "threads", "pages moved", "moves GB/s", "copy_ GB/s", "ratio (moves / copy_)"):
+        table.add_column(label, justify="right")
+    for c in result["cells"]:
+        table.add_row(str(c["page_bytes"] // 1024), str(c["threads"]), str(c["pages_moved"]),
+                      str(c["moves_gb_per_s"]), str(c["copy_gb_per_s"]), str(c["ratio"]))
+    return table
 
 
 def _run_engine(args: argparse.Namespace) -> int:

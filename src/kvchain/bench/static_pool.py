@@ -1,5 +1,7 @@
 """A plain static paged pool: one fixed free list per sub-pool, as engines that split memory into
-fixed per-kind pools do. The baseline `kvchain bench alloc` measures the chain allocator against.
+fixed per-kind pools do (vLLM's and SGLang's hybrid allocators: a full-attention pool, a
+sliding-window pool and a Mamba state pool, each sized at start-up and never lent to another). The
+baseline `kvchain bench alloc` measures the chain allocator against.
 
 It does the same per-iteration work a forward needs from its pool: pages for the new tokens,
 window pages retired as requests advance, a state slot per request, write locations and batch page
@@ -32,9 +34,17 @@ class StaticPagedPool:
                 "free": IdStack(n, np.arange(n - 1, 0, -1, dtype=np.int64)),  # page 0: padding
                 "table": np.zeros((rows, 1 if pool.kind is PoolKind.STATE else self.max_pages), dtype=np.int64),
                 "lo": np.zeros(rows, dtype=np.int64),
+                "capacity": n - 1,
             })
         self.seq_lens = np.zeros(rows, dtype=np.int64)
         self.rows = IdStack(rows, np.arange(rows - 1, 0, -1, dtype=np.int64))
+
+    def pages_in_use(self) -> dict[str, int]:
+        return {p["pool"].name: p["capacity"] - len(p["free"]) for p in self.pools}
+
+    def pool_bytes(self) -> int:
+        """Bytes of every page the pools hold, used or free (the padding pages not counted)."""
+        return sum(p["capacity"] * p["pool"].page_bytes for p in self.pools)
 
     def alloc_row(self) -> int:
         return int(self.rows.pop(1)[0])
@@ -110,3 +120,23 @@ class StaticPagedPool:
             p["lo"][rows] = 0
         self.seq_lens[rows] = 0
         self.rows.push(rows)
+
+
+class PeakTrackingPool(StaticPagedPool):
+    """A static pool that records the most pages each sub-pool held at once, and the most bytes all
+    of them held at once: a dry run of a workload through it sizes the pools that serve it (each
+    kind's own peak, as an engine with fixed per-kind pools must provision) and the one budget a
+    shared arena needs (the peak of the sum, never above the sum of the peaks)."""
+
+    def __init__(self, plan: KVStoragePlan, sizing: PlanSizing, pages: dict[str, int] | None = None) -> None:
+        super().__init__(plan, sizing, pages)
+        self.peak_pages = {p["pool"].name: 0 for p in self.pools}
+        self.peak_bytes = 0
+
+    def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> dict[str, np.ndarray]:
+        out = super().alloc_extend(rows, new_lens)
+        used = self.pages_in_use()
+        for name, n in used.items():
+            self.peak_pages[name] = max(self.peak_pages[name], n)
+        self.peak_bytes = max(self.peak_bytes, sum(n * self.plan.by_name(name).page_bytes for name, n in used.items()))
+        return out

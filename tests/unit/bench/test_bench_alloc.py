@@ -1,0 +1,115 @@
+"""`kvchain bench alloc`: its figures are the arithmetic of the per-block timings it reports, its
+pressure profile really is under pressure (and its roomy one is not), the static pool replays the
+chain's decisions on pools sized to them, and the JSON keeps its schema. Nothing here asserts a
+speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from kvchain.bench.alloc import PROFILES, _Driver, run_alloc_bench
+from kvchain.cli import main
+from kvchain.errors import InputError
+
+ITERS, BLOCK = 60, 20
+
+PROFILE_KEYS = {
+    "profile", "budget_bytes", "static_pool_bytes", "kvchain_us_per_iter", "static_us_per_iter", "ratio",
+    "kvchain_mean_us_per_iter", "static_mean_us_per_iter", "kvchain_block_us", "static_block_us",
+    "utilisation_mean", "utilisation_min", "reliefs", "moves", "relocations", "requests_served",
+    "preemptions", "admissions", "refused_takes",
+}
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return run_alloc_bench(iters=ITERS, batch=64, block=BLOCK)
+
+
+def test_json_schema(result: dict) -> None:
+    assert next(iter(result)) == "headline"
+    assert set(result) == {"headline", "iters", "batch", "page_size", "block", "pressure", "workload_peak_bytes",
+                           "profiles"}
+    assert set(result["headline"]) == {"worst_profile", "ratio", "kvchain_us_per_iter", "static_us_per_iter"}
+    assert tuple(result["profiles"]) == PROFILES
+    for name, row in result["profiles"].items():
+        assert set(row) == PROFILE_KEYS, name
+        assert row["profile"] == name
+    json.loads(json.dumps(result))  # plain JSON all the way down
+
+
+def test_figures_are_medians_of_the_blocks(result: dict) -> None:
+    for row in result["profiles"].values():
+        kv, st = row["kvchain_block_us"], row["static_block_us"]
+        assert len(kv) == len(st) == math.ceil(ITERS / BLOCK)
+        assert row["kvchain_us_per_iter"] == pytest.approx(statistics.median(kv), abs=0.01)
+        assert row["static_us_per_iter"] == pytest.approx(statistics.median(st), abs=0.01)
+        # the ratio pairs each kvchain block with the static block that replayed the same iterations
+        assert row["ratio"] == pytest.approx(statistics.median(k / s for k, s in zip(kv, st)), rel=1e-2)
+        assert row["kvchain_mean_us_per_iter"] == pytest.approx(statistics.mean(kv), rel=1e-2)
+        assert row["static_mean_us_per_iter"] == pytest.approx(statistics.mean(st), rel=1e-2)
+
+
+def test_headline_is_the_worst_profile(result: dict) -> None:
+    head = result["headline"]
+    worst = max(result["profiles"].values(), key=lambda r: r["ratio"])
+    assert head["worst_profile"] == worst["profile"]
+    assert (head["ratio"], head["kvchain_us_per_iter"], head["static_us_per_iter"]) == (
+        worst["ratio"], worst["kvchain_us_per_iter"], worst["static_us_per_iter"])
+
+
+def test_pressure_profile_runs_full_and_relieves(result: dict) -> None:
+    pressure = result["profiles"]["pressure"]
+    assert pressure["utilisation_mean"] >= 0.9
+    assert pressure["reliefs"] > 0 and pressure["moves"] > 0
+    assert pressure["refused_takes"] > 0 and pressure["preemptions"] <= pressure["refused_takes"]  # a preemption follows a refused decode
+    assert pressure["budget_bytes"] < result["workload_peak_bytes"]
+
+
+def test_roomy_profile_never_moves(result: dict) -> None:
+    roomy = result["profiles"]["roomy"]
+    assert roomy["reliefs"] == roomy["moves"] == roomy["relocations"] == roomy["preemptions"] == 0
+    assert roomy["refused_takes"] == 0
+    assert roomy["utilisation_mean"] < 0.5
+
+
+def test_a_scripted_driver_makes_the_decisions_it_is_given() -> None:
+    """The static pool follows the chain's preemptions and admissions; a script it cannot follow
+    (its pools too small) raises rather than serving another workload."""
+    from kvchain.bench.alloc import CONTEXT_LEN, bench_plan, dry_run, roomy_static
+    from kvchain.bench.static_pool import PeakTrackingPool, StaticPagedPool
+    from kvchain.bench.workload import decode_heavy
+    from kvchain.errors import CapacityError
+
+    plan = bench_plan()
+    stream = decode_heavy(64, 1, CONTEXT_LEN)
+    sizing, pages = roomy_static(plan, 8)
+    script = [(0, 8)] + [(0, 0)] * 5 + [(2, 1)] + [(0, 0)] * 3
+    tracker = dry_run(PeakTrackingPool(plan, sizing, pages), False, 8, stream, 9, script)
+    assert tracker.log == script
+    assert len(tracker.rows) == 7  # eight admitted, two preempted, one (the first preempted) back
+    tight = {name: max(1, n // 2) for name, n in tracker.pool.peak_pages.items()}
+    with pytest.raises(CapacityError):
+        dry_run(StaticPagedPool(plan, sizing, tight), False, 8, stream, 9, script)
+    assert isinstance(tracker, _Driver)
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(InputError):
+        run_alloc_bench(iters=10, pressure=1.5)
+    with pytest.raises(InputError):
+        run_alloc_bench(iters=10, profiles=("busy",))
+
+
+def test_cli_json_and_refusals(capsys) -> None:
+    assert main(["bench", "alloc", "--iters", "10", "--batch", "16", "--profile", "roomy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["profiles"]) == ["roomy"] and out["headline"]["worst_profile"] == "roomy"
+    for argv in (["--pressure", "0"], ["--pressure", "1.2"], ["--profile", "busy"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "alloc", *argv])
+        assert exc.value.code == 2
