@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         from .alloc import PROFILES, run_alloc_bench
 
         profiles = PROFILES if args.profile == "both" else (args.profile,)
-        with progress(disable=args.json) as bar:
+        with progress(disable=args.json, unit="iterations") as bar:
             task = bar.add_task("bench alloc", total=args.iters)
             result = run_alloc_bench(iters=args.iters, batch=args.batch, page_size=args.page_size, seed=args.seed,
                                      profiles=profiles, pressure=args.pressure,
@@ -127,7 +127,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from .engine import DEFAULT_BUDGET, progress_total, render_engine_bench, run_engine_bench
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    with progress(disable=args.json) as bar:
+    with progress(disable=args.json, unit="runs") as bar:
         task = bar.add_task("bench engine", total=progress_total(families, args.repeats))
         result = run_engine_bench(families=families, requests=args.requests, seed=args.seed, repeats=args.repeats,
                                   budget=args.budget or DEFAULT_BUDGET, threads=args.threads,
