@@ -39,6 +39,7 @@ from .storage_roles import (
     Translation,
     boundary,
 )
+from .storage_roles.boundary import INT64, count_true
 
 log = logging.getLogger("kvchain.storage")
 
@@ -69,6 +70,9 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     """Every role over one arena, one `ChainAllocator` and one `RequestTable` (built by
     `build_kv_storage`). The methods' contracts are their roles' docstrings."""
 
+    #: the boundary's checks run; only `bench.boundary_cost` clears it, on one instance, to price them
+    _checked: bool = True
+
     def __init__(
         self,
         plan: KVStoragePlan,
@@ -91,17 +95,48 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         self._n_slots = grids[plan.state.index].n_grid if self._has_state else 0
         self._n_virtual = allocator.n_virtual
         self._owner = plan.owner.name
+        #: per length 0..context_len, whether a token still fits: a gather checks lengths, no ufunc
+        self._below_context = np.arange(table.context_len + 1) < table.context_len
+        # The bytes of the last row array found inside the table and free of repeats, of the last one
+        # found inside it, and of the last token ids the pool wrote: a step names the same rows to
+        # every call and hands back the ids it was given, and what an array's bytes passed once
+        # (a range, no repeats) they pass again, whatever the pool did since. Comparing bytes copies
+        # them once and runs no ufunc; whether rows are in use is pool state, checked every call.
+        self._rows_once = b""
+        self._rows_inside = b""
+        self._tokens_written = b""
+        #: per owner virtual page, the row and page column that took it last: with the rows' table
+        #: they tell a page a row in use owns in a few gathers (`_held_by_rows`)
+        self._taken_row = np.zeros(self._n_virtual, dtype=np.int64)
+        self._taken_col = np.zeros(self._n_virtual, dtype=np.int64)
 
     # -- the boundary: ids checked on the host before anything changes ------------------------------
 
-    def _rows(self, rows, what: str) -> np.ndarray:
-        """Request rows as int64, each inside the table and named once."""
-        rows = boundary.id_array(rows, f"{what} rows")
+    def _rows(self, rows, what: str, in_use: bool = True) -> np.ndarray:
+        """Request rows as int64, each inside the table, named once and (`in_use`) in use. Unless
+        their bytes passed before: the gather of their in-use marks refuses a row past the table,
+        the bincount of them a negative row, and its count of rows named is the repeats."""
+        if not self._checked:
+            return rows
+        if type(rows) is not np.ndarray or rows.dtype is not INT64 or rows.ndim != 1:  # `boundary.is_ids`, inlined
+            rows = boundary.id_array(rows, f"{what} rows")
         table = self.table
-        if boundary.outside(rows, table.rows):
-            raise _unknown_rows(table, rows)
-        if len(rows) > 1 and np.bincount(rows).max() > 1:
-            raise InputError(f"{what} needs distinct rows that are in use: a row is named twice")
+        n = len(rows)
+        key = rows.tobytes()
+        if key != self._rows_once:
+            try:
+                active = table.active[rows]
+                named = np.bincount(rows, minlength=table.rows)
+            except (IndexError, ValueError):
+                raise _unknown_rows(table, rows) from None
+            if count_true(named) != n:
+                raise InputError(f"{what} names each row once: rows {np.flatnonzero(named > 1)[:8].tolist()} "
+                                 "are named twice")
+            self._rows_once = key
+        elif in_use:
+            active = table.active[rows]
+        if in_use and count_true(active) != n:
+            raise InputError(f"{what} needs distinct rows that are in use: rows {rows[~active][:8].tolist()} are not")
         return rows
 
     def _row(self, row, what: str) -> int:
@@ -126,11 +161,31 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     def _bound(self, sub_pool: str, ids: np.ndarray, what: str) -> None:
         """Every id is allocated (bound) in the sub-pool, so a free or a copy names live pages only."""
+        if not self._checked:
+            return
         try:
             self.allocator.physical_pages(sub_pool, ids)
         except InvariantError:
             raise InputError(f"{what}: {sub_pool} does not hold every one of them (never allocated, "
                              f"or freed already)") from None
+
+    def _held_by_rows(self, vpages: np.ndarray) -> np.ndarray:
+        """Which of `vpages` (owner ids in range) a request row in use owns: taken by the row, still
+        in its table, past its tree-shared prefix and within its length. A gather per array, no set."""
+        table = self.table
+        row, col = self._taken_row[vpages], self._taken_col[vpages]
+        held = table.page_table[row, col] == vpages
+        held &= table.active[row]
+        held &= col >= table.shared_pages[row]
+        held &= col * self.page_size < table.seq_lens[row]
+        return held
+
+    def _not_rows_own(self, vpages: np.ndarray, what: str) -> None:
+        """A free that names a page a row in use owns would leave the row reading a freed page."""
+        held = self._held_by_rows(vpages)
+        if count_true(held):
+            raise InputError(f"{what}: pages {vpages[held][:8].tolist()} belong to request rows in use "
+                             "(free_rows frees them; an insert's duplicates go with release_to_tree)")
 
     def _window(self, sub_pool) -> SubPool:
         pool = self.plan.by_name(boundary.name(sub_pool))
@@ -162,17 +217,21 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     @_operation
     def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
         rows = self._rows(rows, "alloc_extend")
-        new_lens = boundary.id_array(new_lens, "alloc_extend lengths")
         table = self.table
-        if len(rows) != len(new_lens):
-            raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
-        if not table.active[rows].all():
-            raise InputError("alloc_extend needs distinct rows that are in use")
+        if self._checked:
+            new_lens = boundary.id_array(new_lens, "alloc_extend lengths")
+            if len(rows) != len(new_lens):
+                raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
         old_lens = table.seq_lens[rows]
-        if new_lens.min(initial=0) < 0 or (new_lens - old_lens).min(initial=0) < 0 or (
-            new_lens.max(initial=0) > table.context_len
-        ):
-            raise InputError(f"new lengths must lie in [current length, {table.context_len}]")
+        # a row's length is never negative, so new >= old is new >= 0 too; past the context, the
+        # gather of `_below_context` fails
+        if self._checked:
+            try:
+                if count_true(new_lens < old_lens):
+                    raise IndexError
+                self._below_context.take(new_lens)  # mode 'raise': a length past it fails
+            except IndexError:
+                raise InputError(f"new lengths must lie in [current length, {table.context_len}]") from None
         ps = self.page_size
         old_pages = (old_lens + ps - 1) // ps
         counts = (new_lens + ps - 1) // ps - old_pages
@@ -190,6 +249,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         vpages, slots = self.allocator.take_virtual(len(row_idx), len(need_slot))
         if len(vpages):
             self.table.page_table[row_idx, col] = vpages
+            self._taken_row[vpages] = row_idx
+            self._taken_col[vpages] = col
         if len(slots):
             self.table.state_slot[need_slot] = slots
 
@@ -207,9 +268,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         rows = self._rows(rows, "alloc_decode")
         table = self.table
         old_lens = table.seq_lens[rows]
-        if not table.active[rows].all():
-            raise InputError("alloc_decode needs distinct rows that are in use")
-        if len(rows) and old_lens.max() >= table.context_len:
+        if self._checked and count_true(self._below_context[old_lens]) != len(rows):
             raise InputError(f"a row is at the context length {table.context_len}")
         ps = self.page_size
         col = old_lens // ps
@@ -222,37 +281,33 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         written = table.page_table[rows, col]
         written *= ps
         written += offset
+        self._tokens_written = written.tobytes()  # ids the pool wrote lie in its id space
         return written
 
     @_operation
     def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
-        rows = self._any_rows(rows, "advance")
-        if checkpoints is not None:
+        # a row named twice would retire twice, freeing its window pages twice: refused, like every
+        # call that changes rows; a row not in use holds no length, so it retires nothing
+        rows = self._rows(rows, "advance", in_use=False)
+        if checkpoints is not None and self._checked:
             checkpoints = boundary.id_array(checkpoints, "advance checkpoints")
             boundary.same_count(rows, checkpoints, "advance rows and checkpoints")
             boundary.in_range(checkpoints, 0, self.table.context_len + 1, "advance checkpoints")
-        if len(rows) > 1 and np.bincount(rows).max() > 1:
-            # a step may name a row twice (a request preempted and its row handed on): it retires once,
-            # behind the lower of its checkpoints, since retiring it twice would free its pages twice
-            order = np.lexsort((rows if checkpoints is None else checkpoints, rows))
-            rows = rows[order]
-            first = np.r_[True, rows[1:] != rows[:-1]]
-            rows = rows[first]
-            checkpoints = None if checkpoints is None else checkpoints[order][first]
         return retire_window_rows(self.table, self.allocator, self.page_size, rows, checkpoints)
 
     @_operation
     def free_rows(self, rows: np.ndarray) -> None:
-        rows = self._rows(rows, "free_rows")
+        rows = self._rows(rows, "free_rows", in_use=False)
         if not len(rows):
             return
         table = self.table
         active = table.active[rows]
-        if not active.all():
+        if self._checked and count_true(active) != len(rows):
             raise InvariantError("requests.row_state", f"free of rows not in use {rows[~active].tolist()}")
         chain = self.allocator
-        own = table.own_pages(rows)  # a tree-shared prefix stays with the tree
-        self._bound(self._owner, own, "free_rows: the rows' pages")
+        # A tree-shared prefix stays with the tree. The rest is bound: no public free reaches a page
+        # a row in use owns (`_not_rows_own`), so the pages are not checked again here.
+        own = table.own_pages(rows)
         chain.free_virtual_pages(own)
         slots = table.state_slot[rows]
         chain.free_state_slots(slots[slots != NO_SLOT])
@@ -318,7 +373,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         table.shared_pages[row] = n
         table.window_lo[row] = window_lo
 
-    def release_to_tree(self, row: int, n_pages: int) -> None:
+    @_operation
+    def release_to_tree(self, row: int, n_pages: int, duplicates: np.ndarray | None = None) -> None:
         table = self.table
         row = self._row(row, "release_to_tree")
         n_pages = boundary.count(n_pages, "release_to_tree pages")
@@ -326,6 +382,17 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
             raise InputError(f"release_to_tree: row {row} is not in use")
         if n_pages > pages_for(int(table.seq_lens[row]), self.page_size):
             raise InputError(f"release_to_tree: row {row} holds fewer than {n_pages} pages")
+        cols = None
+        if duplicates is not None:
+            duplicates = self._vpages(duplicates, "release_to_tree duplicates")
+            at_row, cols = self._taken_row[duplicates], self._taken_col[duplicates]
+            mine = self._held_by_rows(duplicates) & (at_row == row) & (cols < n_pages)
+            if count_true(mine) != len(duplicates):
+                raise InputError(f"release_to_tree duplicates {duplicates[~mine][:8].tolist()} are not row "
+                                 f"{row}'s own pages among its first {n_pages}")
+        if cols is not None and len(cols):
+            self.allocator.free_virtual_pages(duplicates)
+            table.page_table[row, cols] = 0  # the null page, never a freed id another row may take
         table.shared_pages[row] = max(int(table.shared_pages[row]), n_pages)
 
     @_operation
@@ -333,9 +400,9 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         vpages = self._vpages(vpages, "free_virtual_pages")
         if not len(vpages):
             return
-        # A row's own pages may be freed here (an insert's duplicates, before `release_to_tree`), so
-        # ownership is the owner's binding; `free_rows` refuses a row whose pages are already gone.
         self._bound(self._owner, vpages, "free_virtual_pages")
+        if self._checked:
+            self._not_rows_own(vpages, "free_virtual_pages")
         self.allocator.free_virtual_pages(vpages)
 
     @_operation
@@ -343,6 +410,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         pool = self._window(sub_pool)
         vpages = self._vpages(vpages, "free_window_rows")
         self._bound(pool.name, vpages, "free_window_rows")
+        if self._checked:
+            self._not_rows_own(vpages, "free_window_rows")  # `advance` retires a row's window pages
         self.allocator.free_window_rows(pool.name, vpages)
 
     @_operation
@@ -484,8 +553,11 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
             raise InputError(f"no sub-pool {name!r} in this plan (sub-pools {list(self.views)})") from None
 
     def iteration_ids(self, virtual_tokens: np.ndarray, rows: np.ndarray | None = None) -> IterationIds:
-        virtual_tokens = boundary.id_array(virtual_tokens, "iteration_ids tokens")
-        boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
+        if self._checked:
+            if not boundary.is_ids(virtual_tokens):
+                virtual_tokens = boundary.id_array(virtual_tokens, "iteration_ids tokens")
+            if virtual_tokens.tobytes() != self._tokens_written:
+                boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
         slots = None if rows is None else self.table.state_slot[self._any_rows(rows, "iteration_ids")]
         return IterationIds.translate(self.allocator, virtual_tokens, slots)
 
@@ -493,10 +565,16 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         return RunnerIds.translate(self.allocator, self.table, self._any_rows(rows, "runner_ids"))
 
     def _any_rows(self, rows, what: str) -> np.ndarray:
-        """Rows to read: inside the table, repeats allowed."""
-        rows = boundary.id_array(rows, f"{what} rows")
-        if boundary.outside(rows, self.table.rows):
-            raise _unknown_rows(self.table, rows)
+        """Rows to read, inside the table, repeats allowed (or bytes that passed before)."""
+        if not self._checked:
+            return rows
+        if type(rows) is not np.ndarray or rows.dtype is not INT64 or rows.ndim != 1:  # `boundary.is_ids`, inlined
+            rows = boundary.id_array(rows, f"{what} rows")
+        key = rows.tobytes()
+        if key != self._rows_once and key != self._rows_inside:
+            if boundary.outside(rows, self.table.rows):
+                raise _unknown_rows(self.table, rows)
+            self._rows_inside = key
         return rows
 
     def physical_pages(self, sub_pool: str, virtual: np.ndarray) -> np.ndarray:

@@ -17,9 +17,7 @@ def cache_sequence(storage, tree, tokens, advance=False):
     n = len(tokens) // storage.page_size
     table = storage.table
     result = tree.insert(tokens[: n * storage.page_size], table.page_table[row, :n].copy(), table.window_lo[row], -1)
-    if len(result.duplicates):
-        storage.free_virtual_pages(result.duplicates)
-    storage.release_to_tree(row, n)
+    storage.release_to_tree(row, n, result.duplicates)
     storage.free_rows(np.array([row]))
     return result.node
 

@@ -78,7 +78,7 @@ def test_a_negative_row_is_refused_even_when_the_last_row_is_in_use():
         assert_unchanged(storage, call, InputError, "outside the table")
 
 
-@pytest.mark.parametrize("call", ["alloc_decode", "free_rows"])
+@pytest.mark.parametrize("call", ["alloc_decode", "free_rows", "advance"])
 def test_a_row_named_twice_is_refused(call):
     storage, rows = storage_with_rows(length=40)
     assert_unchanged(storage, lambda: getattr(storage, call)(np.array([rows[0], rows[1], rows[0]])),
@@ -86,14 +86,15 @@ def test_a_row_named_twice_is_refused(call):
 
 
 @pytest.mark.parametrize("checkpoints", [None, [40, 40, 30]])
-def test_advance_retires_a_row_named_twice_once_behind_its_lower_checkpoint(checkpoints):
-    twice, rows = storage_with_rows(length=40)
-    once, _ = storage_with_rows(length=40)
+def test_advance_refuses_a_row_named_twice_so_no_window_page_is_freed_twice(checkpoints):
+    """WIN-1: `advance` retires each row's window pages by an ordinary free, once; a row named
+    twice would free them twice, so the call is refused and the rows retire after."""
+    storage, rows = storage_with_rows(length=40)
     named = np.array([rows[0], rows[1], rows[0]])
-    freed = twice.advance(named, None if checkpoints is None else np.array(checkpoints))
-    assert freed == once.advance(np.array(rows), None if checkpoints is None else np.array([30, 40]))
-    assert freed > 0 and twice.stats().live_pages == once.stats().live_pages
-    twice.check_idle()
+    assert_unchanged(storage, lambda: storage.advance(named, None if checkpoints is None else np.array(checkpoints)),
+                     InputError, "named twice")
+    assert storage.advance(np.array(rows), None if checkpoints is None else np.array([30, 40])) > 0
+    storage.check_idle()
 
 
 def test_advance_checkpoints_are_one_integer_per_row():
@@ -122,21 +123,95 @@ def test_a_state_slot_is_freed_once_and_only_by_its_holder():
     storage.check_idle()
 
 
-def test_a_virtual_page_is_freed_once_and_a_row_whose_page_is_gone_is_not_freed_again():
+def test_a_virtual_page_is_freed_once_and_only_when_no_row_in_use_owns_it():
+    """WIN-5: tree eviction is a logical free of pages the tree holds; a page a row in use owns is
+    refused, since the row would go on reading (and later free) a page handed to someone else."""
     storage, rows = storage_with_rows()
     free_id = np.array([storage.allocator.virtual_free.view()[-1]])
     assert_unchanged(storage, lambda: storage.free_virtual_pages(free_id), InputError, "never allocated")
     assert_unchanged(storage, lambda: storage.free_virtual_pages(np.array([0])), InputError, "outside")
-    page = storage.table.pages_of(rows[0])[:1]
-    assert_unchanged(storage, lambda: storage.free_virtual_pages(np.r_[page, page]), InputError, "more than once")
-    storage.free_virtual_pages(page)  # the row's own page, as an insert's duplicate is freed
-    storage.release_to_tree(rows[0], 1)
+    pages = storage.table.pages_of(rows[0])
+    assert_unchanged(storage, lambda: storage.free_virtual_pages(pages[:1].repeat(2)), InputError, "more than once")
+    for some in (pages[:1], pages[-1:], pages):
+        assert_unchanged(storage, lambda some=some: storage.free_virtual_pages(some), InputError, "belong to request rows")
+    for window in ("window8", "window32"):
+        assert_unchanged(storage, lambda window=window: storage.free_window_rows(window, pages[-1:]), InputError,
+                         "belong to request rows")
+    storage.release_to_tree(rows[0], len(pages))  # the tree takes them: no row owns them now
     storage.free_rows(np.array(rows[:1]))
+    storage.check_idle({"full": len(pages), "window8": len(pages), "window32": len(pages)})
+    storage.free_window_rows("window8", pages)
+    storage.free_virtual_pages(pages)
+    assert_unchanged(storage, lambda: storage.free_virtual_pages(pages[:1]), InputError, "freed already")
+    storage.free_rows(np.array(rows[1:]))
     storage.check_idle()
-    page = storage.table.pages_of(rows[1])[:1]
-    storage.free_virtual_pages(page)  # freed out from under a row that keeps it
-    assert_unchanged(storage, lambda: storage.free_rows(np.array(rows[1:])), InputError, "freed already")
-    assert_unchanged(storage, lambda: storage.free_virtual_pages(page), InputError, "freed already")
+
+
+def test_a_tree_page_a_new_row_took_is_that_row_s_own():
+    """A page id the tree freed and a new row took is the new row's: the free is refused again."""
+    storage, rows = storage_with_rows(n=1)
+    pages = storage.table.pages_of(rows[0])
+    storage.release_to_tree(rows[0], len(pages))
+    storage.free_rows(np.array(rows))
+    storage.free_virtual_pages(pages)
+    row, _ = request(storage, 5)
+    again = np.intersect1d(storage.table.pages_of(row), pages)
+    assert len(again)  # the freed ids are reused first
+    assert_unchanged(storage, lambda: storage.free_virtual_pages(again), InputError, "belong to request rows")
+
+
+def test_an_insert_s_duplicates_go_with_release_to_tree_and_nothing_leaks():
+    """The row's own pages the tree already held are freed by `release_to_tree`, and only those:
+    another row's page, a page past `n_pages`, one of the tree-shared prefix, one named twice are
+    refused with nothing changed; the row's columns of the freed pages read the null page."""
+    storage, rows = storage_with_rows(length=8)  # 4 pages each
+    mine, other = storage.table.pages_of(rows[0]), storage.table.pages_of(rows[1])
+    storage.release_to_tree(rows[0], 1)
+    # another row's page, one past n_pages, one of the tree-shared prefix, one named twice, the null page
+    for dups in (other[1:2], mine[3:4], mine[:1], mine[1:2].repeat(2), np.array([0])):
+        assert_unchanged(storage, lambda dups=dups: storage.release_to_tree(rows[0], 3, dups), InputError)
+    assert int(storage.table.shared_pages[rows[0]]) == 1
+    before = storage.stats().live_pages["full"]
+    storage.release_to_tree(rows[0], 3, mine[1:3])
+    assert storage.stats().live_pages["full"] == before - 2
+    assert storage.table.page_table[rows[0], :4].tolist() == [mine[0], 0, 0, mine[3]]
+    tree = {"full": 1, "window8": 1, "window32": 1}  # the page the tree kept of the row
+    storage.check_idle(tree)
+    storage.free_rows(np.array(rows))
+    storage.check_idle(tree)
+    storage.free_window_rows("window8", mine[:1])
+    storage.free_window_rows("window32", mine[:1])
+    storage.free_virtual_pages(mine[:1])
+    storage.check_idle()
+
+
+def test_bytes_that_passed_before_are_still_checked_for_rows_in_use():
+    """An array is checked again once its contents change (in place, too), and rows are checked
+    for being in use on every call, whatever their bytes passed before."""
+    storage, rows = storage_with_rows(n=3)
+    named = np.array(rows)
+    storage.alloc_decode(named)
+    storage.iteration_ids(storage.alloc_decode(named), named)
+    storage.free_rows(named[2:])
+    assert_unchanged(storage, lambda: storage.alloc_decode(named), InputError, "not")
+    assert_unchanged(storage, lambda: storage.alloc_extend(named, np.array([9, 9, 9])), InputError, "not")
+    named[2] = named[0]
+    assert_unchanged(storage, lambda: storage.alloc_decode(named), InputError, "named twice")
+    assert_unchanged(storage, lambda: storage.advance(named), InputError, "named twice")
+    storage.runner_ids(named)  # repeats are fine to read
+    assert_unchanged(storage, lambda: storage.alloc_decode(named), InputError, "named twice")
+    named[2] = -1
+    for call in (lambda: storage.runner_ids(named), lambda: storage.iteration_ids(np.array([0]), named),
+                 lambda: storage.advance(named)):
+        assert_unchanged(storage, call, InputError, "outside the table")
+    written = storage.alloc_decode(named[:2])
+    storage.iteration_ids(written)
+    written[0] = -written[0]
+    assert_unchanged(storage, lambda: storage.iteration_ids(written), InputError, "outside")
+    written[0] = storage.allocator.n_virtual * storage.page_size
+    assert_unchanged(storage, lambda: storage.iteration_ids(written), InputError, "outside")
+    storage.free_rows(named[:2])
+    storage.check_idle()
 
 
 def test_window_calls_name_a_window_and_pages_it_binds():
@@ -207,7 +282,10 @@ def ids(known: list[int], hi: int):
 def call(draw, storage, rows: list[int], slots: list[int]):
     """One public call with arguments that may or may not be valid."""
     n_rows, n_virtual, n_slots = storage.table.rows, storage.allocator.n_virtual, n_state_slots(storage)
-    r, v, s = ids(rows, n_rows), ids([], n_virtual), ids(slots + rows, n_slots)
+    r, s = ids(rows, n_rows), ids(slots + rows, n_slots)
+    own = owned(storage)
+    mine = st.lists(st.sampled_from(own), min_size=1, max_size=3, unique=True) if own else st.just([])
+    v = st.one_of(ids([], n_virtual), mine)  # pages of rows in use: every free of them is refused
     kind = draw(st.sampled_from([
         "alloc_row", "seq_len", "alloc_extend", "alloc_decode", "advance", "free_rows", "alloc_state_slots",
         "free_state_slots", "copy_state", "free_virtual_pages", "free_window_rows", "iteration_ids",
@@ -243,21 +321,15 @@ def call(draw, storage, rows: list[int], slots: list[int]):
     if kind == "flush_opportunistic":
         return kind, (draw(st.one_of(st.none(), st.integers(-2, 8), JUNK)),)
     if kind == "release_to_tree":
-        return kind, (draw(st.one_of(st.integers(-2, n_rows + 2), JUNK)), draw(st.one_of(st.integers(-2, 0), JUNK)))
+        return kind, (draw(st.one_of(st.integers(-2, n_rows + 2), JUNK)), draw(st.one_of(st.integers(-2, 0), JUNK)),
+                      draw(st.one_of(st.none(), v)))
     return kind, (draw(st.sampled_from(["window8", "full", "nope", 5])), draw(st.one_of(st.integers(-2, 0), JUNK)))
 
 
-def would_take_from_rows(storage, kind: str, args) -> bool:
-    """A free that, if its ids were valid, would take pages from under live rows (the contract allows
-    it for an insert's duplicates; the fuzz keeps the rows whole, so it skips such calls)."""
-    if kind not in ("free_virtual_pages", "free_window_rows"):
-        return False
-    try:
-        vpages = boundary.id_array(args[-1], "ids")
-    except InputError:
-        return False
+def owned(storage) -> list[int]:
+    """The pages rows in use own now: a free of any of them must be refused."""
     table = storage.table
-    return bool(np.isin(vpages, table.page_table[table.active]).any())
+    return table.own_pages(np.flatnonzero(table.active)).tolist()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -268,8 +340,6 @@ def test_fuzzed_calls_raise_kvchain_errors_only_and_a_refusal_changes_nothing(da
     slots = storage.alloc_state_slots(1).tolist()
     for _ in range(25):
         kind, args = data.draw(call(storage, rows, slots))
-        if would_take_from_rows(storage, kind, args):
-            continue
         before = allocator_state(storage)
         try:
             out = getattr(storage, kind)(*args)
@@ -289,7 +359,8 @@ def test_fuzzed_calls_raise_kvchain_errors_only_and_a_refusal_changes_nothing(da
                 assert set(freed) <= set(slots), f"{kind}{args} freed slots nobody held"
                 slots[:] = [x for x in slots if x not in freed]
             elif kind == "release_to_tree":
-                assert int(args[1]) == 0  # the fuzz only hands the tree nothing
+                assert int(args[1]) == 0  # the fuzz only hands the tree nothing, and no duplicate
+                assert args[2] is None or not len(boundary.id_array(args[2], "ids"))
         storage.allocator.verify_byte_accounting()
         storage.check_idle(held={"state": len(slots)})
     storage.free_rows(np.array(rows, dtype=np.int64))

@@ -517,9 +517,7 @@ class KVChainPool:
                 slot = int(table.state_slot[row]) if end_state and n * self.page_size == table.seq_lens[row] else -1
                 result = self.tree.insert(req.tokens(n * self.page_size), table.page_table[row, :n].copy(),
                                           table.window_lo[row], slot)
-                if len(result.duplicates):
-                    storage.free_virtual_pages(result.duplicates)
-                storage.release_to_tree(row, n)
+                storage.release_to_tree(row, n, result.duplicates)
                 if result.state_taken:
                     table.state_slot[row] = NO_SLOT
         self._release(row, st)

@@ -230,7 +230,9 @@ class Scheduler:
         plan, budget = self._grow_running(self.max_batched_tokens)
         admitted = self._admit(budget)
         if self._retracted:  # a priority preemption in admission retracted part of the plan
-            plan = [(r, n) for r, n in plan if r.phase is Phase.RUNNING]
+            # a victim admitted again in the same pass steps once, as the admission it now is
+            readmitted = {id(r) for r, _ in admitted}
+            plan = [(r, n) for r, n in plan if r.phase is Phase.RUNNING and id(r) not in readmitted]
         # the forward: every planned request advances to its new length; the last prompt chunk
         # samples the first output token (a recomputed request already has its tokens)
         out_tokens = prefill_tokens = 0

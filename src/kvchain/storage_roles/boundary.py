@@ -3,7 +3,11 @@
 The allocator indexes numpy arrays with the ids it is given, so a float is truncated, a bool or a
 negative id indexes the wrong entry, and a duplicate frees a page twice, each corrupting the pool
 before any check inside could see it. These checks run on the host, before anything changes, and
-are always on: they are a few vector reductions per call. Each raises `InputError`."""
+are always on, so they are priced like the hot path they guard (`bench.boundary_cost`). On the
+short arrays a step passes, a numpy ufunc (a comparison, `.any()`, `.max()`) costs several times a
+gather or `np.count_nonzero`, so the checks answer with `count_true` (the C `np.count_nonzero`),
+run one pass per array, and `KVStorage` keeps what a step repeats from being checked twice. No
+Python loop runs per id. Each raises `InputError`."""
 
 from __future__ import annotations
 
@@ -12,12 +16,25 @@ import numpy as np
 from ..alloc.npfast import has_duplicates
 from ..errors import InputError
 
+try:  # the C function itself: `np.count_nonzero`'s Python wrapper costs more than its count here
+    from numpy._core.multiarray import count_nonzero as count_true
+except ImportError:  # numpy 1.x
+    count_true = np.count_nonzero
+
+INT64 = np.dtype(np.int64)
+U64 = np.dtype(np.uint64)
+
+
+def is_ids(values) -> bool:
+    """Whether `values` is already what `id_array` returns (the hot path's arrays): no copy, no check."""
+    return type(values) is np.ndarray and values.dtype is INT64 and values.ndim == 1
+
 
 def id_array(values, what: str) -> np.ndarray:
     """`values` as a flat int64 array; anything but integers (floats, bools, strings, objects,
     numbers past int64) is refused. An empty sequence of any type is an empty array."""
-    if type(values) is np.ndarray and values.dtype == np.int64:  # the hot path's arrays, as they are
-        return values.reshape(-1)
+    if type(values) is np.ndarray and values.dtype is INT64:  # the hot path's arrays, as they are
+        return values if values.ndim == 1 else values.reshape(-1)
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -48,7 +65,7 @@ def count(value, what: str) -> int:
 
 def outside(ids: np.ndarray, hi: int) -> bool:
     """Whether an int64 id lies outside [0, hi), in one pass: seen unsigned, a negative id is huge."""
-    return bool(len(ids)) and int(ids.view(np.uint64).max()) >= hi
+    return count_true(ids.view(U64) >= hi) != 0
 
 
 def in_range(ids: np.ndarray, lo: int, hi: int, what: str) -> None:

@@ -27,24 +27,33 @@ class PrefixSharing(Protocol):
         when `length` is not `len(vpages)` whole pages; either way nothing changed."""
 
     @abstractmethod
-    def release_to_tree(self, row: int, n_pages: int) -> None:
+    def release_to_tree(self, row: int, n_pages: int, duplicates: np.ndarray | None = None) -> None:
         """The tree took the row's first `n_pages` pages (an insert): from now on the row's free
-        leaves them to the tree. Never shrinks what the tree already holds of the row."""
+        leaves them to the tree. Never shrinks what the tree already holds of the row.
+
+        `duplicates` are those of the row's own pages among the first `n_pages` that the tree
+        already held under pages of its own (`InsertResult.duplicates`): they are freed here, as
+        `free_virtual_pages` frees, and their columns of the row read the null page from now on,
+        so hand them over for a row that ends next (a finish, a preemption). Raises `InputError`,
+        changing nothing, when the row is not in use or holds fewer pages, or a duplicate is named
+        twice or is not one of the row's own pages before `n_pages` (past its tree-shared prefix)."""
 
     @abstractmethod
     def free_virtual_pages(self, vpages: np.ndarray) -> None:
-        """Free pages no row owns (the tree's, or an insert's duplicates): each window frees the
-        rows it still binds, then the owner frees every one and the ids return to use. Raises
-        `InputError`, changing nothing, for an id named twice or one the owner does not bind (the
-        null page, never allocated, freed already). An id still bound in a window after its release
-        fails `chain.window_segment_released` (CHK-8)."""
+        """Free pages no request row owns (the tree's): each window frees the rows it still binds,
+        then the owner frees every one and the ids return to use. Raises `InputError`, changing
+        nothing, for an id named twice, one the owner does not bind (the null page, never
+        allocated, freed already) or one a row in use owns past its tree-shared prefix (`free_rows`
+        frees those; an insert's duplicates go with `release_to_tree`). An id still bound in a
+        window after its release fails `chain.window_segment_released` (CHK-8)."""
 
     @abstractmethod
     def free_window_rows(self, sub_pool: str, vpages: np.ndarray) -> None:
         """Free one window's rows of owner pages the tree keeps (evicting a node's window rows
-        alone, WIN-5); the owner and every other band keep them bound. Raises `InputError` for a
-        sub-pool the plan lacks; a page the window does not bind fails `chain.window_segment_bound`
-        under invariant checks."""
+        alone, WIN-5); the owner and every other band keep them bound. Raises `InputError`,
+        changing nothing, for a sub-pool that is not a window of the plan, an id named twice, one
+        the window does not bind, or one a row in use owns (`advance` retires a row's window
+        pages)."""
 
     @abstractmethod
     def rehome_window(self, sub_pool: str, src: np.ndarray, dst: np.ndarray) -> None:

@@ -54,16 +54,19 @@ class RowsAndTakes(Protocol):
         """After a forward: free, in every window band, the pages of `rows` wholly before the window
         (WIN-1), never past the window behind each row's checkpoint (token positions) when
         `checkpoints` are given (WIN-11), never the page of the last token, never a tree-shared
-        prefix page. Returns the pages freed. Owner pages and lengths do not change. A row named
-        twice retires once, behind the lower of its checkpoints."""
+        prefix page. Returns the pages freed. Owner pages and lengths do not change; a row not in
+        use retires nothing. Raises `InputError`, changing nothing, when a row is named twice (it
+        would retire twice, freeing its pages twice) or lies outside the table, or `checkpoints`
+        are not one integer in [0, context length] per row."""
 
     @abstractmethod
     def free_rows(self, rows: np.ndarray) -> None:
         """End requests: each window releases the rows' pages it still binds, then the owner, then
         the state slots; the rows return to the free list, cleared. Pages of a tree-shared prefix
         stay with the tree. Raises `InvariantError` (`requests.row_state`), changing nothing, when a
-        row is not in use, and `InputError` when one is named twice or its own pages were freed
-        already (by `free_virtual_pages`); an empty `rows` is a no-op."""
+        row is not in use, and `InputError` when one is named twice or lies outside the table; an
+        empty `rows` is a no-op. A row's own pages are always still bound here: no public free
+        takes a page a row in use owns."""
 
     @abstractmethod
     def alloc_state_slots(self, n: int) -> np.ndarray:

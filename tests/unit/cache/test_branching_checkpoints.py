@@ -112,8 +112,7 @@ def _finish(storage, tree, row, tokens):
     n = len(tokens) // ps
     table = storage.table
     result = tree.insert(tokens[: n * ps], table.page_table[row, :n].copy(), table.window_lo[row], -1)
-    storage.free_virtual_pages(result.duplicates)
-    storage.release_to_tree(row, n)
+    storage.release_to_tree(row, n, result.duplicates)
     storage.free_rows(np.array([row]))
 
 

@@ -19,8 +19,7 @@ def _checkpointed(storage, tree, tokens):
     table = storage.table
     result = tree.insert(tokens, table.page_table[row, :n].copy(), table.window_lo[row], slot)
     assert result.state_taken
-    storage.free_virtual_pages(result.duplicates)
-    storage.release_to_tree(row, n)
+    storage.release_to_tree(row, n, result.duplicates)
     storage.free_rows(np.array([row]))
     return result.node
 

@@ -253,8 +253,7 @@ def test_rehome_window_rebinds_rows_without_allocating():
     assert dev.counters.launches == launches
     assert np.array_equal(band.ids.v2p[node.vpages], physical) and (band.ids.v2p[mine] < 0).all()
     assert node.window_lo.tolist() == [0]
-    storage.free_virtual_pages(result.duplicates)
-    storage.release_to_tree(row, n)
+    storage.release_to_tree(row, n, result.duplicates)
     storage.free_rows(np.array([row]))
     tree.unlock(node)
     tree.verify()
