@@ -36,6 +36,7 @@ from ..models.small import small_hybrid
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import fixed_allocations, size_plan
 from . import DEFAULT_PRESSURE
+from .boundary_cost import measure_boundary_cost, pool_time_step
 from .static_pool import PeakTrackingPool, StaticPagedPool
 from .workload import BenchRequest, decode_heavy
 
@@ -44,6 +45,9 @@ PROFILES = ("roomy", "pressure")
 ROOMY_HEADROOM = 4.0
 CONTEXT_LEN = 8192
 WARMUP_ITERS = 100
+#: rounds (one checked and one bypassed iteration each) of the boundary's cost, per profile, run
+#: after the timed iterations on the same chain driver
+BOUNDARY_ROUNDS = 500
 
 
 def bench_plan(page_size: int = 64) -> KVStoragePlan:
@@ -324,6 +328,12 @@ def run_alloc_bench(iters: int = 2000, batch: int = 256, page_size: int = 64, se
         if kv.log != static.script[: len(kv.log)]:
             raise RuntimeError(f"{name}: the timed chain run decided otherwise than its dry run")
     results = {name: summarise(name, budget, kv, static, iters) for name, (budget, kv, static) in pairs.items()}
+    for name, (_budget, kv, _static) in pairs.items():
+        # The API boundary's checks, measured on the chain driver as it left the timed run: checked
+        # and bypassed iterations alternate, so the two see the same pool states.
+        cost = measure_boundary_cost(pool_time_step(kv), kv.pool, rounds=min(BOUNDARY_ROUNDS, iters))
+        results[name]["boundary"] = cost.as_dict()
+        results[name]["boundary_ratio"] = cost.as_dict()["median_ratio"]
     worst = max(results.values(), key=lambda r: r["ratio"])
     return {
         "headline": {

@@ -21,8 +21,9 @@ PROFILE_KEYS = {
     "profile", "budget_bytes", "static_pool_bytes", "kvchain_us_per_iter", "static_us_per_iter", "ratio",
     "kvchain_mean_us_per_iter", "static_mean_us_per_iter", "kvchain_block_us", "static_block_us",
     "utilisation_mean", "utilisation_min", "reliefs", "moves", "relocations", "requests_served",
-    "preemptions", "admissions", "refused_takes",
+    "preemptions", "admissions", "refused_takes", "boundary", "boundary_ratio",
 }
+BOUNDARY_KEYS = {"iterations_per_side", "checked_us_per_iter", "bypassed_us_per_iter", "ratio", "median_ratio"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,9 @@ def test_json_schema(result: dict) -> None:
     for name, row in result["profiles"].items():
         assert set(row) == PROFILE_KEYS, name
         assert row["profile"] == name
+        assert set(row["boundary"]) == BOUNDARY_KEYS, name
+        assert row["boundary"]["iterations_per_side"] == ITERS
+        assert row["boundary_ratio"] == row["boundary"]["median_ratio"] > 0
     json.loads(json.dumps(result))  # plain JSON all the way down
 
 
