@@ -89,12 +89,11 @@ def config_for_seed(seed: int) -> HarnessConfig:
 
 
 def profile_for_seed(seed: int) -> str:
-    """The seed's operation-mix profile: drawn from its own generator, so the chain and timing a
-    seed gave before profiles existed stay the same."""
-    from .harness_profiles import PROFILE_SHARES
+    """The seed's operation-mix profile (`harness_profiles`): by its place in the profiles' cycle,
+    so the chain and timing a seed gave before profiles existed stay the same."""
+    from .harness_profiles import PROFILE_CYCLE
 
-    rng = random.Random(seed * 6151 + 29)
-    return rng.choices(list(PROFILE_SHARES), weights=list(PROFILE_SHARES.values()))[0]
+    return PROFILE_CYCLE[seed % len(PROFILE_CYCLE)]
 
 
 def harness_plan(config: HarnessConfig) -> KVStoragePlan:

@@ -50,13 +50,13 @@ def compaction_under_decode(rng: random.Random, config: HarnessConfig) -> list[d
     finished one left, and small takes grow over the space the moves left."""
     ps = config.page_size
     ops = [{"op": "process", "advance": 0}, {"op": "process", "advance": 0},
-           {"op": "admit", "len": rng.randint(1, 2 * ps)}, {"op": "admit", "len": rng.randint(ps + 1, 3 * ps)},
+           {"op": "admit", "len": rng.randint(2 * ps + 1, 3 * ps)}, {"op": "admit", "len": ps * rng.randint(1, 2)},
            {"op": "forward"}, {"op": "process", "advance": 0}, {"op": "free", "pick": -2},
-           {"op": "decode", "k": rng.randint(1, 8), "start": -1}, {"op": "forward"},
+           {"op": "decode", "k": 1, "start": -1}, {"op": "forward"},
            rng.choice(({"op": "flush"}, {"op": "compact", "end": 1, "fr": round(rng.uniform(0.3, 1.0), 2)}))]
     for kind in _some(rng, ("decode", "admit", "load"), 1, 2):
         if kind == "decode":
-            ops.append({"op": "decode", "k": rng.randint(1, 8), "start": -1})
+            ops.append({"op": "decode", "k": 1, "start": -1})
         elif kind == "admit":
             ops.append({"op": "admit", "len": rng.randint(1, 2 * ps)})
         else:
@@ -65,12 +65,14 @@ def compaction_under_decode(rng: random.Random, config: HarnessConfig) -> list[d
 
 
 def frees_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
-    """A forward launched, then requests freed while it runs, then takes of what they let go."""
-    kinds = [*_some(rng, ("admit", "decode"), 0, 1), "forward", *_some(rng, ("free",), 1, 2),
-             *_some(rng, _TAKES, 1, 3)]
-    if rng.random() < 0.5:
-        kinds.append("forward")
-    return _ops(rng, config, kinds)
+    """The newest request decoded and its forward launched, then it (and maybe another) freed
+    while the forward runs, new requests taking what they let go, and their forwards: the
+    second reads what the first wrote and the rest of its last page, which must read zero."""
+    ps = config.page_size
+    return [rng.choice(({"op": "decode", "k": 1, "start": -1}, {"op": "admit", "len": rng.randint(1, 2 * ps)})),
+            {"op": "forward"}, *({"op": "free", "pick": -1} for _ in range(rng.randint(1, 2))),
+            *({"op": "admit", "len": rng.randint(1, 2 * ps)} for _ in range(rng.randint(1, 2))),
+            {"op": "forward"}, {"op": "decode", "k": 8, "start": -1}, {"op": "forward"}]
 
 
 def settles_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
@@ -104,14 +106,13 @@ def state_churn(rng: random.Random, config: HarnessConfig) -> list[dict]:
 
 
 def timing_races(rng: random.Random, config: HarnessConfig) -> list[dict]:
-    """A forward, a little device time (its event fired on one rank, maybe not the other), then
-    frees and takes whose decisions must not depend on it."""
-    kinds = ["forward", "tick", *_some(rng, ("free", "admit", "decode", "flush"), 1, 3), "tick",
-             *_some(rng, _TAKES, 1, 2)]
-    ops = _ops(rng, config, kinds)
-    for op in ops:
-        if op["op"] == "tick":
-            op["dt"] = round(rng.uniform(0.5, 4.0), 2)
+    """Tokens to write and a forward launched, then device time passes in steps (its event fires
+    on one rank before the other) with frees and takes between them, whose decisions must not
+    depend on which rank's forward is done."""
+    ops = [{"op": "decode", "k": 8, "start": rng.randint(0, 15)}, {"op": "forward"}]
+    for _ in range(rng.randint(2, 3)):
+        ops.append({"op": "tick", "dt": round(rng.uniform(1.0, 8.0), 2)})
+        ops += _ops(rng, config, _some(rng, ("free", "free", "admit", "decode", "flush"), 1, 2))
     return ops
 
 
@@ -149,22 +150,30 @@ class Profile:
         return ops[:n_ops]
 
 
+def _families(main: str, rate: float = 0.10, **others: float) -> dict[str, float]:
+    """Every family at a low rate (`others` overriding), the profile's own at `rate`."""
+    out = {"compaction_under_decode": 0.06, "frees_under_forward": 0.04, "settles_under_forward": 0.02,
+           "state_churn": 0.04, "timing_races": 0.04, "moves_under_forward": 0.02}
+    out.update(others)
+    out[main] = rate
+    return out
+
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     # the original mix: every operation, no family
     Profile("mixed"),
     # compaction and moves with forwards in flight
-    Profile("moves", _weights(flush=16, compact=8, relief=6, relayout=5, process=6, free=4, backup=2, send=2),
-            {"moves_under_forward": 0.12, "settles_under_forward": 0.03}),
+    Profile("moves", _weights(flush=14, compact=6, relief=5, relayout=4, free=10),
+            _families("compaction_under_decode", 0.12, moves_under_forward=0.04)),
     # frees under running forwards, and the takes that follow
     Profile("frees", _weights(free=14, admit=14, process=7, tick=5),
-            {"frees_under_forward": 0.12, "settles_under_forward": 0.05, "timing_races": 0.03}),
-    # state slots and copies, so the state band shrinks and grows against its neighbour
-    Profile("state", _weights(slots=8, free_slots=8, copy_state=6, compact=6),
-            {"state_churn": 0.12, "moves_under_forward": 0.03}),
+            _families("frees_under_forward", 0.10, settles_under_forward=0.04)),
+    # state slots written and let go, so the state band shrinks and grows against its neighbour
+    Profile("state", _weights(slots=6, free_slots=6, copy_state=6, compact=6, free=12), _families("state_churn")),
     # device time between a forward and the frees and takes after it
-    Profile("timing", _weights(tick=10, free=12),
-            {"timing_races": 0.12, "frees_under_forward": 0.04}),
+    Profile("timing", _weights(tick=10, free=12), _families("timing_races")),
 )}
 
-#: how often a seed draws each profile
-PROFILE_SHARES: dict[str, int] = {"mixed": 2, "moves": 2, "frees": 2, "state": 1, "timing": 1}
+#: the profile of seed s is PROFILE_CYCLE[s % len(PROFILE_CYCLE)]: every window of seeds draws each
+#: profile in the same share
+PROFILE_CYCLE: tuple[str, ...] = ("moves", "frees", "state", "timing", "mixed", "moves", "frees", "state", "timing")

@@ -85,6 +85,7 @@ def _field(obj: dict, key: str, kind: str, where: str, *, required: bool = True)
     ok = {
         "int": lambda: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD,
         "size": lambda: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_FIELD,
+        "index": lambda: isinstance(v, int) and not isinstance(v, bool) and -MAX_FIELD <= v <= MAX_FIELD,
         "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD,
         "bool": lambda: isinstance(v, bool),
         "str": lambda: isinstance(v, str),
@@ -98,7 +99,8 @@ def _field(obj: dict, key: str, kind: str, where: str, *, required: bool = True)
         raise InputError(f"{where}: field {key!r} must be {_KIND_TEXT[kind]}, got {shown[:60]}")
 
 
-_KIND_TEXT = {"int": f"an integer in [0, {MAX_FIELD}]", "size": f"an integer in [1, {MAX_FIELD}]", "number": f"a number in [0, {MAX_FIELD}]",
+_KIND_TEXT = {"int": f"an integer in [0, {MAX_FIELD}]", "size": f"an integer in [1, {MAX_FIELD}]",
+              "index": f"an integer in [-{MAX_FIELD}, {MAX_FIELD}]", "number": f"a number in [0, {MAX_FIELD}]",
               "bool": "true or false", "str": "a string", "object": "a JSON object", "list": "a list",
               "ints": f"a list of integers in [0, {MAX_FIELD}]"}
 
@@ -119,6 +121,7 @@ def check_case_shape(data: object, where: str) -> None:
     for key in ("page_size", "state_floats", "chain_bytes", "rows", "context", "max_moves"):
         _field(config, key, "size", f"{where}: config")
     _field(config, "war_barrier", "bool", f"{where}: config")
+    _field(config, "profile", "str", f"{where}: config", required=False)
     _field(config, "gap_fraction", "number", f"{where}: config")
     _field(config, "full", "ints", f"{where}: config")
     _field(config, "windows", "list", f"{where}: config")
@@ -144,7 +147,9 @@ def check_case_shape(data: object, where: str) -> None:
                 for x in value:
                     _field({key: x}, key, "number", here)
             else:
-                _field(op, key, "number" if key in ("fr", "dt") else "int", here)
+                # a negative pick or start counts from the newest candidate
+                kind = "number" if key in ("fr", "dt") else "index" if key in ("pick", "start", "src", "dst") else "int"
+                _field(op, key, kind, here)
     if case.get("mutant") is not None:
         _field(case, "mutant", "str", where)
     if case.get("failure") is not None:
