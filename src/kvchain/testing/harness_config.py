@@ -1,8 +1,8 @@
 """The stress harness's configuration and operations (HARN-1, HARN-2, HARN-4): what a seed gives
 (`config_for_seed`: the chain, its page size, windows and head counts, the arena size, two
 ranks' timing and the operation-mix profile), the chain's plan and storage (`harness_plan`,
-`harness_storage`), and a seed's random sequence of operations (`generate_ops`, drawn from its
-profile in `harness_profiles`)."""
+`harness_storage`), and the single operations (`random_op`, `make_op`) that a seed's sequence
+(`harness_profiles.generate_ops`) is drawn from."""
 
 from __future__ import annotations
 
@@ -88,11 +88,14 @@ def config_for_seed(seed: int) -> HarnessConfig:
     return config
 
 
+#: the profile of seed s is PROFILE_CYCLE[s % len(PROFILE_CYCLE)] (`harness_profiles.PROFILES`): every
+#: window of seeds draws each profile in the same share
+PROFILE_CYCLE: tuple[str, ...] = ("moves", "frees", "state", "timing", "mixed", "moves", "frees", "state", "timing")
+
+
 def profile_for_seed(seed: int) -> str:
     """The seed's operation-mix profile (`harness_profiles`): by its place in the profiles' cycle,
     so the chain and timing a seed gave before profiles existed stay the same."""
-    from .harness_profiles import PROFILE_CYCLE
-
     return PROFILE_CYCLE[seed % len(PROFILE_CYCLE)]
 
 
@@ -164,13 +167,3 @@ def make_op(kind: str, rng: random.Random, config: HarnessConfig) -> dict:
     elif kind == "tick":
         op["dt"] = round(rng.uniform(0.5, 12.0), 2)
     return op
-
-
-def generate_ops(seed: int, n_ops: int, config: HarnessConfig | None = None) -> list[dict]:
-    """A seed's operations: drawn from its profile's mix (`harness_profiles`), with the profile's
-    scenario families spliced in."""
-    from .harness_profiles import PROFILES
-
-    config = config or config_for_seed(seed)
-    rng = random.Random(seed * 104729 + 3)
-    return PROFILES[config.profile].generate(rng, n_ops, config)

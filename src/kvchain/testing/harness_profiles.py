@@ -15,7 +15,9 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .harness_config import OP_WEIGHTS, HarnessConfig, make_op, random_op
+from .harness_config import OP_WEIGHTS, PROFILE_CYCLE, HarnessConfig, config_for_seed, make_op, random_op
+
+__all__ = ["FAMILIES", "PROFILES", "PROFILE_CYCLE", "Profile", "generate_ops"]
 
 Family = Callable[[random.Random, HarnessConfig], list[dict]]
 
@@ -174,6 +176,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("timing", _weights(tick=10, free=12), _families("timing_races")),
 )}
 
-#: the profile of seed s is PROFILE_CYCLE[s % len(PROFILE_CYCLE)]: every window of seeds draws each
-#: profile in the same share
-PROFILE_CYCLE: tuple[str, ...] = ("moves", "frees", "state", "timing", "mixed", "moves", "frees", "state", "timing")
+
+def generate_ops(seed: int, n_ops: int, config: HarnessConfig | None = None) -> list[dict]:
+    """A seed's operations: drawn from its profile's mix, with the profile's scenario families
+    spliced in."""
+    config = config or config_for_seed(seed)
+    rng = random.Random(seed * 104729 + 3)
+    return PROFILES[config.profile].generate(rng, n_ops, config)
