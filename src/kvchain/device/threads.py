@@ -6,9 +6,10 @@ zeroing and forwards really overlap, and a missing wait corrupts real bytes."""
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InputError, KVChainError, TransferTimeoutError
@@ -21,8 +22,7 @@ class ThreadEvent(Event):
 
 
 class _Worker:
-    def __init__(self, name: str, delay: float = 0.0) -> None:
-        self.delay = delay
+    def __init__(self, name: str) -> None:
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"kvchain-stream-{name}", daemon=True)
@@ -35,11 +35,13 @@ class _Worker:
                 return
             try:
                 if kind == "run":
-                    if self.delay:
-                        time.sleep(self.delay)
-                    on_start, fn = payload
+                    before, during, on_start, fn = payload
+                    if before:
+                        time.sleep(before)
                     if on_start is not None:
                         on_start()
+                    if during:
+                        time.sleep(during)
                     if fn is not None:
                         fn()
                 elif kind == "wait":
@@ -57,15 +59,32 @@ class ThreadDevice(Device):
     """`forward_delay`: seconds each piece of forward-stream work waits before it starts, as a busy
     accelerator starts a launched kernel late; the host runs on meanwhile, so schedule-stream work
     queued after the launch really meets the forward still running (tests that show what a missing
-    wait corrupts set it)."""
+    wait corrupts set it).
+
+    `launch_delay` (seconds, 0: off, as library users run it): seeded delays on every stream, as
+    `kvchain stress --device cuda` spins each launched kernel. Each launched item waits
+    `u * launch_delay * stream_scale[stream]` before it starts and half that again between its start
+    (`on_start`) and its body (`fn`), as a kernel runs a while between its first and its last
+    reads; `u` is uniform in [0, 1), drawn at launch on the host from `random.Random(seed)`, so a
+    seed gives the same delays to the same launches (the threads still interleave as they will).
+    The stress harness sets it, so a missing wait meets the work it should have waited."""
 
     name = "threads"
 
-    def __init__(self, forward_delay: float = 0.0) -> None:
+    def __init__(self, forward_delay: float = 0.0, *, launch_delay: float = 0.0, seed: int = 0,
+                 stream_scale: Mapping[str, float] | None = None) -> None:
         super().__init__()
         if forward_delay < 0:
             raise InputError(f"a forward delay is 0 or more seconds, not {forward_delay}")
+        if launch_delay < 0:
+            raise InputError(f"a launch delay is 0 or more seconds, not {launch_delay}")
+        scale = dict(stream_scale or {})
+        if any(v < 0 for v in scale.values()):
+            raise InputError(f"stream delay scales are 0 or more, not {scale}")
         self.forward_delay = forward_delay
+        self.launch_delay = launch_delay
+        self.stream_scale = scale
+        self._rng = random.Random(seed)
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
 
@@ -73,9 +92,16 @@ class ThreadDevice(Device):
         worker = self._workers.get(stream.name)
         if worker is None:
             with self._lock:
-                delay = self.forward_delay if stream.name == self.FORWARD else 0.0
-                worker = self._workers.setdefault(stream.name, _Worker(stream.name, delay))
+                worker = self._workers.setdefault(stream.name, _Worker(stream.name))
         return worker
+
+    def _delays(self, stream: Stream) -> tuple[float, float]:
+        """This launch's wait before its start and between its start and its body."""
+        before = self.forward_delay if stream.name == self.FORWARD else 0.0
+        if not self.launch_delay:
+            return before, 0.0
+        spin = self._rng.random() * self.launch_delay * self.stream_scale.get(stream.name, 1.0)
+        return before + spin, spin / 2
 
     def _raise_worker_errors(self) -> None:
         for name, worker in self._workers.items():
@@ -94,7 +120,8 @@ class ThreadDevice(Device):
         on_start: Callable[[], None] | None = None,
     ) -> None:
         self.counters.launches += 1
-        self._worker(stream).queue.put(("run", (on_start, fn)))
+        before, during = self._delays(stream)
+        self._worker(stream).queue.put(("run", (before, during, on_start, fn)))
 
     def record(self, stream: Stream, label: str = "") -> ThreadEvent:
         self.counters.records += 1

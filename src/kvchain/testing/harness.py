@@ -33,13 +33,13 @@ from .harness_config import (
     HarnessConfig,
     RankTiming,
     config_for_seed,
-    generate_ops,
     harness_plan,
     harness_storage,
     random_op,
 )
 from .harness_device import HarnessDevice, cuda_device
 from .harness_forwards import MAX_IN_FLIGHT
+from .harness_profiles import generate_ops
 from .harness_rank import Rank
 from .harness_records import HELD, LOADING, READY, RECEIVING, SENDING, Job, Req
 

@@ -1,11 +1,13 @@
 """The stress harness's configuration and operations (HARN-1, HARN-2, HARN-4): what a seed gives
-(`config_for_seed`: the chain, its page size, windows and head counts, the arena size and two
-ranks' timing), the chain's plan and storage (`harness_plan`, `harness_storage`), and a seed's
-random sequence of operations (`generate_ops`)."""
+(`config_for_seed`: the chain, its page size, windows and head counts, the arena size, two
+ranks' timing and the operation-mix profile), the chain's plan and storage (`harness_plan`,
+`harness_storage`), and the single operations (`random_op`, `make_op`) that a seed's sequence
+(`harness_profiles.generate_ops`) is drawn from."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
 from ..decl import MHA, State, StateTensor
@@ -45,6 +47,9 @@ class HarnessConfig:
     max_moves: int
     gap_fraction: float
     timing: tuple[RankTiming, RankTiming]
+    #: the operation mix its sequence is drawn from (`harness_profiles.PROFILES`); a saved case
+    #: holds its operations, so the profile only says where they came from
+    profile: str = "mixed"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -72,6 +77,7 @@ def config_for_seed(seed: int) -> HarnessConfig:
         state_floats=rng.choice((16, 32, 64)), chain_bytes=rng.choice((6, 8, 12, 16)) * 1024, rows=12,
         context=96, war_barrier=rng.random() < 0.5, max_moves=rng.choice((2, 8, 64)),
         gap_fraction=rng.choice((0.25, 1.0)), timing=timing,  # type: ignore[arg-type]
+        profile=profile_for_seed(seed),
     )
     # at least the batch-size-1 floor's chain share (DECL-12), and room for one request beyond it
     plan = harness_plan(config)
@@ -80,6 +86,17 @@ def config_for_seed(seed: int) -> HarnessConfig:
     if config.chain_bytes < floor + 2048:
         config = replace(config, chain_bytes=-(-(floor + 2048) // 1024) * 1024)
     return config
+
+
+#: the profile of seed s is PROFILE_CYCLE[s % len(PROFILE_CYCLE)] (`harness_profiles.PROFILES`): every
+#: window of seeds draws each profile in the same share
+PROFILE_CYCLE: tuple[str, ...] = ("moves", "frees", "state", "timing", "mixed", "moves", "frees", "state", "timing")
+
+
+def profile_for_seed(seed: int) -> str:
+    """The seed's operation-mix profile (`harness_profiles`): by its place in the profiles' cycle,
+    so the chain and timing a seed gave before profiles existed stay the same."""
+    return PROFILE_CYCLE[seed % len(PROFILE_CYCLE)]
 
 
 def harness_plan(config: HarnessConfig) -> KVStoragePlan:
@@ -108,7 +125,7 @@ def harness_storage(config: HarnessConfig, backend: Device, arena_device: str = 
 
 # ----------------------------------------------------------------------------------- operations
 
-#: operation kinds and their weights in a random sequence
+#: operation kinds and their weights in the `mixed` profile's random sequence
 OP_WEIGHTS: dict[str, int] = {
     "admit": 10, "decode": 16, "forward": 14, "process": 10, "free": 8, "advance": 3, "flush": 10,
     "relief": 3, "compact": 3, "relayout": 2, "load": 3, "backup": 3, "end_copy": 4, "send": 3,
@@ -117,8 +134,13 @@ OP_WEIGHTS: dict[str, int] = {
 }
 
 
-def random_op(rng: random.Random, config: HarnessConfig) -> dict:
-    kind = rng.choices(list(OP_WEIGHTS), weights=list(OP_WEIGHTS.values()))[0]
+def random_op(rng: random.Random, config: HarnessConfig, weights: Mapping[str, int] = OP_WEIGHTS) -> dict:
+    """One operation drawn from `weights`, its arguments drawn for `config`."""
+    return make_op(rng.choices(list(weights), weights=list(weights.values()))[0], rng, config)
+
+
+def make_op(kind: str, rng: random.Random, config: HarnessConfig) -> dict:
+    """An operation of `kind` with random arguments."""
     op: dict = {"op": kind}
     if kind in ("admit", "recv"):
         op["len"] = rng.randint(1, 32)
@@ -145,9 +167,3 @@ def random_op(rng: random.Random, config: HarnessConfig) -> dict:
     elif kind == "tick":
         op["dt"] = round(rng.uniform(0.5, 12.0), 2)
     return op
-
-
-def generate_ops(seed: int, n_ops: int, config: HarnessConfig | None = None) -> list[dict]:
-    config = config or config_for_seed(seed)
-    rng = random.Random(seed * 104729 + 3)
-    return [random_op(rng, config) for _ in range(n_ops)]

@@ -1,16 +1,18 @@
-"""The devices a stress rank runs on, besides `ThreadDevice`: `HarnessDevice`, the modeled device
-that reports stream waits and landed writes to the checks, and `cuda_device`, real CUDA streams
-with seeded delays (HARN-14)."""
+"""The devices a stress rank runs on: `HarnessDevice`, the modeled device that reports stream waits
+and landed writes to the checks; `thread_device`, worker threads with seeded delays; and
+`cuda_device`, real CUDA streams with seeded delays (HARN-14)."""
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..device.base import Device, Event, PageAccess, Stream
 from ..device.modeled import ModeledDevice, clock_leq
+from ..device.threads import ThreadDevice
 from .checks import ByteShadow, HostReadTracker
 from .harness_config import RankTiming
 
@@ -48,6 +50,30 @@ class HarnessDevice(ModeledDevice):
             unfinished = not clock_leq(getattr(event, "clock", {}), self.host_clock)
             self.reads.stream_wait(stream.name, event.label, unfinished)
         super().stream_wait(stream, event)
+
+
+#: the threads device's launch delay per unit of a stream's mean duration (seconds): a forward of
+#: mean 8 waits up to 0.4 ms before it starts and 0.2 ms more before its body, while the host, a few
+#: operations on, queues the work a missing wait would not hold back
+THREAD_LAUNCH_DELAY = 50e-6
+#: real time one unit of a `tick`'s simulated time takes on the threads device (seconds)
+THREAD_TICK = 20e-6
+
+
+class HarnessThreadDevice(ThreadDevice):
+    """`ThreadDevice` with the rank's seeded launch delays; a `tick` lets real time pass."""
+
+    def __init__(self, timing: RankTiming) -> None:
+        super().__init__(launch_delay=THREAD_LAUNCH_DELAY, seed=timing.seed, stream_scale={
+            "forward": timing.forward, "copy": timing.copy, "network": timing.network, "schedule": timing.schedule})
+
+    def advance(self, dt: float) -> None:
+        time.sleep(dt * THREAD_TICK)
+
+
+def thread_device(timing: RankTiming) -> Device:
+    """Worker threads whose every launch is delayed by the rank's seeded amount (HARN-14)."""
+    return HarnessThreadDevice(timing)
 
 
 def cuda_device(timing: RankTiming) -> Device:

@@ -14,14 +14,13 @@ import numpy as np
 import torch
 
 from ..device.base import Device
-from ..device.threads import ThreadDevice
 from ..engine.steps import StepSequence
 from ..errors import CapacityError, InputError, InvariantError
 from ..requests import NO_SLOT
 from . import checks
 from .checks import ByteShadow, Finding, Granules, HostReadTracker, OverlapTracker
 from .harness_config import HarnessConfig, harness_storage
-from .harness_device import HarnessDevice, cuda_device
+from .harness_device import HarnessDevice, cuda_device, thread_device
 from .harness_forwards import DEPTH, ForwardOps
 from .harness_host import HostTierOps
 from .harness_maintenance import MaintenanceOps
@@ -44,7 +43,7 @@ class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
         if self.modeled:
             self.device: Device = HarnessDevice(timing)
         elif device == "threads":
-            self.device = ThreadDevice()
+            self.device = thread_device(timing)
         elif device == "cuda":
             self.device = cuda_device(timing)
             arena_device = "cuda"

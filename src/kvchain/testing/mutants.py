@@ -22,6 +22,10 @@ class Mutant:
     target: str
     description: str
     fault: str  # the fault point it switches on
+    #: the check that must catch it on a real device (threads, cuda), where only the payload,
+    #: divergence and ledger checks apply (HARN-14); None: a real device cannot show its hazard
+    real_target: str | None = None
+    real_reason: str = ""  # why a real device cannot show it (real_target None)
 
 
 #: one row per mutant: the fault point it switches on, the check that must catch it, and what goes
@@ -66,9 +70,22 @@ _TABLE: tuple[tuple[str, str, str], ...] = (
 )
 _NAMED = {faults.SKIP_WRITER_WAITS: "move_without_writer_wait"}
 
+#: what a real device sees instead of the modeled device's checks: an access the vector clocks call
+#: unordered corrupts bytes a forward, a backup or a send then reads (`lost_write`); a page handed
+#: out unzeroed shows in the tail of the last page, which every forward checks reads zero (ALLOC-20)
+_REAL = {checks.UNORDERED_OVERLAP: checks.LOST_WRITE, checks.CROSS_DTYPE_BYTES: checks.LOST_WRITE}
+#: mutants whose hazard a real device cannot show, and why
+_NOT_REAL = {
+    faults.READ_AFTER_SETTLE: "the recovery read-ahead reads host-side lists only; on a real device a host read "
+                              "after a queued stream wait stalls the host until the waited work ends, it corrupts "
+                              "no bytes, so only the modeled device's happens-before clocks (HARN-9) see it",
+}
+
 MUTANTS: dict[str, Mutant] = {
-    m.name: m for m in (Mutant(_NAMED.get(fault, fault), target, description, fault)
-                        for fault, target, description in _TABLE)
+    m.name: m for m in (
+        Mutant(_NAMED.get(fault, fault), target, description, fault,
+               None if fault in _NOT_REAL else _REAL.get(target, target), _NOT_REAL.get(fault, ""))
+        for fault, target, description in _TABLE)
 }
 
 

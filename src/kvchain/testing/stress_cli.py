@@ -61,6 +61,16 @@ def _page_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a rate is a number in [0, 1], not {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a rate is a number in [0, 1], not {text!r}")
+    return value
+
+
 # ----------------------------------------------------------------------------------- shapes
 
 
@@ -75,6 +85,7 @@ def _field(obj: dict, key: str, kind: str, where: str, *, required: bool = True)
     ok = {
         "int": lambda: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD,
         "size": lambda: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_FIELD,
+        "index": lambda: isinstance(v, int) and not isinstance(v, bool) and -MAX_FIELD <= v <= MAX_FIELD,
         "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD,
         "bool": lambda: isinstance(v, bool),
         "str": lambda: isinstance(v, str),
@@ -88,7 +99,8 @@ def _field(obj: dict, key: str, kind: str, where: str, *, required: bool = True)
         raise InputError(f"{where}: field {key!r} must be {_KIND_TEXT[kind]}, got {shown[:60]}")
 
 
-_KIND_TEXT = {"int": f"an integer in [0, {MAX_FIELD}]", "size": f"an integer in [1, {MAX_FIELD}]", "number": f"a number in [0, {MAX_FIELD}]",
+_KIND_TEXT = {"int": f"an integer in [0, {MAX_FIELD}]", "size": f"an integer in [1, {MAX_FIELD}]",
+              "index": f"an integer in [-{MAX_FIELD}, {MAX_FIELD}]", "number": f"a number in [0, {MAX_FIELD}]",
               "bool": "true or false", "str": "a string", "object": "a JSON object", "list": "a list",
               "ints": f"a list of integers in [0, {MAX_FIELD}]"}
 
@@ -109,6 +121,7 @@ def check_case_shape(data: object, where: str) -> None:
     for key in ("page_size", "state_floats", "chain_bytes", "rows", "context", "max_moves"):
         _field(config, key, "size", f"{where}: config")
     _field(config, "war_barrier", "bool", f"{where}: config")
+    _field(config, "profile", "str", f"{where}: config", required=False)
     _field(config, "gap_fraction", "number", f"{where}: config")
     _field(config, "full", "ints", f"{where}: config")
     _field(config, "windows", "list", f"{where}: config")
@@ -134,7 +147,9 @@ def check_case_shape(data: object, where: str) -> None:
                 for x in value:
                     _field({key: x}, key, "number", here)
             else:
-                _field(op, key, "number" if key in ("fr", "dt") else "int", here)
+                # a negative pick or start counts from the newest candidate
+                kind = "number" if key in ("fr", "dt") else "index" if key in ("pick", "start", "src", "dst") else "int"
+                _field(op, key, kind, here)
     if case.get("mutant") is not None:
         _field(case, "mutant", "str", where)
     if case.get("failure") is not None:
@@ -188,6 +203,10 @@ def configure_stress(p: argparse.ArgumentParser) -> None:
                         "delayed kernels): threads and cuda check payloads, divergence and the ledger")
     p.add_argument("--mutant", default=None, help="run with one named fault injected (see --list-mutants)")
     p.add_argument("--list-mutants", action="store_true", help="list the mutants and the check each targets")
+    p.add_argument("--mutant-table", action="store_true",
+                   help="for every mutant (or --mutant's), the seeds its target check catches on --device")
+    p.add_argument("--min-rate", type=_rate, default=0.0,
+                   help="with --mutant-table: exit 1 when a mutant the device can show is caught by fewer seeds")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -261,6 +280,74 @@ def _check_device(device: str) -> None:
             raise InputError("--device cuda: CUDA is not available on this machine")
 
 
+def _target(mutant: str | None, device: str) -> str | None:
+    """The check a mutant run stops at on `device`; refused where the device cannot show it."""
+    from . import mutants
+    from .mutant_table import target_on
+
+    if mutant is None:
+        return None
+    m = mutants.get(mutant)
+    target = target_on(m, device)
+    if target is None:
+        raise InputError(f"--mutant {mutant}: --device {device} cannot show it: {m.real_reason}")
+    return target
+
+
+def _mutant_table(args: argparse.Namespace) -> int:
+    """`--mutant-table`: each mutant's catching seeds by its target check, one mutant at a time."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import mutants
+    from .mutant_table import mutant_row
+
+    if args.device == "cuda" and args.jobs > 1:
+        raise InputError("--device cuda runs one job (the ranks share one GPU)")
+    names = [mutants.get(args.mutant).name] if args.mutant else list(mutants.MUTANTS)
+    seeds = list(args.seeds)
+    start = time.perf_counter()
+    rows = []
+    with progress(TextColumn("[bold]mutants[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), disable=args.json) as bar:
+        task = bar.add_task(f"{len(names)} x {len(seeds)} seeds x {args.ops} ops", total=len(names) * len(seeds))
+        if args.jobs == 1:
+            for name in names:
+                rows.append(mutant_row(name, seeds, args.ops, args.device, lambda: bar.update(task, advance=1)))
+        else:
+            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            with cf.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+                futures = [pool.submit(mutant_row, name, seeds, args.ops, args.device) for name in names]
+                for fut in futures:
+                    rows.append(fut.result())
+                    bar.update(task, advance=len(seeds))
+    short = [r.name for r in rows if r.target is not None and r.rate < args.min_rate]
+    summary = {"device": args.device, "seeds": f"{args.seeds.start}:{args.seeds.stop}", "ops": args.ops,
+               "seconds": round(time.perf_counter() - start, 2), "min_rate": args.min_rate,
+               "mutants": [r.to_json() for r in rows], "below_min_rate": short}
+    if args.json:
+        print(dump_json(summary, indent=1))
+        return 1 if short else 0
+    table = Table(title=f"mutants on {args.device}: seeds {summary['seeds']} x {args.ops} ops", title_justify="left")
+    for column in ("mutant", "target", "caught", "first seed"):
+        table.add_column(column, justify="right" if column in ("caught", "first seed") else "left")
+    for r in rows:
+        if r.target is None:
+            table.add_row(r.name, "-", "cannot show", "-")
+            continue
+        low = r.rate < args.min_rate
+        table.add_row(r.name, r.target, f"[{'red' if low else 'green'}]{len(r.caught)}/{r.seeds}[/]",
+                      str(r.caught[0]) if r.caught else "-")
+    out = Console()
+    out.print(table)
+    for r in rows:
+        if r.target is None:
+            out.print(f"{r.name}: {r.reason}", markup=False)
+    out.print(f"{summary['seconds']:,.1f} s" + (f"; below {args.min_rate:.0%}: {', '.join(short)}" if short else ""))
+    return 1 if short else 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -270,7 +357,7 @@ def _replay(args: argparse.Namespace) -> int:
     check_case_shape(read_json_file(args.replay, "--replay"), f"--replay {args.replay}")
     case = Case.load(args.replay)
     mutant = args.mutant or case.mutant
-    until = mutants.get(mutant).target if mutant else None
+    until = _target(mutant, args.device)
     with mutants.applied(mutant):
         case.mutant = mutant
         result = run_case(case, args.device, until=until)
@@ -304,7 +391,9 @@ def run_stress(args: argparse.Namespace) -> int:
     if args.list_mutants:
         return _list_mutants()
     _check_device(args.device)
-    until = mutants.get(args.mutant).target if args.mutant else None
+    if args.mutant_table:
+        return _mutant_table(args)
+    until = _target(args.mutant, args.device)
     if args.replay is not None:
         return _replay(args)
     if args.device == "cuda" and args.jobs > 1:

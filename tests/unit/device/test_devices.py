@@ -105,6 +105,47 @@ def test_thread_device_forward_delay_starts_forwards_late():
         ThreadDevice(forward_delay=-1)
 
 
+def test_thread_device_launch_delays_are_seeded_and_off_by_default():
+    """HARN-14: seeded launch delays, as the CUDA device's spins: the same seed gives the same delay to
+    the same launches, another seed others; each is at most `launch_delay * stream_scale[stream]`
+    before the start and half that between start and body; a library user's device (no
+    `launch_delay`) delays nothing."""
+    def delays(dev: ThreadDevice) -> list[tuple[float, float]]:
+        try:
+            return [dev._delays(dev.stream(name)) for name in ("forward", "schedule", "copy") * 20]
+        finally:
+            dev.close()
+
+    scale = {"forward": 8.0, "schedule": 1.0}
+    a = delays(ThreadDevice(launch_delay=1e-4, seed=3, stream_scale=scale))
+    assert a == delays(ThreadDevice(launch_delay=1e-4, seed=3, stream_scale=scale))
+    assert a != delays(ThreadDevice(launch_delay=1e-4, seed=4, stream_scale=scale))
+    for (before, during), name in zip(a, ("forward", "schedule", "copy") * 20):
+        assert 0 <= before < 1e-4 * scale.get(name, 1.0) and during == pytest.approx(before / 2)
+    assert max(b for b, _ in a[0::3]) > 1e-4  # forwards, scaled by 8, wait longer than any schedule item
+    assert set(delays(ThreadDevice())) == {(0.0, 0.0)}
+    assert set(delays(ThreadDevice(forward_delay=0.01))) == {(0.01, 0.0), (0.0, 0.0)}
+    for bad in ({"launch_delay": -1e-4}, {"launch_delay": 1e-4, "stream_scale": {"copy": -1.0}}):
+        with pytest.raises(InputError):
+            ThreadDevice(**bad)
+
+
+def test_thread_device_launch_delay_holds_a_kernel_between_start_and_body():
+    """A delayed item runs `on_start`, waits, then its body: schedule work the host queues meanwhile
+    lands between a forward's first and last reads, as it does on a busy accelerator."""
+    dev = ThreadDevice(launch_delay=0.2, seed=0, stream_scale={"forward": 1.0, "schedule": 0.0})
+    try:
+        out = []
+        dev.launch(dev.forward_stream, lambda: out.append("forward body"), on_start=lambda: out.append("forward start"))
+        time.sleep(0.01)
+        dev.launch(dev.schedule_stream, lambda: out.append("schedule"))
+        dev.synchronize()
+        assert out[0] == "schedule" or out == ["forward start", "schedule", "forward body"]
+        assert out.index("schedule") < out.index("forward body")
+    finally:
+        dev.close()
+
+
 def test_thread_device_host_wait_timeout_and_errors():
     dev = ThreadDevice()
     try:

@@ -44,6 +44,7 @@ def test_list_mutants_names_then_target(capsys):
     ["stress", "--mutant", "nope"], ["stress", "--frobnicate"],
     ["trace", "record", "--page-sizes", "1,x", "--out", "t.jsonl"], ["trace", "compare"],
     ["stress", "--replay", "/nonexistent/case.json"],
+    ["stress", "--mutant", "read_after_settle", "--device", "threads"], ["stress", "--mutant-table", "--min-rate", "2"],
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     """HARN-15..17, TRACE-3: bad flags and unreadable inputs are one line on stderr and exit code 2."""
@@ -64,17 +65,34 @@ def test_cuda_without_cuda_is_one_line_and_exit_2(capsys):
     assert len(err) == 1 and "CUDA is not available" in err[0]
 
 
+def test_mutant_table_counts_catches_by_the_target_check(capsys):
+    """HARN-15: `--mutant-table` runs each mutant over the seeds and counts the seeds its target check
+    caught; `--min-rate` makes a mutant caught by fewer seeds exit 1."""
+    argv = ["stress", "--mutant-table", "--mutant", "never_end_uses", "--seeds", "0:2", "--ops", "200", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["mutants"]
+    assert row["mutant"] == "never_end_uses" and row["target"] == "ledger_leak" and row["seeds"] == 2
+    assert row["caught"] == len(row["caught_seeds"]) >= 1 and set(row["caught_seeds"]) <= {0, 1}
+    assert out["below_min_rate"] == []
+    assert main(["stress", "--mutant-table", "--mutant", "reuse_vacated", "--seeds", "0:1", "--ops", "5",
+                 "--min-rate", "0.5", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["below_min_rate"] == ["reuse_vacated"]
+    assert main(["stress", "--mutant-table", "--mutant", "read_after_settle", "--device", "threads", "--seeds", "0:1"]) == 0
+    assert "cannot show" in capsys.readouterr().out
+
+
 def test_mutant_run_minimizes_saves_and_replays(tmp_path, capsys):
     """HARN-13, HARN-15, HARN-16: a mutant's failing seed is shrunk and saved; `--replay` reproduces it."""
     out = tmp_path / "cases"
-    code = main(["stress", "--mutant", "skip_settle_wait", "--seeds", "1:2", "--ops", "400", "--minimize",
+    code = main(["stress", "--mutant", "skip_settle_wait", "--seeds", "3:4", "--ops", "200", "--minimize",
                  "--out", str(out), "--json"])
     assert code == 1
     summary = json.loads(capsys.readouterr().out)
     assert summary["failures_by_check"]["unordered_overlap"] == 1
     (failure,) = summary["failures"]
     assert failure["minimized_ops"] < 10
-    case = json.loads((out / "seed1-unordered_overlap.json").read_text())
+    case = json.loads((out / "seed3-unordered_overlap.json").read_text())
     assert case["mutant"] == "skip_settle_wait" and len(case["ops"]) == failure["minimized_ops"]
     assert main(["stress", "--replay", failure["case"]]) == 1
     text = capsys.readouterr().out

@@ -40,6 +40,21 @@ def test_operations_are_json_and_deterministic():
     assert set(harness.OP_WEIGHTS) >= {op["op"] for op in ops}
 
 
+def test_seeds_draw_every_profile_and_splice_its_families():
+    """HARN-1, HARN-3: every nine seeds draw each profile in its share; a profile's sequence holds
+    its scenario families' runs (here `compaction_under_decode`'s free of the older of two new
+    requests) and only known operations; the original mix holds none."""
+    from kvchain.testing.harness_profiles import PROFILE_CYCLE, PROFILES
+
+    assert Counter(config_for_seed(s).profile for s in range(9)) == Counter(PROFILE_CYCLE)
+    assert set(PROFILE_CYCLE) == set(PROFILES)
+    for seed in range(9):
+        case = seed_case(seed, 300)
+        assert {op["op"] for op in case.ops} <= set(harness.OP_WEIGHTS)
+        spliced = any(op == {"op": "free", "pick": -2} for op in case.ops)
+        assert spliced == (case.config.profile != "mixed"), (seed, case.config.profile)
+
+
 def test_a_seed_runs_clean_and_exercises_every_operation():
     """HARN-3, HARN-5: overlapped forwards, frees under them, window retirement, host-tier loads and
     backups, network sends and receives, flushes, reliefs, float relocations, state copies and

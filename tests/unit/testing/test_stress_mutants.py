@@ -8,19 +8,26 @@ from kvchain import faults
 from kvchain.errors import InputError
 from kvchain.testing import checks
 from kvchain.testing.harness import Case, minimize, run_case, seed_case
+from kvchain.testing.mutant_table import mutant_row
 from kvchain.testing.mutants import MUTANTS, applied
 
-#: within how many seeds (of 400 operations) each mutant must be caught; the first catching seed is
-#: far below each bound (see docs/stress.md), and a run stops at its first catch
-BOUNDS = {
-    "skip_war_barrier": 8, "free_to_holes": 10, "skip_settle_wait": 10, "skip_zeroing": 16, "unzeroed_growth": 24,
-    "reuse_vacated": 60, "move_without_writer_wait": 8, "skip_fence_waits": 8, "skip_copy_clearance": 12,
-    "read_after_settle": 8, "free_on_fired_event": 16, "holes_by_fired_event": 12, "never_end_uses": 8,
-    "keep_fences": 8, "release_network_early": 8, "lose_move_copy": 8,
-}
+#: operations per seed in the mutant tests and the catch-rate table (docs/stress.md)
+N_OPS = 200
+#: two seeds whose 200-operation run each mutant's target check fails on the modeled device (from
+#: `kvchain stress --mutant-table --seeds 0:50 --ops 200`): the quick default-suite check
+CATCHING = {"skip_war_barrier": [0, 2], "free_to_holes": [1, 3], "skip_settle_wait": [3, 4], "skip_zeroing": [8, 18], "unzeroed_growth": [8, 24], "reuse_vacated": [1, 11], "move_without_writer_wait": [0, 1], "skip_fence_waits": [0, 1], "skip_copy_clearance": [0, 3], "read_after_settle": [0, 1], "free_on_fired_event": [6, 11], "holes_by_fired_event": [3, 11], "never_end_uses": [1, 2], "keep_fences": [0, 4], "release_network_early": [2, 4], "lose_move_copy": [0, 1]}
+#: the goal: each mutant's target check catches this share of seeds 0:50 (200 operations, modeled)
+#: and of seeds 0:20 (300 operations, threads); docs/stress.md lists the mutants still short of it
+GOAL_RATE = 0.2
+#: seeds of 0:50 at 200 operations each mutant's target check catches on the modeled device today
+#: (deterministic): the sweep holds each to at least this many, or to the goal where it is reached
+CAUGHT_OF_50 = {"skip_war_barrier": 26, "free_to_holes": 9, "skip_settle_wait": 9, "skip_zeroing": 6, "unzeroed_growth": 4, "reuse_vacated": 9, "move_without_writer_wait": 41, "skip_fence_waits": 18, "skip_copy_clearance": 34, "read_after_settle": 47, "free_on_fired_event": 14, "holes_by_fired_event": 11, "never_end_uses": 49, "keep_fences": 28, "release_network_early": 30, "lose_move_copy": 49}
+#: seeds of 0:20 at 300 operations caught on threads today; real threads interleave differently
+#: each run, so the sweep holds each to half of it (at least one)
+CAUGHT_OF_20_THREADS = {"skip_war_barrier": 1, "free_to_holes": 2, "skip_settle_wait": 1, "skip_zeroing": 13, "unzeroed_growth": 13, "reuse_vacated": 0, "move_without_writer_wait": 13, "skip_fence_waits": 0, "skip_copy_clearance": 3, "free_on_fired_event": 17, "holes_by_fired_event": 10, "never_end_uses": 20, "keep_fences": 11, "release_network_early": 3, "lose_move_copy": 20}
 
 
-def _first_catch(name: str, seeds, n_ops: int = 400) -> tuple[int, Case, object] | None:
+def _first_catch(name: str, seeds, n_ops: int = N_OPS) -> tuple[int, Case, object] | None:
     target = MUTANTS[name].target
     with applied(name):
         for seed in seeds:
@@ -34,7 +41,7 @@ def _first_catch(name: str, seeds, n_ops: int = 400) -> tuple[int, Case, object]
 
 def test_mutants_are_named_and_cover_every_check():
     """HARN-5..12: at least ten mutants, lowercase identifiers, together aimed at all six checks."""
-    assert len(MUTANTS) >= 10 and set(BOUNDS) == set(MUTANTS)
+    assert len(MUTANTS) >= 10 and set(CATCHING) == set(MUTANTS)
     assert all(name.isidentifier() and name.islower() for name in MUTANTS)
     assert {m.target for m in MUTANTS.values()} == set(checks.CHECKS)
 
@@ -55,11 +62,23 @@ def test_each_mutant_switches_one_fault_point_on_only_while_applied():
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_caught_by_its_target_check(name):
-    """HARN-6..12: injected, the fault fails the check it targets within a bounded number of seeds."""
-    found = _first_catch(name, range(BOUNDS[name]))
-    assert found is not None, f"{name} not caught by {MUTANTS[name].target} within {BOUNDS[name]} seeds"
-    _seed, _case, failure = found
-    assert MUTANTS[name].target in failure.checks
+    """HARN-6..12: injected, the fault fails the check it targets on each of two seeds known to
+    reach its hazard (a run stops at the target's first failure; another check's does not count)."""
+    row = mutant_row(name, CATCHING[name], N_OPS)
+    assert row.caught == CATCHING[name], f"{name}: {MUTANTS[name].target} caught only seeds {row.caught}"
+
+
+def test_real_devices_hold_mutants_to_a_payload_divergence_or_ledger_check():
+    """HARN-14: on threads and CUDA only the payload, divergence and ledger checks apply, so each
+    mutant names the one of those that shows its hazard there, or why a real device cannot."""
+    real = {checks.LOST_WRITE, checks.RANK_DIVERGENCE, checks.LEDGER_LEAK}
+    for m in MUTANTS.values():
+        if m.real_target is None:
+            assert m.real_reason, m.name
+        else:
+            assert m.real_target in real and not m.real_reason, m.name
+            assert m.real_target == m.target or m.target not in real, m.name
+    assert [m.name for m in MUTANTS.values() if m.real_target is None] == ["read_after_settle"]
 
 
 @pytest.mark.parametrize("name", ["skip_settle_wait", "read_after_settle", "lose_move_copy"])
@@ -67,7 +86,7 @@ def test_a_minimized_mutant_case_replays_and_is_minimal(name, tmp_path):
     """HARN-13, HARN-16: the shrunk case, saved and loaded, replays to the same failure, and
     removing any one of its operations makes it pass."""
     target = MUTANTS[name].target
-    _seed, case, failure = _first_catch(name, range(BOUNDS[name]))
+    _seed, case, failure = _first_catch(name, CATCHING[name])
     with applied(name):
         small = minimize(case, failure, check=target, until=target)
         path = small.save(tmp_path / f"{name}.json")
@@ -85,14 +104,26 @@ def test_a_minimized_mutant_case_replays_and_is_minimal(name, tmp_path):
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_mutant_sweep(name):
-    """HARN-18: the fuller version: caught at 400 and at 1,000 operations per seed, and every first
-    catch shrinks to a minimal case that replays."""
+def test_mutant_catch_rate(name):
+    """HARN-6..12, HARN-18: each mutant's target check catches at least GOAL_RATE of seeds 0:50 at
+    200 operations on the modeled device (or, short of it, as many as it does today), and its first catch shrinks to a minimal case that fails
+    the same check."""
     target = MUTANTS[name].target
-    for n_ops in (400, 1000):
-        found = _first_catch(name, range(4 * BOUNDS[name]), n_ops)
-        assert found is not None, (name, n_ops)
-    _seed, case, failure = found
+    row = mutant_row(name, range(50), N_OPS)
+    floor = min(CAUGHT_OF_50[name], int(GOAL_RATE * 50))
+    assert len(row.caught) >= floor, f"{name}: {target} caught {len(row.caught)} of 50 seeds: {row.caught}"
+    _seed, case, failure = _first_catch(name, row.caught[:1])
     with applied(name):
         small = minimize(case, failure, check=target, until=target)
         assert small.failure is not None and target in small.failure["checks"]
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("name", sorted(n for n, m in MUTANTS.items() if m.real_target is not None))
+def test_mutant_catch_rate_on_threads(name):
+    """HARN-14, HARN-18: on worker threads with seeded launch delays, each mutant a real device can
+    show is caught by its payload, divergence or ledger check in seeds 0:20 at 300 operations
+    (half of today's count, or of GOAL_RATE where reached: real threads do not replay)."""
+    row = mutant_row(name, range(20), 300, device="threads")
+    floor = max(1, min(CAUGHT_OF_20_THREADS[name], int(GOAL_RATE * 20)) // 2)
+    assert len(row.caught) >= floor, f"{name}: {row.target} caught {len(row.caught)} of 20 seeds: {row.caught}"
