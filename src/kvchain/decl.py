@@ -55,27 +55,44 @@ class MHA:
         return f"MHA {self.kv_heads}x{self.head_dim}{v} {self.dtype}"
 
 
+#: a sparse-attention indexer's key is stored as fp8 with one float32 scale per this many dims
+INDEX_QUANT_BLOCK = 128
+
+
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention: one compressed latent plus a shared rope key per token."""
+    """Multi-head latent attention: one compressed latent plus a shared rope key per token.
+
+    `index_head_dim` > 0 adds the key of a sparse-attention indexer (DeepSeek-V3.2's DSA): one
+    head per token, kept beside the latent because it lives exactly as long, stored as serving
+    engines store it, fp8 with a float32 scale per `INDEX_QUANT_BLOCK` dims (132 bytes for 128)."""
 
     kv_lora_rank: int
     rope_dim: int
     dtype: str = "bfloat16"
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         _positive(kv_lora_rank=self.kv_lora_rank)
         if self.rope_dim < 0:
             raise DeclarationError(f"MLA rope_dim must be >= 0, got {self.rope_dim}")
+        if self.index_head_dim < 0 or self.index_head_dim % INDEX_QUANT_BLOCK:
+            raise DeclarationError(f"MLA index_head_dim must be a multiple of {INDEX_QUANT_BLOCK} (or 0), "
+                                   f"got {self.index_head_dim}")
 
     unit = Unit.TOKEN
 
+    def index_bytes(self) -> int:
+        """Bytes of the indexer key per token: fp8 values and their float32 scales."""
+        return self.index_head_dim + 4 * (self.index_head_dim // INDEX_QUANT_BLOCK)
+
     def unit_bytes(self) -> int:
-        return (self.kv_lora_rank + self.rope_dim) * dtype_size(self.dtype)
+        return (self.kv_lora_rank + self.rope_dim) * dtype_size(self.dtype) + self.index_bytes()
 
     def describe(self) -> str:
-        return f"MLA {self.kv_lora_rank}+{self.rope_dim} {self.dtype}"
+        index = f" + indexer key {self.index_head_dim} fp8" if self.index_head_dim else ""
+        return f"MLA {self.kv_lora_rank}+{self.rope_dim} {self.dtype}{index}"
 
 
 @dataclass(frozen=True)

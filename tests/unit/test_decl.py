@@ -32,6 +32,11 @@ def test_mla_bytes_per_token():
     # DeepSeek-V3: (512 latent + 64 rope) x 2 bytes = 1152
     assert MLA(512, 64).unit_bytes() == 1152
     assert MLA(512, 64, dtype="float8_e4m3fn").unit_bytes() == 576
+    # DeepSeek-V3.2's indexer key beside it: 128 fp8 values + one float32 scale = 132
+    assert MLA(512, 64, index_head_dim=128).unit_bytes() == 1152 + 132
+    assert MLA(512, 64, index_head_dim=256).unit_bytes() == 1152 + 256 + 8
+    with pytest.raises(DeclarationError):
+        MLA(512, 64, index_head_dim=100)
 
 
 def test_state_bytes_per_slot():

@@ -63,7 +63,10 @@ def _layer_tensors(geometry: Geometry, tokens: int) -> list[tuple[str, str, tupl
             ("v", geometry.dtype, (tokens, geometry.kv_heads, geometry.v_dim)),
         ]
     if isinstance(geometry, MLA):
-        return [("kv", geometry.dtype, (tokens, geometry.kv_lora_rank + geometry.rope_dim))]
+        latent = [("kv", geometry.dtype, (tokens, geometry.kv_lora_rank + geometry.rope_dim))]
+        if geometry.index_head_dim:  # the indexer key's fp8 values and float32 scales, as bytes
+            latent.append(("index_k", "uint8", (tokens, geometry.index_bytes())))
+        return latent
     if isinstance(geometry, State):
         return [(t.name, t.dtype, t.shape) for t in geometry.tensors]
     raise DeclarationError(f"unknown geometry {type(geometry).__name__} {geometry!r} "

@@ -52,6 +52,11 @@ class SubPoolView:
         """MLA: latent and rope key, concatenated per token."""
         return self.tensor(layer_id, "kv")
 
+    def index_k(self, layer_id: int) -> torch.Tensor:
+        """MLA with a sparse-attention indexer: its key per token, fp8 values then float32 scales,
+        as raw bytes."""
+        return self.tensor(layer_id, "index_k")
+
     def state(self, layer_id: int, name: str) -> torch.Tensor:
         if self.pool.kind is not PoolKind.STATE:
             raise LayoutError(f"sub-pool {self.pool.name!r} holds {self.pool.kind.value} pages, no recurrent "

@@ -16,6 +16,9 @@ from .recurrent import has_recurrent_fields, recurrent_state
 
 #: Layer names a generic config may use: transformers' standard ones, LFM2's `conv`, Zamba's `hybrid`.
 KINDS = {**LAYER_TYPE_KINDS, "conv": Kind.RECURRENT, "hybrid": Kind.HYBRID}
+#: with an MLA indexer (DeepSeek-V3.2's sparse attention): an indexed layer keeps every token's
+#: latent and indexer key, and its indexer picks which of them attention reads
+INDEXED_KINDS = {**KINDS, "indexed_attention": Kind.FULL}
 
 _PATTERN_KINDS = {"M": Kind.RECURRENT, "*": Kind.FULL, "-": Kind.NONE, "E": Kind.NONE}
 
@@ -26,7 +29,6 @@ UNMODELLED = {
     "per_layer_config": "per-layer attention settings",
     "num_attention_heads_per_layer": "a head count that varies by layer",
     "block_types": "RG-LRU recurrent blocks",
-    "index_n_heads": "the key cache of a sparse-attention indexer",
     "attn_layers": "LSH and local attention layers",
 }
 
@@ -77,8 +79,9 @@ def with_standard_names(fields: Fields) -> Fields:
 
 def layer_kinds(fields: Fields, num_layers: int) -> tuple[list[Kind], str]:
     """Per-layer kinds, and the field they were read from (named in later errors)."""
+    known = INDEXED_KINDS if _mla_indexer(fields) else KINDS
     for name in ("layer_types", "layers_block_type"):
-        kinds = fields.layer_kinds((name,), KINDS, num_layers)
+        kinds = fields.layer_kinds((name,), known, num_layers)
         if kinds is not None:
             return kinds, name
     if "attn_layer_indices" in fields.values and not fields.values["attn_layer_indices"] and (
@@ -147,7 +150,8 @@ def attention_geometry(fields: Fields, ctx: Context) -> Geometry:
     hidden_size // heads; JetMoe calls it `kv_channels`) and values of `v_head_dim` where that differs."""
     if fields.present("kv_lora_rank"):
         return MLA(
-            fields.integer("kv_lora_rank"), fields.integer("qk_rope_head_dim", minimum=0), dtype=ctx.kv_dtype
+            fields.integer("kv_lora_rank"), fields.integer("qk_rope_head_dim", minimum=0), dtype=ctx.kv_dtype,
+            index_head_dim=fields.integer("index_head_dim") if _mla_indexer(fields) else 0,
         )
     if not fields.present("num_attention_heads") and fields.present("state_size"):
         raise fields.error(
@@ -192,7 +196,16 @@ def _without_kv_sharing_layers(fields: Fields, kinds: list[Kind]) -> list[Kind]:
     return kinds[:first] + [Kind.NONE] * shared
 
 
+def _mla_indexer(fields: Fields) -> bool:
+    """A sparse-attention indexer over MLA, whose key kvchain keeps beside the latent."""
+    return bool(fields.values.get("index_n_heads")) and fields.present("kv_lora_rank")
+
+
 def _refuse_unmodelled(fields: Fields) -> None:
+    if fields.values.get("index_n_heads") and not _mla_indexer(fields):
+        raise fields.error("index_n_heads", f"= {fields.values['index_n_heads']!r}: kvchain does not model a "
+                           "sparse-attention indexer over MHA (it keeps an indexer's key only beside MLA's latent: "
+                           "expected 'kv_lora_rank' with it, or 'index_n_heads' absent, null or 0)")
     for name, (refused, what) in UNMODELLED_VALUES.items():
         if fields.values.get(name) == refused:
             raise fields.error(name, f"= {refused!r}: kvchain does not model {what}")

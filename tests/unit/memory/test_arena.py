@@ -90,3 +90,17 @@ def test_mla_view():
     arena = KVArena(plan, 8192)
     view = SubPoolView(plan.owner, arena.page_bytes_view(0))
     assert tuple(view.kv(1).shape)[1:] == (2, 40)
+
+
+def test_mla_view_with_an_indexer_key():
+    """The indexer key is its own component of each layer's page: writing it leaves the latent be."""
+    plan = plan_kv_storage(kv_layer_decls([KVPart(MLA(32, 8, index_head_dim=128), FullLifetime())] * 2),
+                           page_size=2)
+    arena = KVArena(plan, 16384)
+    view = SubPoolView(plan.owner, arena.page_bytes_view(0))
+    assert tuple(view.index_k(1).shape)[1:] == (2, 132) and view.index_k(1).dtype == torch.uint8
+    view.kv(1)[0].zero_()
+    view.index_k(0)[0].zero_()
+    view.index_k(1)[0].fill_(7)
+    assert int(view.kv(1)[0].abs().sum()) == 0 and int(view.index_k(0)[0].sum()) == 0
+    assert int(view.index_k(1)[0].sum()) == 7 * 2 * 132

@@ -671,6 +671,21 @@ def test_longcat_caches_two_mla_sublayers_per_layer():
     assert plan.by_name("full").unit_bytes == 6 * (512 + 64) * 2
 
 
+def test_an_mla_indexer_keeps_its_key_beside_the_latent():
+    """DeepSeek-V3.2's sparse attention (transformers' defaults for deepseek_v32): every layer keeps
+    the latent and rope key, (512 + 64) x 2 bytes, and the indexer's key, 128 fp8 values and one
+    float32 scale; `indexed_attention` layers are full attention. Without MLA an indexer is refused."""
+    cfg = {"model_type": "deepseek_v32", "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "index_n_heads": 64, "index_head_dim": 128, "num_attention_heads": 128,
+           "layer_types": ["indexed_attention"] * 61, "max_position_embeddings": 163840}
+    plan = plan_kv_storage(model_from_config(cfg).decls, page_size=64)
+    assert [p.name for p in plan.sub_pools] == ["full"]
+    assert plan.by_name("full").unit_bytes == 61 * ((512 + 64) * 2 + 128 + 4)
+    without = {k: v for k, v in cfg.items() if not k.startswith("index_")}
+    assert "indexed_attention" in error_of(without)
+    assert "'index_n_heads'" in error_of(config(LLAMA, model_type="other", index_n_heads=4))
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("is_encoder_decoder", True), ("cross_attention_layers", [1]),

@@ -63,7 +63,10 @@ def attr(cfg, *names, default=None):
 def attention_bytes(t) -> int:
     """K/V bytes one token of one attention layer holds (bf16)."""
     if attr(t, "kv_lora_rank"):
-        return (t.kv_lora_rank + t.qk_rope_head_dim) * BF16
+        # a sparse-attention indexer (DeepSeek-V3.2) keeps its key beside the latent: fp8 values
+        # and a float32 scale per 128 of them
+        index = t.index_head_dim + 4 * (t.index_head_dim // 128) if attr(t, "index_n_heads") else 0
+        return (t.kv_lora_rank + t.qk_rope_head_dim) * BF16 + index
     heads = t.num_attention_heads
     kv_heads = attr(t, "num_key_value_heads", default=heads)
     if hasattr(t, "new_decoder_architecture"):  # Falcon's attention: one K/V head under multi_query
@@ -123,7 +126,8 @@ def expected_bytes(t) -> tuple[int, int]:
     names = layer_names(t)
     shared = attr(t, "num_kv_shared_layers", default=0)  # Gemma 3n: the last ones reuse earlier KV
     for name in names[: len(names) - shared]:
-        if name in ("full_attention", "attention", "sliding_attention", "chunked_attention", "hybrid"):
+        if name in ("full_attention", "attention", "indexed_attention", "sliding_attention", "chunked_attention",
+                    "hybrid"):
             per_token += attention_bytes(t)
         if name in ("linear_attention", "mamba", "conv", "hybrid"):
             per_slot += state_bytes(t)
