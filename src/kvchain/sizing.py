@@ -319,7 +319,8 @@ def size_plan(
             pages = slots
         targets.append(PoolTarget(pool.name, pool.kind, pages, pages * pool.units_per_page, pages * pool.page_bytes))
 
-    bounds = {} if token_owner else {"tokens": full_pages // ctx_pages}
+    # a token-id owner's free ids bound nothing, but the window rows its ids bind still do
+    bounds = {} if token_owner and not windows else {"tokens": full_pages // ctx_pages}
     bounds["max running requests"] = max_running_requests
     if state is not None:
         bounds["state slots"] = slots // spr
