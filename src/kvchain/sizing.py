@@ -319,9 +319,10 @@ def size_plan(
             pages = slots
         targets.append(PoolTarget(pool.name, pool.kind, pages, pages * pool.units_per_page, pages * pool.page_bytes))
 
-    # a token-id owner's free ids bound nothing, but the window rows its ids bind still do
-    bounds = {} if token_owner and not windows else {"tokens": full_pages // ctx_pages}
+    bounds = {} if token_owner else {"tokens": full_pages // ctx_pages}
     bounds["max running requests"] = max_running_requests
+    if token_owner and windows:  # its free ids bound nothing, but the window rows they bind do
+        bounds["tokens"] = full_pages // ctx_pages
     if state is not None:
         bounds["state slots"] = slots // spr
     limited_by = min(bounds, key=lambda k: bounds[k])
