@@ -44,7 +44,7 @@ class TokenIds:
 
 #: Name of the token-id owner sub-pool of a chain with no full-attention layer.
 TOKEN_OWNER = "tokens"
-#: Most virtual pages a token-id owner's grid may hold when built: its 16-byte pages span the whole
+#: Most virtual pages a token-id owner's grid may hold when built: its small pages span the whole
 #: arena, and the allocator keeps id arrays of that length.
 MAX_TOKEN_OWNER_PAGES = 1 << 24
 
