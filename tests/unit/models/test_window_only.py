@@ -35,10 +35,11 @@ from kvchain.sizing import pages_for, size_plan, window_peak_pages
 
 BF16, FP32 = 2, 4
 
-#: transformers' MinistralConfig defaults: every layer in `layer_types` slides over 4,096 tokens.
+#: transformers' MinistralConfig defaults (5.x): every layer in `layer_types` slides over 4,096
+#: tokens of a 131,072-token context; head_dim is unset (hidden_size / heads = 128).
 MINISTRAL = {
     "model_type": "ministral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 4096, "max_position_embeddings": 32768,
+    "num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096, "max_position_embeddings": 131072,
     "layer_types": ["sliding_attention"] * 32,
 }
 
@@ -60,7 +61,7 @@ RECURRENT_GEMMA = {
 
 def attention_token_bytes(cfg: dict, layers: int, tp: int = 1) -> int:
     kv_heads = max(cfg["num_key_value_heads"] // tp, 1)  # fewer K/V heads than ranks: one per rank
-    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return layers * 2 * kv_heads * head_dim * BF16
 
 
