@@ -263,3 +263,15 @@ def test_kvchain_simulate_serves_a_window_only_model(tmp_path):
     results = json.loads(out.stdout)["results"]
     assert [r["pool"] for r in results] == ["kvchain", "vllm-hybrid", "sglang-static", "ideal"]
     assert all(r["finished"] == 4 and r["aborted"] == r["rejected"] == 0 for r in results)
+
+
+def test_recurrent_gemma_checkpoints_weigh_its_state_against_its_window_bytes():
+    """The token-id owner holds no KV, so the default checkpoint interval weighs a state slot
+    against the window's bytes per token: 460,800 / 8,192 is 56 tokens, a tenth of that rounds up
+    to one page; a slot of 1,440 window tokens' weight takes half a chat turn (250 tokens, 4 pages)."""
+    from kvchain.cache.checkpoints import default_checkpoint_interval
+
+    assert default_checkpoint_interval(plan_of(RECURRENT_GEMMA)) == 64
+    wide = plan_of({**RECURRENT_GEMMA, "lru_width": 2560 * 256})
+    tokens = min(250, wide.state.page_bytes // attention_token_bytes(RECURRENT_GEMMA, 8) // 10)
+    assert tokens == 250 and default_checkpoint_interval(wide) == 4 * 64
