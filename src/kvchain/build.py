@@ -46,7 +46,7 @@ def build_kv_storage(
 
 
 def _check_token_owner_pages(plan: KVStoragePlan, sizing: PlanSizing) -> None:
-    """Refuse to build a state-only chain whose token-id owner would index more virtual pages than
+    """Refuse to build a chain whose token-id owner would index more virtual pages than
     the allocator's id arrays should hold (planning and sizing it at any budget still work)."""
     owner = plan.owner
     if not isinstance(owner.geometry, TokenIds):
@@ -54,7 +54,7 @@ def _check_token_owner_pages(plan: KVStoragePlan, sizing: PlanSizing) -> None:
     pages = sizing.arena_bytes // owner.page_bytes
     if pages > MAX_TOKEN_OWNER_PAGES:
         raise BudgetError(
-            f"a state-only chain's token ids at {sizing.arena_bytes:,} arena bytes are {pages:,} virtual pages; "
+            f"a token-id owner's ids at {sizing.arena_bytes:,} arena bytes are {pages:,} virtual pages; "
             f"it builds with at most {MAX_TOKEN_OWNER_PAGES:,} (a budget of at most "
             f"{MAX_TOKEN_OWNER_PAGES * owner.page_bytes:,} bytes)"
         )

@@ -25,8 +25,10 @@ class PoolKind(enum.Enum):
 class TokenIds:
     """The geometry of a token-id owner: virtual token ids and no KV bytes behind them.
 
-    A model whose every layer keeps only recurrent state (Mamba, Mamba2, Falcon-Mamba) still runs
-    requests that hold virtual token ids (`req_to_token`, the prefix tree); this owner mints them.
+    A model with no full-attention layer (only recurrent state: Mamba, Mamba2, Falcon-Mamba; or only
+    windows: Mistral-7B-v0.1, Ministral, RecurrentGemma) still runs requests that hold virtual token
+    ids (`req_to_token`, the prefix tree) and window bands that bind pages to them; this owner
+    mints them.
     It has no layers, so a token costs no KV bytes; each page of ids takes the smallest page
     envelope (`ENVELOPE_ALIGN` bytes) so the owner's id space is byte-bounded like any band's."""
 
@@ -40,11 +42,16 @@ class TokenIds:
         return "token ids (no KV)"
 
 
-#: Name of the token-id owner sub-pool of a state-only chain.
+#: Name of the token-id owner sub-pool of a chain with no full-attention layer.
 TOKEN_OWNER = "tokens"
-#: Most virtual pages a token-id owner's grid may hold when built: its 16-byte pages span the whole
+#: Most virtual pages a token-id owner's grid may hold when built: its small pages span the whole
 #: arena, and the allocator keeps id arrays of that length.
 MAX_TOKEN_OWNER_PAGES = 1 << 24
+
+
+#: A window chain's token-id owner page is this fraction of its smallest window page: a request's
+#: ids over a context 8x its window then cost about 3% of its window rows.
+TOKEN_OWNER_WINDOW_SHARE = 256
 
 
 class Placement(enum.Enum):
@@ -246,10 +253,7 @@ def plan_kv_storage(
                     lifetime = target_state
                 add(lifetime, part.geometry, part.unit, offset + decl.layer_id, True)
 
-    token_owner = not any(lt.rank > StateLifetime.rank for (lt, _u) in groups)
-    if token_owner:  # only recurrent state: a token-id owner mints the virtual ids (DECL-4)
-        groups[(FullLifetime(), Unit.TOKEN)] = {"geometry": TokenIds(), "layers": [], "draft": [],
-                                                "target": True}
+    _add_token_owner(groups)
     if not any(isinstance(lt, FullLifetime) for (lt, _u) in groups):
         raise PlanError(
             "no full-attention sub-pool: the chain needs a full-attention owner to mint virtual page ids "
@@ -269,7 +273,7 @@ def plan_kv_storage(
         layer_ids = tuple(group["layers"])
         geometry = group["geometry"]
         if isinstance(geometry, TokenIds):
-            name, envelope = TOKEN_OWNER, PageEnvelope((), ENVELOPE_ALIGN, 0)
+            name, envelope = TOKEN_OWNER, PageEnvelope((), _token_owner_page_bytes(ordered, page_size), 0)
         else:
             name = _name(lifetime, draft_only=not group["target"])
             envelope = page_envelope(geometry, layer_ids, page_size)
@@ -288,6 +292,27 @@ def plan_kv_storage(
             )
         )
     return KVStoragePlan(page_size, tuple(sub_pools), _tree_slots(sub_pools, groups))
+
+
+def _add_token_owner(groups: dict) -> None:
+    """Add a token-id owner where no layer has full attention (only state, only windows, or both):
+    it mints the virtual ids requests hold and window bands bind their pages to (DECL-4, IDS-3)."""
+    if any(isinstance(lt, FullLifetime) for (lt, _u) in groups):
+        return
+    groups[(FullLifetime(), Unit.TOKEN)] = {"geometry": TokenIds(), "layers": [], "draft": [], "target": True}
+
+
+def _token_owner_page_bytes(ordered: list, page_size: int) -> int:
+    """A token-id owner's page: the smallest envelope in a state-only chain; in a chain with windows,
+    1/`TOKEN_OWNER_WINDOW_SHARE` of its smallest window page, so the owner's grid over the arena
+    stays near the window bands' (its id arrays stay small) while a token's id costs a small share
+    of what its window rows cost."""
+    windows = [page_envelope(group["geometry"], tuple(group["layers"]), page_size).page_bytes
+               for (lifetime, _unit), group in ordered if isinstance(lifetime, WindowLifetime)]
+    if not windows:
+        return ENVELOPE_ALIGN
+    share = -(-min(windows) // TOKEN_OWNER_WINDOW_SHARE)
+    return max(ENVELOPE_ALIGN, -(-share // ENVELOPE_ALIGN) * ENVELOPE_ALIGN)
 
 
 def _tree_slots(sub_pools: list[SubPool], groups: dict) -> tuple[int, ...]:

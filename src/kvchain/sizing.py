@@ -321,6 +321,8 @@ def size_plan(
 
     bounds = {} if token_owner else {"tokens": full_pages // ctx_pages}
     bounds["max running requests"] = max_running_requests
+    if token_owner and windows:  # its free ids bound nothing, but the window rows they bind do
+        bounds["tokens"] = full_pages // ctx_pages
     if state is not None:
         bounds["state slots"] = slots // spr
     limited_by = min(bounds, key=lambda k: bounds[k])

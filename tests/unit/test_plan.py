@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from kvchain.decl import (
@@ -65,8 +67,9 @@ def test_single_full_pool_is_the_down_end():
     assert plan.down_end.placement is Placement.DOWN_END
 
 
-def test_refuses_a_plan_without_full_attention_owner():
-    """DECL-4, PP-4."""
+def test_refuses_a_plan_without_full_attention_owner(monkeypatch):
+    """DECL-4, PP-4: with the token-id owner not added, a plan of windows and state has no owner."""
+    monkeypatch.setattr(sys.modules[plan_kv_storage.__module__], "_add_token_owner", lambda groups: None)
     with pytest.raises(PlanError, match="full-attention owner"):
         plan_kv_storage(kv_layer_decls([KVPart(MHA8, WindowLifetime(64)), KVPart(SSM, StateLifetime())]))
 

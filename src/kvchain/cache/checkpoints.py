@@ -55,8 +55,10 @@ def checkpoint_interval_for(*, page_size: int, state_bytes: int, token_bytes: in
 
 def default_checkpoint_interval(plan: KVStoragePlan, turn_tokens: int = CHAT_TURN_TOKENS) -> int:
     """`checkpoint_interval_for` with the plan's page size, state slot bytes and full-attention
-    bytes per token (the plan must have a state sub-pool)."""
+    bytes per token (the plan must have a state sub-pool). A token-id owner holds no KV: the
+    windows' bytes per token stand in (RecurrentGemma)."""
     if plan.state is None:
         raise InputError("a checkpoint interval needs a plan with a state sub-pool")
+    token_bytes = plan.owner.unit_bytes or sum(w.unit_bytes for w in plan.windows)
     return checkpoint_interval_for(page_size=plan.page_size, state_bytes=plan.state.page_bytes,
-                                   token_bytes=plan.owner.unit_bytes, turn_tokens=turn_tokens)
+                                   token_bytes=token_bytes, turn_tokens=turn_tokens)

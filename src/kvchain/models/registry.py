@@ -23,6 +23,7 @@ from . import (
     mamba,
     nemotron_h,
     qwen3_next,
+    recurrent_gemma,
     windowed,
 )
 from .fields import Fields
@@ -45,6 +46,7 @@ _PARSERS: dict[str, Parser] = {
     "hymba": hymba.parse,
     "longcat_flash": longcat.parse,
     "mamba": mamba.parse,
+    "recurrent_gemma": recurrent_gemma.parse,
     "generic": generic.parse,
 }
 
@@ -68,6 +70,7 @@ MODEL_TYPES: dict[str, str] = {
     "hymba": "hymba",
     "longcat_flash": "longcat_flash",
     **{t: "mamba" for t in (*mamba.MAMBA1_TYPES, *mamba.MAMBA2_TYPES)},
+    **{t: "recurrent_gemma" for t in recurrent_gemma.MODEL_TYPES},
 }
 
 #: `architectures` entry -> model_type, for configs that omit model_type.
@@ -95,6 +98,7 @@ _ARCHITECTURES: dict[str, str] = {
     "MambaForCausalLM": "mamba",
     "FalconMambaForCausalLM": "falcon_mamba",
     "Mamba2ForCausalLM": "mamba2",
+    "RecurrentGemmaForCausalLM": "recurrent_gemma",
 }
 
 
@@ -125,7 +129,7 @@ def model_from_config(
     lifetime = _state_lifetime(checkpoint_interval)
     ctx = Context(tp=tp, kv_dtype=kv, model_dtype=model_dtype, state_lifetime=lifetime)
     parsed = windows_covering_context_as_full(_PARSERS[family](fields, ctx, model_type))
-    check_has_owner(fields, parsed)
+    check_keeps_kv_or_state(fields, parsed)
     try:
         decls = tuple(kv_layer_decls(parsed.layers))
     except DeclarationError as exc:
@@ -182,28 +186,17 @@ def windows_covering_context_as_full(parsed: FamilyLayers) -> FamilyLayers:
     return FamilyLayers(layers, parsed.max_context)
 
 
-def check_has_owner(fields: Fields, parsed: FamilyLayers) -> None:
-    """Refuse, naming the config field, a model whose attention is all windowed: the chain's
-    full-attention band owns the token ids, and windows bind their pages to its ids. A model with
-    no attention at all (only recurrent state) plans with a token-id owner instead (DECL-4)."""
-    parts = [p for layer in parsed.layers if layer for p in layer]
-    attention = [p for p in parts if p.is_attention]
-    lifetimes = [type(p.lifetime).__name__ for p in attention]
-    if "FullLifetime" in lifetimes or (parts and not attention):
+def check_keeps_kv_or_state(fields: Fields, parsed: FamilyLayers) -> None:
+    """Refuse, naming the config field, a model with no layer that keeps KV or recurrent state. A
+    model with no full-attention layer (all windows, or only recurrent state) plans with a token-id
+    owner that mints the ids (DECL-4)."""
+    if any(layer for layer in parsed.layers):
         return
     structure = next(
         (n for n in ("layer_types", "layers_block_type", "attn_layer_indices", "hybrid_override_pattern")
          if fields.present(n)),
         None,
     )
-    if lifetimes:
-        field = structure or "sliding_window"
-        raise fields.error(
-            field,
-            f"makes every attention layer windowed ({len(lifetimes)} layers, none full attention); "
-            "kvchain needs at least one full-attention layer to own the token ids "
-            "(expected a full_attention layer, or 'sliding_window': null to plan it as full attention)",
-        )
     raise fields.error(structure or "num_hidden_layers", "leaves no layer that keeps KV or recurrent state")
 
 

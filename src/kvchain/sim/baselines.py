@@ -204,6 +204,8 @@ class UniformLayout:
         """Share of a full page set's bytes that are padding (layers and bytes)."""
         used = total = 0
         for pool in plan.sub_pools:
+            if pool.name not in self.groups:  # a token-id owner: no layers, no KV
+                continue
             per = pool.geometry.unit_bytes() * (self.block_tokens if pool.is_attention else 1)
             used += per * len(pool.layer_ids)
             total += self.page_bytes * self.groups[pool.name]
@@ -212,11 +214,13 @@ class UniformLayout:
 
 def uniform_layout(plan: KVStoragePlan, page_size: int) -> UniformLayout:
     """Group layers into groups of the smallest kind's layer count; size one page to hold a block of
-    a group's attention tokens or one group's recurrent state, whichever is larger."""
-    group = min(len(p.layer_ids) for p in plan.sub_pools)
-    groups = {p.name: math.ceil(len(p.layer_ids) / group) for p in plan.sub_pools}
-    padding = {p.name: groups[p.name] * group - len(p.layer_ids) for p in plan.sub_pools}
-    attention = [p for p in plan.sub_pools if p.is_attention]
+    a group's attention tokens or one group's recurrent state, whichever is larger. A token-id owner
+    (no layers) keeps its own pages."""
+    layered = [p for p in plan.sub_pools if p.layer_ids]
+    group = min(len(p.layer_ids) for p in layered)
+    groups = {p.name: math.ceil(len(p.layer_ids) / group) for p in layered}
+    padding = {p.name: groups[p.name] * group - len(p.layer_ids) for p in layered}
+    attention = [p for p in layered if p.is_attention]
     block = page_size
     if plan.state is not None:
         state_page = group * plan.state.geometry.unit_bytes()
@@ -238,6 +242,9 @@ def uniform_plan(decls: Sequence[KVLayerDecl], page_size: int) -> tuple[KVStorag
     plan = plan_kv_storage(decls, page_size=layout.block_tokens)
     pools = []
     for pool in plan.sub_pools:
+        if pool.name not in layout.groups:  # a token-id owner keeps its envelope
+            pools.append(pool)
+            continue
         env = pool.envelope
         padded = PageEnvelope(env.components, layout.page_bytes * layout.groups[pool.name], env.payload_bytes)
         pools.append(dataclasses.replace(pool, envelope=padded))

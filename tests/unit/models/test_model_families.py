@@ -264,15 +264,15 @@ def test_gpt_oss_without_layer_types_alternates_from_sliding():
 
 
 def test_mistral_sliding_window_applies_to_every_layer():
-    # Mistral-7B-v0.1: sliding_window 4096 and no use_sliding_window switch
-    # leaves no full-attention layer to own the token ids: refused naming the field and the way out
+    # Mistral-7B-v0.1: sliding_window 4096 and no use_sliding_window switch windows every layer;
+    # with no full-attention layer the plan's token-id owner mints the ids (DECL-4)
     cfg = config(LLAMA, model_type="mistral", sliding_window=4096)
-    message = error_of(cfg)
-    assert "'sliding_window'" in message and "every attention layer windowed" in message and "null" in message
+    assert lifetimes(model_from_config(cfg)) == ["window 4096"] * 4
+    assert [p.name for p in plan_kv_storage(model_from_config(cfg).decls).sub_pools] == ["window4096", "tokens"]
     assert lifetimes(model_from_config(config(cfg, sliding_window=None))) == ["full"] * 4
     mixed = config(cfg, layer_types=["sliding_attention"] * 3 + ["full_attention"])
     assert lifetimes(model_from_config(mixed)) == ["window 4096"] * 3 + ["full"]
-    assert "'layer_types'" in error_of(config(mixed, layer_types=["sliding_attention"] * 4))
+    assert lifetimes(model_from_config(config(mixed, layer_types=["sliding_attention"] * 4))) == ["window 4096"] * 4
 
 
 def test_qwen_moe_window_zero_means_off():
@@ -704,7 +704,8 @@ def test_a_window_covering_the_whole_context_is_full_attention():
                "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 32768, "max_position_embeddings": 32768}
     plan = plan_kv_storage(model_from_config(mistral).decls, page_size=64)
     assert [p.name for p in plan.sub_pools] == ["full"] and plan.owner.layer_ids == (0, 1, 2, 3)
-    assert "'sliding_window'" in error_of(config(mistral, sliding_window=32767))  # one token short: windowed
+    short = plan_kv_storage(model_from_config(config(mistral, sliding_window=32767)).decls, page_size=64)
+    assert [p.name for p in short.sub_pools] == ["window32767", "tokens"]  # one token short: windowed
     scout = load_preset_config("llama-4-scout")
     scout["text_config"]["max_position_embeddings"] = 8192  # a chunk still restarts at its boundary
     chunked = plan_kv_storage(model_from_config(scout).decls, page_size=64)

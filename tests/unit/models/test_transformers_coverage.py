@@ -84,6 +84,8 @@ def state_bytes(t) -> int:
     if attr(t, "linear_num_heads"):  # Kimi Delta Attention
         h, d = t.linear_num_heads, t.linear_head_dim
         return 3 * h * d * (t.linear_conv_kernel_dim - 1) * BF16 + h * d * d * FP32
+    if attr(t, "lru_width"):  # RecurrentGemma: conv1d over lru_width (bf16), RG-LRU state (fp32)
+        return t.lru_width * (t.conv1d_width - 1) * BF16 + t.lru_width * FP32
     if hasattr(t, "state_size") and not hasattr(t, "num_attention_heads"):  # Mamba, Mamba2: no attention
         inner = int(t.expand * t.hidden_size)
         if hasattr(t, "n_groups"):  # Mamba2: conv over x, B and C; SSM state per head
@@ -213,7 +215,8 @@ def test_the_hybrids_and_windowed_families_are_planned():
     for model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "zamba", "zamba2",
                        "lfm2", "kimi_linear", "minimax", "gemma2", "cohere2", "olmo2", "olmo3", "phi3",
                        "exaone4", "smollm3", "seed_oss", "hunyuan_v1_dense", "qwen2_moe",
-                       "mamba", "mamba2", "falcon_mamba", "bamba", "granitemoehybrid", "gemma3n", "gemma3n_text"):
+                       "mamba", "mamba2", "falcon_mamba", "bamba", "granitemoehybrid", "gemma3n", "gemma3n_text",
+                       "ministral", "mistral", "recurrent_gemma"):
         assert model_type in planned, model_type
 
 
