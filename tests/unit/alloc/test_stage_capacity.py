@@ -248,6 +248,8 @@ def test_only_a_load_reservation_fixes_pages_and_it_ends_when_the_tree_names_the
         row = _fill(pool, 12)
         vpages = pool.storage.table.page_table[row, :3].copy()
         window = pool.plan.sub_pools[0].name
+        pool.storage.release_to_tree(row, 3)  # the prefix tree keeps the pages; the row ends
+        pool.storage.free_rows(np.array([row]))
         pool.storage.free_window_rows(window, vpages[:2])
         _pages, reservation = pool.storage.alloc_load(window, 2)
         band = pool.chain.bands[0]
