@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .plan import KVStoragePlan
+from .plan import KVStoragePlan, TokenIds
 from .sizing import PlanSizing
 from .units import format_bytes
 
@@ -66,7 +66,9 @@ def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console
     summary.add_row("arena", format_bytes(sizing.arena_bytes))
     if plan.state is not None:
         summary.add_row("state slots", f"{sizing.state_slots:,} ({sizing.state_slots_per_request} per request)")
-    summary.add_row("full-attention tokens", f"{sizing.full_tokens:,}")
+    # a chain with no full-attention layer has a token-id owner: its tokens are ids, not KV
+    owned = "token ids (no full-attention layer)" if isinstance(plan.owner.geometry, TokenIds) else "full-attention tokens"
+    summary.add_row(owned, f"{sizing.full_tokens:,}")
     summary.add_row(f"concurrency at {sizing.context_len:,} tokens", f"{sizing.concurrency:,} requests")
     summary.add_row("limited by", sizing.limited_by)
     summary.add_row("unused", format_bytes(sizing.budget_bytes - sizing.used_bytes))

@@ -206,6 +206,7 @@ def test_kvchain_plan_prints_the_state_slots_and_the_token_owner(tmp_path):
     text = kvchain("plan", "--config", str(config), "--budget", "8GiB", "--context", "8192")
     assert text.returncode == 0, text.stderr
     assert "token ids (no KV)" in text.stdout and "state slots" in text.stdout
+    assert "token ids (no full-attention layer)" in text.stdout and "full-attention tokens" not in text.stdout
 
     sim = kvchain("simulate", "--config", str(config), "--budget", "8GiB", "--requests", "10")
     assert sim.returncode == 2 and "only recurrent state" in sim.stderr
