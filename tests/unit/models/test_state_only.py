@@ -8,8 +8,6 @@ state: a conv state of (kernel - 1) x conv channels in the model dtype, and an S
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -29,6 +27,7 @@ from kvchain.errors import BudgetError, InputError
 from kvchain.models import model_from_config
 from kvchain.plan import TOKEN_OWNER, Placement, PoolKind, TokenIds, plan_kv_storage
 from kvchain.sizing import size_plan
+from support.models import kvchain, plan_of
 
 BF16, FP32 = 2, 4
 
@@ -63,9 +62,6 @@ def mamba2_slot_bytes(cfg: dict, tp: int = 1) -> int:
     ssm = heads * cfg["head_dim"] * cfg["state_size"] * FP32
     return cfg["num_hidden_layers"] * (conv + ssm)
 
-
-def plan_of(cfg: dict, **kwargs):
-    return plan_kv_storage(model_from_config(cfg, **kwargs).decls, page_size=64)
 
 
 # ---------------------------------------------------------------- bytes
@@ -185,10 +181,6 @@ def test_a_state_only_storage_too_large_for_its_id_arrays_is_refused_in_one_line
 
 # ---------------------------------------------------------------- the command line
 
-
-def kvchain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvchain.cli", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 def test_kvchain_plan_prints_the_state_slots_and_the_token_owner(tmp_path):

@@ -11,7 +11,6 @@ precision")."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -32,6 +31,7 @@ from kvchain.errors import InputError, PlanError
 from kvchain.models import model_from_config
 from kvchain.plan import TOKEN_OWNER, TOKEN_OWNER_WINDOW_SHARE, Placement, PoolKind, TokenIds, plan_kv_storage
 from kvchain.sizing import pages_for, size_plan, window_peak_pages
+from support.models import kvchain, plan_of
 
 BF16, FP32 = 2, 4
 
@@ -74,10 +74,6 @@ def recurrent_gemma_layers(cfg: dict) -> tuple[int, int]:
     """(attention layers, recurrent layers): the block pattern repeats over the layers."""
     blocks = [cfg["block_types"][i % len(cfg["block_types"])] for i in range(cfg["num_hidden_layers"])]
     return blocks.count("attention"), blocks.count("recurrent")
-
-
-def plan_of(cfg: dict, page_size: int = 64, **kwargs):
-    return plan_kv_storage(model_from_config(cfg, **kwargs).decls, page_size=page_size)
 
 
 # ---------------------------------------------------------------- bytes
@@ -232,11 +228,6 @@ def test_recurrent_gemma_sizing_serves_as_many_requests_as_its_slots_and_windows
 
 
 # ---------------------------------------------------------------- the command line
-
-
-def kvchain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvchain.cli", *args], capture_output=True, text=True,
-                          timeout=600)
 
 
 def test_kvchain_plan_prints_the_window_band_and_the_token_owner(tmp_path):
