@@ -10,6 +10,7 @@ JOBS    ?= 2
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@bash scripts/install-torch.sh $(PY)
+	@bash scripts/install-nixl.sh $(PY)
 	@$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
