@@ -200,7 +200,8 @@ class GlooEngine(TransferEngine):
         self.ranks: dict[str, int] = {}
 
     def descriptor(self) -> bytes:
-        return struct.pack("<q", dist.get_rank())
+        """The rank, once the group exists (before it, the peer learns the rank from its link)."""
+        return struct.pack("<q", dist.get_rank()) if dist.is_initialized() else b""
 
     def connect(self, peer: str, descriptor: bytes) -> None:
         (self.ranks[peer],) = struct.unpack("<q", descriptor)

@@ -1,0 +1,438 @@
+"""Prefill/decode disaggregation across processes: a prefill node hands a request's KV and state to a
+decode node, each with its own arena (`KVStorage`).
+
+What crosses, per request, in this order (docs/pd.md):
+1. offer (control plane): the request's id, length and page counts per sub-pool;
+2. the decode node checks its preallocation (`DecodePreallocQueue.prealloc_fits`, ADM-13), takes a
+   row of that length, retires the window rows its windows no longer need, holds the receive pages
+   (`hold_receive_rows`, PD-8), records the receive (one NETWORK use, PD-1) and posts it to the
+   transfer engine; it waits the schedule stream, so every earlier use of those pages is over,
+   then reads the ids and publishes them (PD-10), again if a page moved since the take (PD-17);
+3. the prefill node reads its pages' ids again just before the send goes (PD-18), records the send
+   and posts the write: every full-attention page, the window rows the decode side keeps, and the
+   state slot, byte for byte;
+4. both nodes poll their own engine and MIN-reduce the judgements each round (PD-3); past the wait
+   deadline every node raises in the same round, naming the transfers in flight (PD-4).
+
+A failed or timed-out transfer releases its pages only on proof that the remote engine stopped
+touching them (LIM-1, LIM-2): the engine's own completion or abort status, an epoch fence the peer
+acknowledges (`fence`), or the peer's process known gone; never on a timer. Until then the pages
+stay with a deferred release, and a decode node holding one skips its idle checks (CHK-16)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..alloc.demand import DemandPurpose, KVDemand, request_demand
+from ..alloc.signals import NetworkTransfer, ReceiveHold
+from ..errors import CapacityError, InvariantError, KVChainError, TransferTimeoutError
+from ..plan import PoolKind
+from ..sizing import pages_for
+from ..storage import KVStorage
+from .pd_link import PDLink, PeerLost
+from .transfer import Segments, Transfer, TransferEngine, TransferError, TransferState, coalesce, page_segments
+
+log = logging.getLogger("kvchain.pd")
+
+#: the protocol's own timeouts (seconds): the handshake, a transfer's wait deadline, a fence's
+#: acknowledgement. A host wait for transfers (`KVCHAIN_PAGE_MOVE_WAIT_TIMEOUT`) outlasts their sum (PD-5).
+PROTOCOL_TIMEOUTS = {"handshake": 30.0, "transfer": 120.0, "fence": 60.0}
+
+
+class TransferFailed(KVChainError):
+    """A transfer's engine reported an error on some node; every node raises in the same round."""
+
+
+def layout_digest(storage: KVStorage) -> str:
+    """What both nodes must share for a page of one to be a page of the other: the plan's sub-pools
+    (name, kind, page bytes) and the page size."""
+    parts = [f"{p.name}:{p.kind.value}:{p.page_bytes}" for p in storage.plan.sub_pools]
+    return hashlib.sha256(f"{storage.page_size}|{'|'.join(parts)}".encode()).hexdigest()[:32]
+
+
+def request_pages(storage: KVStorage, row: int) -> dict[str, np.ndarray]:
+    """A row's physical pages per sub-pool, read now: its full-attention pages, the rows each window
+    still binds (those past its `window_lo`), its state slot."""
+    table = storage.table
+    vpages = table.pages_of(row)
+    out: dict[str, np.ndarray] = {}
+    w = 0
+    for pool in storage.plan.sub_pools:
+        if pool.kind is PoolKind.FULL:
+            out[pool.name] = storage.physical_pages(pool.name, vpages)
+        elif pool.kind is PoolKind.WINDOW:
+            lo = int(table.window_lo[row, w])
+            w += 1
+            out[pool.name] = storage.physical_pages(pool.name, vpages[lo:])
+        else:
+            slot = int(table.state_slot[row])
+            out[pool.name] = storage.physical_pages(pool.name, np.array([slot])) if slot >= 0 else np.zeros(0, np.int64)
+    return out
+
+
+def window_los(storage: KVStorage, row: int) -> list[int]:
+    return [int(x) for x in storage.table.window_lo[row]]
+
+
+def segments_of(storage: KVStorage, pages: dict[str, np.ndarray]) -> Segments:
+    """The arena byte segments of `pages`, sub-pools in plan order, adjacent pages merged."""
+    grids = storage.arena.layout.grids
+    ordered = {storage.plan.by_name(name).index: ids for name, ids in pages.items()}
+    return coalesce(page_segments(grids, dict(sorted(ordered.items()))))
+
+
+def _ids(pages: dict[str, np.ndarray]) -> dict[str, list[int]]:
+    return {k: [int(x) for x in v] for k, v in pages.items()}
+
+
+@dataclass
+class Deferred:
+    """A failed or timed-out transfer whose pages wait for proof that the peer's engine is done."""
+
+    rid: str
+    row: int
+    network: NetworkTransfer
+    transfer: Transfer | None
+    reason: str
+
+
+@dataclass
+class Received:
+    """A request whose KV and state landed: its row on the decode node, its length, and what the
+    prefill node sent along (the first output token, for an engine)."""
+
+    rid: str
+    row: int
+    seq_len: int
+    extra: dict = field(default_factory=dict)
+
+
+class PDNode:
+    """What both nodes share: the storage, the control plane, the transfer engine, the deadline."""
+
+    peer_name: str
+
+    def __init__(self, storage: KVStorage, link: PDLink, engine: TransferEngine, *,
+                 timeout_s: float = PROTOCOL_TIMEOUTS["transfer"], fence_timeout_s: float = PROTOCOL_TIMEOUTS["fence"],
+                 poll_s: float = 0.001) -> None:
+        self.storage = storage
+        self.link = link
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.fence_timeout_s = fence_timeout_s
+        self.poll_s = poll_s
+        if link.peer.get("layout") != layout_digest(storage):
+            raise TransferError("the peer's pool layout differs from this node's: its pages are not this node's pages")
+        descriptor = struct.pack("<q", 1 - link.rank) if engine.kind == "gloo" else bytes.fromhex(link.peer["engine"])
+        engine.connect(self.peer_name, descriptor)
+        #: failed or timed-out transfers whose pages are not released yet, by request id
+        self.deferred: dict[str, Deferred] = {}
+        #: how many fences this node asked or answered (each one an epoch the peer acknowledged)
+        self.fence_epoch = 0
+
+    def _wait(self, rid: str, t: Transfer) -> None:
+        """Poll this node's engine; each round both nodes MIN-reduce (done, no error, in time), so
+        both leave, or both raise, in the same round."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            state = self.engine.poll(t)
+            done, ok, in_time = self.link.round(state is TransferState.DONE, state is not TransferState.FAILED,
+                                                time.monotonic() < deadline)
+            if done:
+                return
+            if not ok:
+                raise TransferFailed(f"the transfer of {rid} failed on a node (here: {state.value})")
+            if not in_time:
+                raise TransferTimeoutError(f"page move waited past {self.timeout_s:g} s for transfers still in "
+                                           f"flight: {rid} ({'send' if t.sends else 'receive'}, here {state.value})")
+            time.sleep(self.poll_s)
+
+    def _defer(self, rid: str, row: int, network: NetworkTransfer, t: Transfer | None, reason: str) -> None:
+        self.deferred[rid] = Deferred(rid, row, network, t, reason)
+        log.warning("pd: %s of %s deferred: %s", "send" if network.sends else "receive", rid, reason)
+
+    def _release(self, d: Deferred, why: str) -> None:
+        """The proof is in: the pages go."""
+        self.storage.end_network_transfer(d.network)
+        self.storage.free_rows(np.array([d.row]))
+        del self.deferred[d.rid]
+        log.info("pd: released the pages of %s (%s)", d.rid, why)
+
+    def settle(self) -> list[str]:
+        """Release every deferred transfer this node's own engine now proves quiescent (done,
+        failed or aborted by the engine). Returns the request ids released."""
+        out = []
+        for d in list(self.deferred.values()):
+            if d.transfer is None or self._quiesce(d.transfer).quiescent:
+                self._release(d, "the engine is done with the pages" if d.transfer else "nothing was posted")
+                out.append(d.rid)
+        return out
+
+    def _quiesce(self, t: Transfer) -> TransferState:
+        return self.engine.poll(t)
+
+    def peer_lost(self) -> list[str]:
+        """The control plane failed: if the peer's process is proven gone, every deferred transfer's
+        pages go (its engine died with it). Otherwise they stay. Returns the ids released."""
+        if not self.link.peer_gone():
+            log.warning("pd: the peer is unreachable but not proven gone: %d transfers stay deferred",
+                        len(self.deferred))
+            return []
+        out = []
+        for d in list(self.deferred.values()):
+            if d.transfer is not None:
+                self.engine.abort(d.transfer)
+            self._release(d, "the peer's process is gone")
+            out.append(d.rid)
+        forget = getattr(self.engine, "forget", None)
+        if forget is not None:
+            forget(self.peer_name)
+        return out
+
+    def fence(self) -> list[str]:
+        """One epoch fence, called by both nodes in the same round. The decode node names its
+        deferred receives; the prefill node stops its sends of them (the engine's abort, or their
+        completion) and acknowledges each one its engine proves quiescent; the decode node releases
+        exactly those. Returns the ids this node released."""
+        self.fence_epoch += 1
+        return self._fence()
+
+    def _fence(self) -> list[str]:
+        raise NotImplementedError
+
+    def rejoin(self, link: PDLink) -> None:
+        """Carry on over a new control plane (a restarted peer): deferred transfers stay."""
+        self.link.close()
+        self.link = link
+        descriptor = struct.pack("<q", 1 - link.rank) if self.engine.kind == "gloo" else bytes.fromhex(link.peer["engine"])
+        self.engine.connect(self.peer_name, descriptor)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.link.close()
+
+
+class PrefillNode(PDNode):
+    peer_name = "decode"
+
+    def offer(self, rid: str, row: int, extra: dict | None = None) -> dict:
+        """Offer the request in `row` to the decode node; returns its answer: accepted, with the
+        destination ids it published, or refused (no room), with why."""
+        storage = self.storage
+        pages = request_pages(storage, row)
+        msg = {"op": "offer", "rid": rid, "seq_len": storage.seq_len(row), "window_lo": window_los(storage, row),
+               "counts": {k: len(v) for k, v in pages.items()}, "extra": extra or {}}
+        self.link.exchange(msg)
+        answer = self.link.exchange({"op": "wait", "rid": rid})
+        if answer.get("rid") != rid or answer.get("op") not in ("accept", "refuse"):
+            raise TransferError(f"the decode node answered {answer.get('op')!r} for {answer.get('rid')!r} to "
+                                f"the offer of {rid}")
+        return answer
+
+    def send(self, rid: str, row: int, answer: dict) -> None:
+        """Send the accepted request's pages onto the published destinations and wait for both
+        engines. The ids are read here, just before the send goes (PD-18). On a failure or past
+        the deadline it raises (on both nodes in the same round) and the send is deferred: its row
+        stays until `settle`, `fence` or `peer_lost` has proof the engine is done (LIM-2)."""
+        storage = self.storage
+        src = request_pages(storage, row)
+        dst = {k: np.asarray(v, dtype=np.int64) for k, v in answer["dst"].items()}
+        if {k: len(v) for k, v in src.items()} != {k: len(v) for k, v in dst.items()}:
+            raise TransferError(f"{rid}: the decode node published {({k: len(v) for k, v in dst.items()})} pages "
+                                f"for {({k: len(v) for k, v in src.items()})}")
+        network = NetworkTransfer(rid, sends=True)
+        storage.record_network_transfer(network, src)
+        t = None
+        try:
+            t = self.engine.write(self.peer_name, segments_of(storage, src), answer["segments"], rid)
+            self._wait(rid, t)
+        except (TransferTimeoutError, TransferFailed, TransferError, PeerLost) as e:
+            self._defer(rid, row, network, t, str(e))
+            raise
+        storage.end_network_transfer(network)
+
+    def hand_off(self, rid: str, row: int, extra: dict | None = None) -> bool:
+        """Offer, then send when accepted, then free the row (its pages are the decode node's now).
+        False when the decode node refused (the row stays)."""
+        answer = self.offer(rid, row, extra)
+        if answer["op"] == "refuse":
+            return False
+        self.send(rid, row, answer)
+        self.storage.free_rows(np.array([row]))
+        return True
+
+    def _quiesce(self, t: Transfer) -> TransferState:
+        return self.engine.abort(t)  # a send this node gave up on: stop it, or learn it is done
+
+    def _fence(self) -> list[str]:
+        ask = self.link.exchange({"op": "fence", "epoch": self.fence_epoch})
+        names = [r for r in ask.get("rids", [])]
+        states = {}
+        for rid in names:
+            d = self.deferred.get(rid)
+            if d is None:  # never posted here, or released already: nothing of it is in flight
+                states[rid] = "quiescent"
+            elif d.transfer is None or self.engine.abort(d.transfer).quiescent:
+                states[rid] = "quiescent"
+            else:
+                states[rid] = "in flight"
+        self.link.exchange({"op": "fenced", "epoch": self.fence_epoch, "states": states})
+        return self.settle()
+
+
+class DecodePreallocQueue:
+    """The decode node's preallocation check (ADM-13): a request is preallocated only if its own
+    demand (`DECODE_PREALLOC`: its whole lifetime) fits together with what the node holds back for
+    pending work: the growth still to come of every request it already took."""
+
+    def __init__(self, storage: KVStorage) -> None:
+        self.storage = storage
+        #: per request id: (length now, output tokens still to come)
+        self.pending: dict[str, tuple[int, int]] = {}
+
+    def held_back(self) -> KVDemand:
+        plan = self.storage.plan
+        ps = self.storage.page_size
+        full = sum(pages_for(n + out, ps) - pages_for(n, ps) for n, out in self.pending.values())
+        window = sum(min(pages_for(n + out, ps) - pages_for(n, ps), 1) for n, out in self.pending.values())
+        pages = tuple(full if p.kind is PoolKind.FULL else window if p.kind is PoolKind.WINDOW else 0
+                      for p in plan.sub_pools)
+        return KVDemand(pages, full, 0)
+
+    def demand(self, seq_len: int, output_len: int) -> KVDemand:
+        return request_demand(self.storage.plan, DemandPurpose.DECODE_PREALLOC, input_len=seq_len, output_len=output_len)
+
+    def prealloc_fits(self, seq_len: int, output_len: int) -> bool:
+        return self.storage.allocator.admits(self.demand(seq_len, output_len) + self.held_back())
+
+    def took(self, rid: str, seq_len: int, output_len: int) -> None:
+        self.pending[rid] = (seq_len, output_len)
+
+    def grew(self, rid: str, seq_len: int, output_left: int) -> None:
+        if rid in self.pending:
+            self.pending[rid] = (seq_len, output_left)
+
+    def done(self, rid: str) -> None:
+        self.pending.pop(rid, None)
+
+
+class DecodeNode(PDNode):
+    peer_name = "prefill"
+
+    def __init__(self, storage: KVStorage, link: PDLink, engine: TransferEngine, **kwargs) -> None:
+        super().__init__(storage, link, engine, **kwargs)
+        self.queue = DecodePreallocQueue(storage)
+        #: after a receive's take, before its ids go out (tests move pages here: PD-17)
+        self.before_publish = None
+
+    def _take(self, offer: dict) -> tuple[int, dict[str, np.ndarray]]:
+        """A row of the offered length, its windows retired past what decode needs."""
+        storage = self.storage
+        row = storage.alloc_row()
+        try:
+            storage.alloc_extend(np.array([row]), np.array([int(offer["seq_len"])]))
+            storage.advance(np.array([row]))
+        except BaseException:
+            storage.free_rows(np.array([row]))
+            raise
+        return row, request_pages(storage, row)
+
+    def receive(self) -> Received | None:
+        """Take the next offer: None when it was refused (no room), else the received request once
+        its pages landed. Raises as `PrefillNode.send` does, on both nodes in the same round; the
+        receive is deferred then, its pages held until proof (LIM-1)."""
+        storage = self.storage
+        offer = self.link.exchange({"op": "listen"})
+        if offer.get("op") != "offer":
+            raise TransferError(f"expected an offer from the prefill node, got {offer.get('op')!r}")
+        rid, seq_len = str(offer["rid"]), int(offer["seq_len"])
+        output = int(offer.get("extra", {}).get("output_len", 0))
+        row = -1
+        reason = ""
+        if not self.queue.prealloc_fits(seq_len, output):
+            reason = "the preallocation does not fit with the work already held back"
+        else:
+            try:
+                row, dst = self._take(offer)
+            except CapacityError as e:
+                reason = f"no room: {e}"
+        if row >= 0 and ({k: len(v) for k, v in dst.items()} != offer["counts"]
+                         or window_los(storage, row) != offer["window_lo"]):
+            storage.free_rows(np.array([row]))
+            row, reason = -1, f"the offered pages {offer['counts']} do not match this node's take"
+        if row < 0:
+            self.link.exchange({"op": "refuse", "rid": rid, "reason": reason})
+            return None
+        hold = storage.hold_receive_rows(rid, dst)
+        epoch = storage.move_epoch
+        network = NetworkTransfer(rid, sends=False)
+        storage.record_network_transfer(network, dst)
+        self.queue.took(rid, seq_len, output)
+        t = None
+        try:
+            if self.before_publish is not None:
+                self.before_publish(row)
+            dst = self._readback(row, dst, epoch)
+            t = self.engine.expect(self.peer_name, segments_of(storage, dst), rid)
+            self.link.exchange({"op": "accept", "rid": rid, "dst": _ids(dst), "segments": segments_of(storage, dst)})
+            self._publish(hold)
+            self._wait(rid, t)
+        except (TransferTimeoutError, TransferFailed, TransferError, PeerLost) as e:
+            self._publish(hold)
+            self.queue.done(rid)
+            self._defer(rid, row, network, t, str(e))
+            raise
+        storage.end_network_transfer(network)
+        return Received(rid, row, seq_len, dict(offer.get("extra", {})))
+
+    def _readback(self, row: int, dst: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
+        """The ids to publish: after the schedule stream, so every earlier use of the pages (a
+        forward the take waited for) is over before the peer may write them (PD-10); read again
+        if a page moved since the take (PD-17)."""
+        device = self.storage.device
+        device.host_wait(device.record(device.schedule_stream, "pd readback"))
+        if self.storage.move_epoch != epoch:
+            return request_pages(self.storage, row)
+        return dst
+
+    def _publish(self, hold: ReceiveHold) -> None:
+        self.storage.published(hold)
+
+    def _fence(self) -> list[str]:
+        names = sorted(self.deferred)
+        self.link.exchange({"op": "fence", "epoch": self.fence_epoch, "rids": names})
+        ack = self.link.exchange({"op": "wait"})
+        if ack.get("op") != "fenced" or ack.get("epoch") != self.fence_epoch:
+            raise TransferError(f"fence {self.fence_epoch}: the prefill node answered {ack.get('op')!r}")
+        out = []
+        for rid, state in ack.get("states", {}).items():
+            d = self.deferred.get(rid)
+            if d is not None and state == "quiescent":
+                if d.transfer is not None:
+                    self.engine.abort(d.transfer)  # a receive this node gave up on: never scattered
+                self._release(d, f"the prefill node acknowledged fence {self.fence_epoch}")
+                out.append(rid)
+        return out
+
+    def finish(self, received: Received) -> None:
+        """The request is done here: its row goes."""
+        self.queue.done(received.rid)
+        self.storage.free_rows(np.array([received.row]))
+
+    def check_idle(self) -> bool:
+        """The idle checks (no row in use, no leaked page, byte accounting); skipped, returning
+        False, while the node holds deferred releases (CHK-16): their rows are in use on purpose."""
+        if self.deferred:
+            log.info("pd: idle checks skipped: %d deferred releases held", len(self.deferred))
+            return False
+        active = int(self.storage.table.active.sum())
+        if active:
+            raise InvariantError("pd.idle_rows", f"{active} request rows in use on an idle decode node")
+        self.storage.check_idle()
+        return True

@@ -1,0 +1,128 @@
+"""The PD control plane: torch.distributed (gloo) between a prefill node and a decode node, set up
+behind the handshake of `pd_auth`.
+
+The prefill node listens; the store the process group meets in is bound to the same interface and
+its port goes only to a peer that passed the handshake. Every exchange is a collective of the two
+nodes (`exchange`, `round`), bounded by the group's timeout; a peer that died makes it raise
+`PeerLost` at once (its sockets close). Whether the peer's process is gone (its transfer engine
+stopped with it) is `peer_gone`: proven on the same machine from its pid, never assumed."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..errors import KVChainError
+from .pd_auth import PDListener, check_host, connect
+
+
+class PeerLost(KVChainError):
+    """A control-plane collective failed: the peer's connection is gone."""
+
+
+def _process_gone(pid: int) -> bool:
+    """The process `pid` of this machine no longer runs: no such process, or a zombie (its address
+    space, and every byte a transfer engine of it could touch, is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    return state in ("Z", "X")
+
+
+class PDLink:
+    """One node's end of the control plane. Rank 0 is the prefill node, rank 1 the decode node."""
+
+    def __init__(self, rank: int, peer: dict, conn: socket.socket, timeout_s: float) -> None:
+        self.rank = rank
+        self.peer = peer  # the peer's handshake payload: pid, host, engine descriptor, layout
+        self.conn = conn  # the handshake connection, kept open while the link lives
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def accept(cls, listener: PDListener, hello: dict, timeout_s: float, group_timeout_s: float = 30.0) -> PDLink:
+        """The prefill side: wait for a peer that passes the handshake, then form the group."""
+        store_sock = socket.create_server((listener.host, 0))
+        session = os.urandom(8).hex()
+        reply = {**hello, "store_port": int(store_sock.getsockname()[1]), "session": session}
+        peer, conn = listener.accept(reply, timeout_s)
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        store = dist.TCPStore(listener.host, reply["store_port"], 2, True, timeout,
+                              wait_for_workers=False, master_listen_fd=store_sock.detach())
+        dist.init_process_group("gloo", store=dist.PrefixStore(session, store), rank=0, world_size=2, timeout=timeout)
+        return cls(0, peer, conn, group_timeout_s)
+
+    @classmethod
+    def connect(cls, secret: bytes, host: str, port: int, hello: dict, timeout_s: float,
+                group_timeout_s: float = 30.0) -> PDLink:
+        """The decode side: pass the listener's handshake, then join the group."""
+        deadline = time.monotonic() + timeout_s
+        while True:  # the listener may not listen yet
+            try:
+                peer, conn = connect(secret, check_host(host), port, hello, timeout_s)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        store = dist.TCPStore(host, int(peer["store_port"]), 2, False, timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(peer["session"], store), rank=1, world_size=2,
+                                timeout=timeout)
+        return cls(1, peer, conn, group_timeout_s)
+
+    def exchange(self, msg: dict) -> dict:
+        """Send `msg` to the peer and return the peer's message of the same round (JSON both ways)."""
+        data = json.dumps(msg).encode()
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+            n = max(int(s) for s in sizes)
+            mine = torch.zeros(n, dtype=torch.uint8)
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
+            dist.all_gather(out, mine)
+        except RuntimeError as e:
+            raise PeerLost(f"the control plane to the peer failed: {e}") from None
+        other = 1 - self.rank
+        return json.loads(bytes(out[other][:int(sizes[other])].numpy()))
+
+    def round(self, *flags: bool) -> tuple[bool, ...]:
+        """A MIN-reduce of one boolean per flag across both nodes: each is True only where every
+        node said True, so both leave a wait, or raise, in the same round (PD-3, PD-4)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except RuntimeError as e:
+            raise PeerLost(f"the control plane to the peer failed: {e}") from None
+        return tuple(bool(x) for x in t.tolist())
+
+    def peer_gone(self) -> bool:
+        """Proof that the peer's process is gone: it ran on this machine and its pid no longer runs.
+        A peer on another machine is never proven gone here."""
+        if self.peer.get("host") != socket.gethostname():
+            return False
+        return _process_gone(int(self.peer["pid"]))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+        self.conn.close()
+
+
+def hello(engine_descriptor: bytes, layout: str, extra: dict | None = None) -> dict:
+    """This node's handshake payload."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "engine": engine_descriptor.hex(),
+            "layout": layout, **(extra or {})}
