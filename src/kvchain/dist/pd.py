@@ -140,17 +140,20 @@ class PDNode:
         """Poll this node's engine; each round both nodes MIN-reduce (done, no error, in time), so
         both leave, or both raise, in the same round."""
         deadline = time.monotonic() + self.timeout_s
+        rounds = 0
         while True:
             state = self.engine.poll(t)
             done, ok, in_time = self.link.round(state is TransferState.DONE, state is not TransferState.FAILED,
                                                 time.monotonic() < deadline)
+            rounds += 1
             if done:
                 return
             if not ok:
-                raise TransferFailed(f"the transfer of {rid} failed on a node (here: {state.value})")
+                raise TransferFailed(f"the transfer of {rid} failed on a node (here: {state.value}) in round {rounds}")
             if not in_time:
                 raise TransferTimeoutError(f"page move waited past {self.timeout_s:g} s for transfers still in "
-                                           f"flight: {rid} ({'send' if t.sends else 'receive'}, here {state.value})")
+                                           f"flight: {rid} ({'send' if t.sends else 'receive'}, here {state.value}), "
+                                           f"raised in round {rounds}")
             time.sleep(self.poll_s)
 
     def _defer(self, rid: str, row: int, network: NetworkTransfer, t: Transfer | None, reason: str) -> None:
@@ -193,6 +196,7 @@ class PDNode:
         forget = getattr(self.engine, "forget", None)
         if forget is not None:
             forget(self.peer_name)
+        self.link.close()  # a control plane to a gone process carries nothing more; `rejoin` makes a new one
         return out
 
     def fence(self) -> list[str]:
@@ -371,14 +375,14 @@ class DecodeNode(PDNode):
             return None
         hold = storage.hold_receive_rows(rid, dst)
         epoch = storage.move_epoch
+        if self.before_publish is not None:
+            self.before_publish(row, hold)
+        dst = self._readback(row, dst, epoch)
         network = NetworkTransfer(rid, sends=False)
-        storage.record_network_transfer(network, dst)
+        storage.record_network_transfer(network, dst)  # before the peer may write: it learns the ids next
         self.queue.took(rid, seq_len, output)
         t = None
         try:
-            if self.before_publish is not None:
-                self.before_publish(row)
-            dst = self._readback(row, dst, epoch)
             t = self.engine.expect(self.peer_name, segments_of(storage, dst), rid)
             self.link.exchange({"op": "accept", "rid": rid, "dst": _ids(dst), "segments": segments_of(storage, dst)})
             self._publish(hold)

@@ -47,6 +47,7 @@ class PDLink:
         self.peer = peer  # the peer's handshake payload: pid, host, engine descriptor, layout
         self.conn = conn  # the handshake connection, kept open while the link lives
         self.timeout_s = timeout_s
+        self._group = True  # this link's process group is the default one until `close`
 
     @classmethod
     def accept(cls, listener: PDListener, hello: dict, timeout_s: float, group_timeout_s: float = 30.0) -> PDLink:
@@ -106,19 +107,27 @@ class PDLink:
             raise PeerLost(f"the control plane to the peer failed: {e}") from None
         return tuple(bool(x) for x in t.tolist())
 
-    def peer_gone(self) -> bool:
+    def peer_gone(self, wait_s: float = 5.0) -> bool:
         """Proof that the peer's process is gone: it ran on this machine and its pid no longer runs.
-        A peer on another machine is never proven gone here."""
+        A dying process closes its sockets before it is gone, so the proof is awaited for up to
+        `wait_s`; without it, False. A peer on another machine is never proven gone here."""
         if self.peer.get("host") != socket.gethostname():
             return False
-        return _process_gone(int(self.peer["pid"]))
+        deadline = time.monotonic() + wait_s
+        while not _process_gone(int(self.peer["pid"])):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """End this link's group (once: a later link's group is never this one's to end)."""
+        if self._group and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except RuntimeError:
                 pass
+        self._group = False
         self.conn.close()
 
 

@@ -16,6 +16,7 @@ by `poll`, so the arena is touched only inside the owning process's own calls)."
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import struct
 import threading
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from ..errors import KVChainError
 
 Segments = list[tuple[int, int]]
+log = logging.getLogger("kvchain.pd")
 
 
 class TransferError(KVChainError):
@@ -275,7 +277,8 @@ class NixlEngine(TransferEngine):
         os.environ.setdefault("UCX_NET_DEVICES", net_device)  # UCX binds only this interface
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # an agent name no earlier process used: a restarted peer is a new agent, never a cached one
+        self.agent = nixl_agent(f"{name}-{os.getpid()}-{os.urandom(4).hex()}", nixl_agent_config(backends=["UCX"]))
         self.remote: dict[str, tuple[str, int]] = {}  # peer -> (agent name, arena base address)
         self._reg = None
 
@@ -310,9 +313,14 @@ class NixlEngine(TransferEngine):
         base = self.data.data_ptr()
         local = self.agent.get_xfer_descs([(base + o, n, dev) for o, n in src], kind)
         remote = self.agent.get_xfer_descs([(rbase + o, n, dev) for o, n in dst], kind)
-        handle = self.agent.initialize_xfer("WRITE", local, remote, agent_name, tag.encode())
-        t = Transfer(tag, peer, True, nbytes(src), impl=handle)
-        if self.agent.transfer(handle) == "ERR":
+        t = Transfer(tag, peer, True, nbytes(src))
+        try:
+            t.impl = self.agent.initialize_xfer("WRITE", local, remote, agent_name, tag.encode())
+            posted = self.agent.transfer(t.impl)
+        except Exception as e:  # nixl raises its errors (a peer gone: NIXL_ERR_REMOTE_DISCONNECT)
+            log.warning("nixl: the write of %s failed to post: %s", tag, e)
+            posted = "ERR"
+        if posted == "ERR":
             self._release(t)
             t.state = TransferState.FAILED
         return t
@@ -326,13 +334,21 @@ class NixlEngine(TransferEngine):
         if t.state.quiescent:
             return t.state
         if t.sends:
-            s = self.agent.check_xfer_state(t.impl)
+            try:
+                s = self.agent.check_xfer_state(t.impl)
+            except Exception as e:  # an error the engine raises is its error state
+                log.warning("nixl: the write of %s failed: %s", t.tag, e)
+                s = "ERR"
             if s == "PROC":
                 return t.state
             self._release(t)
             t.state = TransferState.DONE if s == "DONE" else TransferState.FAILED
-        elif self.agent.check_remote_xfer_done(self._peer(t.peer)[0], t.tag.encode(), tag_is_prefix=False):
-            t.state = TransferState.DONE
+        else:
+            try:
+                if self.agent.check_remote_xfer_done(self._peer(t.peer)[0], t.tag.encode(), tag_is_prefix=False):
+                    t.state = TransferState.DONE
+            except Exception as e:  # no notification can be read: the peer's proof must come another way
+                log.warning("nixl: the notifications of %s cannot be read: %s", t.peer, e)
         return t.state
 
     def _release(self, t: Transfer) -> bool:

@@ -114,3 +114,210 @@ def test_every_sub_pool_of_a_hybrid_request_lands_byte_exact(kind):
     assert dec["got"] == pre["sent"] and dec["seq"] == SEQ and dec["extra"] == {"output_len": 4}
     assert dec["idle"] is True
     assert not mp.active_children()
+
+
+# -- a timed-out transfer: both nodes raise in the same round, nothing is released early ------------
+
+
+class _StuckWrites:
+    """The prefill engine, slow: a write is held back (nothing posted, pending forever) until
+    `late` posts it for real, after the decode node's deadline passed."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.held = engine, None
+        self.real_write, self.real_poll, self.real_abort = engine.write, engine.poll, engine.abort
+        engine.write, engine.poll, engine.abort = self.write, self.poll, self.abort
+
+    def write(self, peer, src, dst, tag):
+        from kvchain.dist.transfer import Transfer, nbytes
+
+        self.held = Transfer(tag, peer, True, nbytes(src), impl="held")
+        self.args = (peer, src, dst, tag)
+        return self.held
+
+    def poll(self, t):
+        return t.state if t is self.held else self.real_poll(t)
+
+    def abort(self, t):
+        return t.state if t is self.held else self.real_abort(t)
+
+    def late(self):
+        """Post the held write now and wait for it to land."""
+        import time
+
+        t = self.real_write(*self.args)
+        deadline = time.monotonic() + 10
+        while not self.real_poll(t).quiescent and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return t
+
+
+def _timed_out(stage: int, n: int, port: int, kind: str) -> dict:
+    from kvchain.errors import TransferTimeoutError
+
+    if stage == 0:
+        node = prefill_node(port, kind, timeout_s=1.0)
+        row = prefilled(node.storage)
+        stuck = _StuckWrites(node.engine)
+        answer = node.offer("r1", row)
+        try:
+            node.send("r1", row, answer)
+            raised = None
+        except TransferTimeoutError as e:
+            raised = str(e)
+        deferred = sorted(node.deferred)
+        node.link.exchange({"op": "wait"})  # until the decode node took its new request
+        node.deferred["r1"].transfer = stuck.late()  # the engine was only slow: its write lands now
+        released = node.fence()
+        node.storage.check_idle()
+        node.close()
+        return {"raised": raised, "deferred": deferred, "released": released}
+    node = decode_node(port, kind, timeout_s=1.0)
+    try:
+        node.receive()
+        raised = None
+    except TransferTimeoutError as e:
+        raised = str(e)
+    held = sorted(node.deferred)
+    skipped = node.check_idle() is False  # CHK-16: its deferred row is in use on purpose
+    probe = prefilled(node.storage, SEQ, seed=9)  # a new request takes what pages are free now
+    before = digests(node.storage, probe)
+    node.link.exchange({"op": "took a request"})
+    released = node.fence()  # the prefill node's late write landed before it acknowledged
+    after = digests(node.storage, probe)
+    node.storage.free_rows(np.array([probe]))
+    idle = node.check_idle()
+    node.close()
+    return {"raised": raised, "held": held, "skipped": skipped, "probe_intact": before == after,
+            "released": released, "idle": idle}
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_timed_out_transfer_raises_on_both_nodes_and_releases_only_on_the_fence(kind):
+    """PD-4, LIM-1, LIM-2, CHK-16: the prefill engine holds its write past the deadline; both nodes
+    raise in the same round, naming the transfer; each keeps its pages (a deferred release) and the
+    decode node skips its idle checks meanwhile; the write lands late, and a request the decode
+    node took in the meantime keeps its bytes (with NIXL's one-sided write, a release at the
+    timeout would hand it the pages the write lands on). Only the acknowledged fence releases;
+    then both nodes are idle with nothing leaked."""
+    out = run_stage_processes(_timed_out, 2, (kind,), timeout_s=60, env=ENV)
+    assert {s: st for s, (st, _v) in out.items()} == {0: "ok", 1: "ok"}, out
+    pre, dec = out[0][1], out[1][1]
+    for r in (pre["raised"], dec["raised"]):
+        assert r is not None and "still in flight: r1" in r
+    assert pre["raised"].rsplit("round", 1)[1] == dec["raised"].rsplit("round", 1)[1]
+    assert dec["probe_intact"]
+    assert pre["deferred"] == dec["held"] == ["r1"] and dec["skipped"]
+    assert pre["released"] == dec["released"] == ["r1"] and dec["idle"] is True
+    assert not mp.active_children()
+
+
+# -- a decode peer killed mid-transfer ----------------------------------------------------------------
+
+
+def _decode_killed(stage: int, n: int, port: int, kind: str) -> dict:
+    import os
+    import signal
+
+    from kvchain.dist.pd_link import PeerLost
+
+    if stage == 0:
+        node = prefill_node(port, kind)
+        row = prefilled(node.storage)
+        answer = node.offer("r1", row)
+        try:
+            node.send("r1", row, answer)
+            raised = None
+        except PeerLost as e:
+            raised = str(e)
+        deferred = sorted(node.deferred)
+        released = node.peer_lost()
+        node.storage.check_idle()
+        node.engine.close()
+        return {"raised": raised, "deferred": deferred, "released": released}
+    node = decode_node(port, kind)
+    exchange = node.link.exchange
+
+    def exchange_then_die(msg):
+        out = exchange(msg)
+        if msg.get("op") == "accept":  # the ids are out: the prefill node's write comes next
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    node.link.exchange = exchange_then_die
+    node.receive()
+    return {}
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_decode_peer_killed_mid_transfer_releases_the_send_once_it_is_gone(kind):
+    """LIM-2: the decode process dies once it published its ids; the prefill node's wait raises,
+    its send stays deferred until the peer's process is known gone, then its pages go: nothing
+    leaked."""
+    out = run_stage_processes(_decode_killed, 2, (kind,), timeout_s=60, env=ENV)
+    assert out[0][0] == "ok" and out[1][0] == "timeout", out
+    pre = out[0][1]
+    assert pre["raised"] is not None and pre["deferred"] == ["r1"] and pre["released"] == ["r1"]
+    assert not mp.active_children()
+
+
+# -- a prefill peer that restarts -----------------------------------------------------------------------
+
+
+def _prefill_restarts(stage: int, n: int, port: int, kind: str, marker: str) -> dict:
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from kvchain.dist.pd_link import PeerLost, _process_gone
+
+    if stage == 0:  # the first prefill process: dies once it learned the destinations
+        Path(marker).write_text(str(os.getpid()))
+        node = prefill_node(port, kind)
+        node.offer("r1", prefilled(node.storage))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if stage == 2:  # the restarted prefill process: listens once the first is gone
+        deadline = time.monotonic() + 30
+        while not (Path(marker).exists() and _process_gone(int(Path(marker).read_text() or 0))):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the first prefill process never went")
+            time.sleep(0.05)
+        node = prefill_node(port, kind)
+        row = prefilled(node.storage, seed=2)
+        sent = digests(node.storage, row)
+        assert node.hand_off("r2", row)
+        node.storage.check_idle()
+        node.close()
+        return {"sent": sent}
+    node = decode_node(port, kind)
+    try:
+        node.receive()
+        raised = None
+    except PeerLost as e:
+        raised = str(e)
+    held = sorted(node.deferred)
+    released = node.peer_lost()
+    link = PDLink.connect(SECRET, "127.0.0.1", port, hello(node.engine.descriptor(), layout_digest(node.storage)),
+                          timeout_s=30, group_timeout_s=20)
+    node.rejoin(link)
+    got = node.receive()
+    out = {"raised": raised, "held": held, "released": released, "got": digests(node.storage, got.row)}
+    node.finish(got)
+    out["idle"] = node.check_idle()
+    node.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_prefill_peer_that_restarts(kind, tmp_path):
+    """LIM-1: the prefill process dies after the decode node published its ids; the receive stays
+    deferred until that process is known gone, then its pages go; the restarted prefill process
+    passes the handshake and its request lands byte-exact; the decode node is idle with nothing
+    leaked."""
+    out = run_stage_processes(_prefill_restarts, 3, (kind, str(tmp_path / "first.pid")), timeout_s=90, env=ENV)
+    assert out[1][0] == "ok" and out[2][0] == "ok", out
+    dec = out[1][1]
+    assert dec["raised"] is not None and dec["held"] == ["r1"] and dec["released"] == ["r1"]
+    assert dec["got"] == out[2][1]["sent"] and dec["idle"] is True
+    assert not mp.active_children()
