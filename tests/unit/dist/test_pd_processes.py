@@ -172,7 +172,7 @@ def _timed_out(stage: int, n: int, port: int, kind: str) -> dict:
         node.storage.check_idle()
         node.close()
         return {"raised": raised, "deferred": deferred, "released": released}
-    node = decode_node(port, kind, timeout_s=1.0)
+    node = decode_node(port, kind, timeout_s=0.5)  # its deadline passes first: both raise then
     try:
         node.receive()
         raised = None
@@ -321,3 +321,73 @@ def test_a_prefill_peer_that_restarts(kind, tmp_path):
     assert dec["raised"] is not None and dec["held"] == ["r1"] and dec["released"] == ["r1"]
     assert dec["got"] == out[2][1]["sent"] and dec["idle"] is True
     assert not mp.active_children()
+
+
+# -- ids that change between the take and the transfer -----------------------------------------------
+
+
+def _pages_move(stage: int, n: int, port: int) -> dict:
+    if stage == 0:
+        node = prefill_node(port, "gloo")
+        storage = node.storage
+        filler = prefilled(storage, 17, seed=5)
+        row = prefilled(storage)
+        answer = node.offer("r1", row)
+        offered = request_pages(storage, row)
+        storage.free_rows(np.array([filler]))
+        moves = storage.flush_opportunistic()
+        moved = any(not np.array_equal(offered[k], v) for k, v in request_pages(storage, row).items())
+        other = prefilled(storage, 17, seed=7)  # the pages the move vacated hold other bytes now
+        sent = digests(storage, row)
+        node.send("r1", row, answer)
+        storage.free_rows(np.array([row, other]))
+        storage.check_idle()
+        node.close()
+        return {"sent": sent, "moves": moves, "moved": moved}
+    node = decode_node(port, "gloo")
+    storage = node.storage
+    filler = prefilled(storage, 17, seed=3)
+    seen = {}
+
+    def relief_moves_the_rows(row, hold):
+        """Stands in for a relief that found no layout keeping the held rows in place (PD-7)."""
+        seen["taken"] = request_pages(storage, row)
+        seen["epoch"] = storage.move_epoch
+        storage.published(hold)
+        storage.free_rows(np.array([filler]))
+        storage.flush_opportunistic()
+        seen["moved"] = storage.move_epoch != seen["epoch"] and any(
+            not np.array_equal(seen["taken"][k], v) for k, v in request_pages(storage, row).items())
+        prefilled(storage, 17, seed=4)  # other bytes on the pages the move vacated
+
+    node.before_publish = relief_moves_the_rows
+    got = node.receive()
+    out = {"got": digests(storage, got.row), "moved": seen["moved"]}
+    node.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def moved_pages():
+    pressed = {"KVCHAIN_LAZY_COMPACTION_GAP_FRACTION": "1.0", "KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL": "64"}
+    out = run_stage_processes(_pages_move, 2, timeout_s=60, env={**ENV, **pressed})
+    assert {s: st for s, (st, _v) in out.items()} == {0: "ok", 1: "ok"}, out
+    assert not mp.active_children()
+    return out[0][1], out[1][1]
+
+
+def test_a_held_send_reads_its_ids_again_just_before_it_goes(moved_pages):
+    """PD-18: compaction moves the request's pages after the offer and another request takes the
+    pages it left; the send reads the ids as they are when it goes, so the decode node gets the
+    request's bytes, not the other request's."""
+    pre, dec = moved_pages
+    assert pre["moves"] > 0 and pre["moved"]
+    assert dec["got"] == pre["sent"]
+
+
+def test_the_readback_reads_the_ids_again_when_a_page_moved_since_the_take(moved_pages):
+    """PD-17: the decode node's receive rows move after the take (`move_epoch` changes) and other
+    bytes take the pages they left; the ids published are the moved ones, so the prefill node's
+    write lands on the request's pages."""
+    pre, dec = moved_pages
+    assert dec["moved"] and dec["got"] == pre["sent"]
