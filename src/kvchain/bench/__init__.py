@@ -39,6 +39,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--budget", type=byte_size, default=None, help="kvchain's KV budget (default 4MiB)")
     engine.add_argument("--threads", type=positive_int, default=1, help="torch threads, the same for every engine")
     engine.add_argument("--json", action="store_true")
+    pd = sub.add_parser("pd", help="PD transfer bandwidth of real page batches vs the transfer engine's "
+                        "large-buffer bandwidth, between two loopback processes")
+    pd.add_argument("--engine", choices=("nixl", "gloo"), default="nixl", help="the data plane (default nixl)")
+    pd.add_argument("--repeats", type=positive_int, default=5, help="batch and baseline pairs; medians count")
+    pd.add_argument("--requests", type=positive_int, default=8, help="requests in the batch")
+    pd.add_argument("--tokens", type=positive_int, default=2048, help="tokens per request")
+    pd.add_argument("--budget", type=byte_size, default=256 * 2**20, help="each process's KV budget (default 256MiB)")
+    pd.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.bench == "engine":
         return _run_engine(args)
+    if args.bench == "pd":
+        return _run_pd(args)
     if args.bench == "alloc":
         from .alloc import PROFILES, run_alloc_bench
 
@@ -137,4 +147,28 @@ def _run_engine(args: argparse.Namespace) -> int:
         print(dump_json(result))
     else:
         render_engine_bench(result, Console())
+    return 0
+
+
+def _run_pd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..dist.transfer import TransferError, nixl_available
+    from .pd import run_pd_bench
+
+    if args.engine == "nixl" and nixl_available() is not None:
+        raise TransferError(f"--engine nixl: {nixl_available()} (give --engine gloo)")
+    result = run_pd_bench(engine=args.engine, repeats=args.repeats, requests=args.requests, tokens=args.tokens,
+                          budget=args.budget)
+    if args.json:
+        print(dump_json(result))
+        return 0
+    table = Table(title=f"kvchain bench pd over {result['engine']}: {result['requests']} requests of "
+                  f"{result['tokens']} tokens, {result['bytes']:,} bytes in {result['segments']} segments, "
+                  f"medians of {result['repeats']}", title_justify="left")
+    for label in ("page batch GB/s", "large buffer GB/s", "ratio (batch / large)"):
+        table.add_column(label, justify="right")
+    table.add_row(str(result["batch_gb_per_s"]), str(result["large_gb_per_s"]), str(result["ratio"]))
+    Console().print(table)
     return 0
