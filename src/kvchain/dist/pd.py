@@ -113,6 +113,15 @@ class Received:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class Refused:
+    """An offer the decode node had no room for (its preallocation did not fit)."""
+
+    rid: str
+    reason: str
+    extra: dict = field(default_factory=dict)
+
+
 class PDNode:
     """What both nodes share: the storage, the control plane, the transfer engine, the deadline."""
 
@@ -261,6 +270,11 @@ class PrefillNode(PDNode):
             raise
         storage.end_network_transfer(network)
 
+    def end(self) -> None:
+        """No more offers: the decode node's `receive` returns None."""
+        self.link.exchange({"op": "end"})
+        self.link.exchange({"op": "end"})
+
     def hand_off(self, rid: str, row: int, extra: dict | None = None) -> bool:
         """Offer, then send when accepted, then free the row (its pages are the decode node's now).
         False when the decode node refused (the row stays)."""
@@ -347,12 +361,16 @@ class DecodeNode(PDNode):
             raise
         return row, request_pages(storage, row)
 
-    def receive(self) -> Received | None:
-        """Take the next offer: None when it was refused (no room), else the received request once
-        its pages landed. Raises as `PrefillNode.send` does, on both nodes in the same round; the
-        receive is deferred then, its pages held until proof (LIM-1)."""
+    def receive(self) -> Received | Refused | None:
+        """Take the next offer: the received request once its pages landed, `Refused` when there
+        was no room for it, None when the prefill node has no more (`PrefillNode.end`). Raises as
+        `PrefillNode.send` does, on both nodes in the same round; the receive is deferred then, its
+        pages held until proof (LIM-1)."""
         storage = self.storage
         offer = self.link.exchange({"op": "listen"})
+        if offer.get("op") == "end":
+            self.link.exchange({"op": "end"})
+            return None
         if offer.get("op") != "offer":
             raise TransferError(f"expected an offer from the prefill node, got {offer.get('op')!r}")
         rid, seq_len = str(offer["rid"]), int(offer["seq_len"])
@@ -372,7 +390,7 @@ class DecodeNode(PDNode):
             row, reason = -1, f"the offered pages {offer['counts']} do not match this node's take"
         if row < 0:
             self.link.exchange({"op": "refuse", "rid": rid, "reason": reason})
-            return None
+            return Refused(rid, reason, dict(offer.get("extra", {})))
         hold = storage.hold_receive_rows(rid, dst)
         epoch = storage.move_epoch
         if self.before_publish is not None:

@@ -1,0 +1,182 @@
+"""`kvchain generate --pd`: one checkpoint served by a prefill process and a decode process.
+
+Each process loads the checkpoint and builds its own `Engine` (its own arena, pool and device).
+The prefill process serves every request to its first output token (without overlap, so that
+token and the KV behind it are on the host when the request finishes) and, as each finishes,
+hands its row to the decode node (`PrefillNode.offer` / `send`): full-attention pages, the window
+rows decode keeps, the state slot, and the first token. The decode process takes each into a row
+of its own (`DecodeNode.receive`) and, once every request is in, decodes them all as running
+requests of its scheduler, from the token after the first. Outputs are the single-process
+engine's (tests/unit/dist/test_pd_engine.py). Both engines run without the prefix cache: a
+received row's windows are retired as a fresh row's are (`advance` with no checkpoint), which is
+how the prefill node's were retired only without a tree."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from ..engine.request import Phase, ScheduledRequest
+from ..engine.scheduler import Scheduler
+from ..engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
+from ..errors import KVChainError
+from .pd import DecodeNode, PrefillNode, Received, Refused, layout_digest
+from .pd_auth import PDListener
+from .pd_link import PDLink, hello
+from .pp import run_stage_processes
+from .transfer import make_engine
+
+
+class _DecodeScheduler(Scheduler):
+    """The decode node's scheduler: received requests join as running decodes."""
+
+    def inject(self, req: ScheduledRequest) -> None:
+        req.phase = Phase.RUNNING
+        req.admitted_step = self.step_no
+        self.running.append(req)
+
+
+def _prefill(port: int, path: str, config: EngineConfig, requests: list[GenerateRequest], kind: str,
+             secret: bytes) -> dict:
+    engine = Engine(path, replace(config, overlap=False, prefix_cache=False))
+    storage = engine.storage
+    data = make_engine(kind, "prefill")
+    data.register(storage.arena.data)
+    listener = PDListener(secret, port=port)
+    link = PDLink.accept(listener, hello(data.descriptor(), layout_digest(storage)), timeout_s=60)
+    listener.close()
+    node = PrefillNode(storage, link, data)
+    pool = engine.pool
+    base_finish = pool.finish
+    refused: dict[int, str] = {}
+    index = {}
+
+    def finish(req: ScheduledRequest) -> None:
+        i = index[req.rid]
+        extra = {"index": i, "first": int(req.output[0]), "max_new": requests[i].max_new_tokens,
+                 "output_len": requests[i].max_new_tokens - 1}
+        answer = node.offer(str(req.rid), req.row, extra)
+        if answer["op"] == "refuse":
+            refused[i] = answer.get("reason", "")
+        else:
+            node.send(str(req.rid), req.row, answer)
+        base_finish(req)
+
+    pool.finish = finish
+    first = [GenerateRequest(r.prompt_token_ids, 1) for r in requests]
+    rid0 = engine._rid
+    index.update({rid0 + i: i for i in range(len(first))})
+    try:
+        result = engine.generate(first)
+        node.end()
+    finally:
+        node.close()
+        engine.close()
+    return {"outputs": [o.to_dict() for o in result.outputs], "refused": refused, "seconds": result.stats.seconds}
+
+
+def _decode(port: int, path: str, config: EngineConfig, kind: str, secret: bytes) -> dict:
+    engine = Engine(path, replace(config, prefix_cache=False))
+    storage = engine.storage
+    data = make_engine(kind, "decode")
+    data.register(storage.arena.data)
+    link = PDLink.connect(secret, "127.0.0.1", port, hello(data.descriptor(), layout_digest(storage)), timeout_s=60)
+    node = DecodeNode(storage, link, data)
+    received: list[Received] = []
+    refused: list[Refused] = []
+    try:
+        while True:
+            got = node.receive()
+            if got is None:
+                break
+            (refused if isinstance(got, Refused) else received).append(got)
+    finally:
+        node.close()
+    try:
+        return _decode_all(engine, node, received)
+    finally:
+        engine.close()
+
+
+def _decode_all(engine: Engine, node: DecodeNode, received: list[Received]) -> dict:
+    """Decode every received request from its second token; outputs by request index."""
+    pool, storage = engine.pool, engine.storage
+    cfg = engine.config
+    scheduler = _DecodeScheduler(pool, max_batched_tokens=cfg.max_batched_tokens, max_running=max(
+        cfg.max_running, len(received)))
+    eos = pool._eos_set
+    out: dict[int, dict] = {}
+    reqs: list[tuple[int, ScheduledRequest]] = []
+    t0 = time.perf_counter()
+    for got in received:
+        i, first, max_new = int(got.extra["index"]), int(got.extra["first"]), int(got.extra["max_new"])
+        if max_new == 1 or first in eos:
+            node.finish(got)
+            out[i] = {"token_ids": [first], "finish_reason": "eos" if first in eos and max_new > 1 else "length"}
+            continue
+        rid = engine._rid
+        engine._rid += 1
+        prompt_len = got.seq_len
+        req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(prompt_len, np.int64), max_new=max_new,
+                               output_len=max_new, output=np.zeros(max_new, dtype=np.int64))
+        req.output[0] = first
+        req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
+        req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": prompt_len}
+        pool._known[rid] = 1
+        node.queue.took(got.rid, prompt_len, max_new - 1)
+        scheduler.inject(req)
+        reqs.append((i, req))
+    scheduler.run()
+    pool.drain()
+    pool.steps.flush()
+    storage.device.synchronize()
+    pool.check_idle()
+    seconds = time.perf_counter() - t0
+    for i, req in reqs:
+        n = min(req.generated, req.output_len)
+        out[i] = {"token_ids": [int(t) for t in req.output[:n]],
+                  "finish_reason": "eos" if req.output_len < req.max_new else "length"}
+    return {"outputs": out, "steps": scheduler.stats.steps, "seconds": seconds,
+            "peak_running": scheduler.stats.peak_running}
+
+
+def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, requests: list[GenerateRequest],
+          kind: str, secret: bytes) -> dict:
+    if stage == 0:
+        return _prefill(port, path, config, requests, kind, secret)
+    return _decode(port, path, config, kind, secret)
+
+
+def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequest], kind: str = "nixl",
+                timeout_s: float = 600.0) -> GenerateResult:
+    """Serve `requests` with a prefill process and a decode process on this machine (loopback);
+    outputs in input order, as `Engine.generate` gives them."""
+    requests = list(requests)
+    secret = os.urandom(32)
+    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    t0 = time.perf_counter()
+    out = run_stage_processes(_node, 2, (str(path), config, requests, kind, secret), timeout_s=timeout_s, env=env)
+    bad = {s: v for s, v in out.items() if v[0] != "ok"}
+    if bad:
+        raise KVChainError(f"generate --pd: {bad}")
+    pre, dec = out[0][1], out[1][1]
+    outputs = []
+    for i, r in enumerate(requests):
+        first = GenerateOutput(**{k: v for k, v in pre["outputs"][i].items()})
+        if i in dec["outputs"]:
+            o = dec["outputs"][i]
+            outputs.append(GenerateOutput(i, o["token_ids"], o["finish_reason"]))
+        elif str(i) in pre["refused"] or i in pre["refused"]:
+            reason = pre["refused"].get(i, pre["refused"].get(str(i), ""))
+            outputs.append(GenerateOutput(i, [], "rejected", reason=f"the decode node refused it: {reason}"))
+        else:  # rejected or aborted on the prefill node
+            outputs.append(GenerateOutput(i, [], first.finish_reason, reason=first.reason))
+    stats = GenerateStats(requests=len(requests), steps=dec["steps"], prompt_tokens=sum(len(r.prompt_token_ids)
+                                                                                       for r in requests),
+                          output_tokens=sum(len(o.token_ids) for o in outputs), seconds=time.perf_counter() - t0,
+                          peak_running=dec["peak_running"])
+    return GenerateResult(outputs, stats)
