@@ -35,6 +35,11 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="reuse cached prefixes: attention, window rows, state checkpoints (default on)")
     p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
+    p.add_argument("--pd", action="store_true",
+                   help="serve with a prefill process and a decode process on this machine (loopback): the prefill "
+                   "hands each request's KV, window rows and state to the decode (docs/pd.md); no prefix cache")
+    p.add_argument("--pd-engine", choices=("nixl", "gloo"), default=None,
+                   help="--pd's data plane (default nixl where it imports, else gloo)")
     p.add_argument("--json", action="store_true",
                    help='print {"outputs": [{"index", "token_ids", ...}], "stats": {...}} instead of tables')
 
@@ -103,17 +108,36 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+    if getattr(args, "pd", False):
+        return _run_pd(args, config, requests, tokenizer)
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
     if args.json:
         print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
         return 0
-    _render(result, tokenizer, engine)
+    _render(result, tokenizer, engine.storage.sizing.budget_bytes)
     return 0
 
 
-def _render(result, tokenizer, engine) -> None:
+def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
+    from .dist.pd_engine import generate_pd
+    from .dist.transfer import nixl_available
+
+    if args.device != "cpu":
+        raise InputError("--pd runs on --device cpu")
+    kind = args.pd_engine or ("nixl" if nixl_available() is None else "gloo")
+    if kind == "nixl" and nixl_available() is not None:
+        raise InputError(f"--pd-engine nixl: {nixl_available()}")
+    result = generate_pd(args.model_path, config, requests, kind=kind)
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
+        return 0
+    _render(result, tokenizer, args.budget)
+    return 0
+
+
+def _render(result, tokenizer, budget_bytes: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -140,7 +164,7 @@ def _render(result, tokenizer, engine) -> None:
         ("compaction moves", str(s.compaction_moves)),
         ("window pages retired", str(s.window_pages_retired)),
         ("state checkpoints", str(s.checkpoints)),
-        ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {engine.storage.sizing.budget_bytes:,} bytes"),
+        ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {budget_bytes:,} bytes"),
     ]
     for label, value in rows:
         table.add_row(label, value)
