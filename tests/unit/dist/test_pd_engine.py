@@ -9,11 +9,11 @@ import multiprocessing as mp
 
 import pytest
 
+from kvchain.cli import main
 from kvchain.dist.pd_engine import generate_pd
 from kvchain.dist.transfer import nixl_available
 from kvchain.engine.serve import Engine, EngineConfig
 from support.engine import PAGE, checkpoint_dir, workload
-from support.models import kvchain
 
 NIXL_MISSING = nixl_available()
 CONFIG = EngineConfig(budget_bytes=8 * 2**20, page_size=PAGE, context_len=128, max_running=8, ignore_eos=True)
@@ -34,7 +34,7 @@ def test_pd_outputs_are_the_single_process_engines():
     assert not mp.active_children()
 
 
-def test_generate_pd_on_the_command_line_matches_generate(tmp_path):
+def test_generate_pd_on_the_command_line_matches_generate(tmp_path, capsys):
     """Gemma 3 over gloo, through `kvchain generate --pd`: without the window rows the decode
     diverges at once."""
     requests = workload(6, seed=3)
@@ -43,15 +43,9 @@ def test_generate_pd_on_the_command_line_matches_generate(tmp_path):
                                            "max_new_tokens": r.max_new_tokens}) + "\n" for r in requests))
     common = ["generate", "--model-path", str(checkpoint_dir("gemma3")), "--prompts", str(prompts), "--json",
               "--ignore-eos", "--page-size", str(PAGE), "--context", "128", "--budget", "8MiB", "--max-running", "8"]
-    single = kvchain(*common)
-    pd = kvchain(*common, "--pd", "--pd-engine", "gloo")
-    assert single.returncode == 0 and pd.returncode == 0, (single.stderr[-2000:], pd.stderr[-2000:])
-    want = [o["token_ids"] for o in json.loads(single.stdout)["outputs"]]
-    got = [o["token_ids"] for o in json.loads(pd.stdout)["outputs"]]
-    assert got == want and all(len(o) == r.max_new_tokens for o, r in zip(got, requests))
-
-
-def test_generate_pd_refuses_a_device_it_does_not_run_on():
-    out = kvchain("generate", "--model-path", str(checkpoint_dir("gemma3")), "--prompt", "hi", "--pd",
-                  "--device", "cuda")
-    assert out.returncode == 2 and out.stderr.count("\n") <= 2
+    outputs = []
+    for extra in ([], ["--pd", "--pd-engine", "gloo"]):
+        assert main([*common, *extra]) == 0
+        outputs.append([o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]])
+    single, pd = outputs
+    assert pd == single and all(len(o) == r.max_new_tokens for o, r in zip(pd, requests))

@@ -36,3 +36,23 @@ def test_the_host_wait_outlasts_the_protocols_own_timeouts():
     transfer's wait and a fence together, so the protocol's own timeouts fire first."""
     default = float(env.VARIABLES["KVCHAIN_PAGE_MOVE_WAIT_TIMEOUT"].default)
     assert default > sum(PROTOCOL_TIMEOUTS.values())
+
+
+def test_a_peer_is_known_gone_only_when_its_process_is():
+    """LIM-1, LIM-2: a dead peer's pages go once its process is known gone, and only then: a peer
+    whose process runs, or one on another machine, is never taken for gone."""
+    import multiprocessing as mp
+    import os
+    import socket
+
+    from kvchain.dist.pd_link import PDLink
+
+    def link(pid: int, host: str) -> PDLink:
+        return PDLink(0, {"pid": pid, "host": host}, socket.socket(), timeout_s=1.0)
+
+    assert not link(os.getpid(), socket.gethostname()).peer_gone(wait_s=0.05)
+    assert not link(1, "another-machine").peer_gone(wait_s=0.05)
+    child = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    child.start()
+    child.join()
+    assert link(child.pid, socket.gethostname()).peer_gone(wait_s=0.05)
