@@ -32,6 +32,11 @@ from .decl import (
     kv_layer_decls,
 )
 from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
+from .dist.pd import DecodeNode, DecodePreallocQueue, PrefillNode, Received, Refused, TransferFailed
+from .dist.pd_auth import HandshakeRefused, PDListener
+from .dist.pd_engine import generate_pd
+from .dist.pd_link import PDLink, PeerLost
+from .dist.transfer import GlooEngine, NixlEngine, TransferEngine, TransferError, TransferState, make_engine
 from .engine import Forward, MetadataUpload, StepResult, StepSequence
 from .engine.batch import ForwardBatch
 from .engine.checkpoint import LoadedCheckpoint, load_checkpoint
@@ -97,6 +102,8 @@ __all__ = [
     "Comparison",
     "Decision",
     "DeclarationError",
+    "DecodeNode",
+    "DecodePreallocQueue",
     "DemandPurpose",
     "Device",
     "Engine",
@@ -110,6 +117,8 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "GenerateStats",
+    "GlooEngine",
+    "HandshakeRefused",
     "HostTier",
     "ImmediateDevice",
     "InputError",
@@ -130,12 +139,19 @@ __all__ = [
     "ModelPool",
     "ModelRunner",
     "ModeledDevice",
+    "NixlEngine",
+    "PDLink",
+    "PDListener",
     "PDTransfers",
+    "PeerLost",
     "PipelineSizing",
     "PlanError",
     "PlanSizing",
     "PoolConfig",
+    "PrefillNode",
     "PrefixSharing",
+    "Received",
+    "Refused",
     "RowsAndTakes",
     "RunnerIds",
     "Scheduler",
@@ -151,6 +167,10 @@ __all__ = [
     "StorageStats",
     "SubPool",
     "ThreadDevice",
+    "TransferEngine",
+    "TransferError",
+    "TransferFailed",
+    "TransferState",
     "TransferTimeoutError",
     "Translation",
     "UnifiedRadixCache",
@@ -161,12 +181,14 @@ __all__ = [
     "compare",
     "evict_until_fits",
     "format_bytes",
+    "generate_pd",
     "kv_layer_decls",
     "list_presets",
     "load_checkpoint",
     "load_config_file",
     "load_trace",
     "make_checkpoint",
+    "make_engine",
     "mamba_prefill_chunk_grid",
     "model_from_config",
     "model_from_preset",

@@ -104,8 +104,8 @@ def _hand_off(stage: int, n: int, port: int, kind: str) -> dict:
 
 @pytest.mark.parametrize("kind", ENGINES)
 def test_every_sub_pool_of_a_hybrid_request_lands_byte_exact(kind):
-    """PD-1, PD-8: full-attention pages, the window rows decode keeps (fewer than the request's
-    pages) and the state slot reach the decode node's arena byte for byte; both nodes idle clean."""
+    """Full-attention pages, the window rows decode keeps (fewer than the request's pages) and the
+    state slot reach the decode node's arena byte for byte; both nodes idle clean."""
     out = run_stage_processes(_hand_off, 2, (kind,), timeout_s=60, env=ENV)
     assert {s: st for s, (st, _v) in out.items()} == {0: "ok", 1: "ok"}, out
     pre, dec = out[0][1], out[1][1]
@@ -350,7 +350,7 @@ def _pages_move(stage: int, n: int, port: int) -> dict:
     seen = {}
 
     def relief_moves_the_rows(row, hold):
-        """Stands in for a relief that found no layout keeping the held rows in place (PD-7)."""
+        """Stands in for a relief that found no layout keeping the held rows in place."""
         seen["taken"] = request_pages(storage, row)
         seen["epoch"] = storage.move_epoch
         storage.published(hold)
