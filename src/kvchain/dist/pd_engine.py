@@ -126,8 +126,7 @@ def _decode_all(engine: Engine, node: DecodeNode, received: list[Received]) -> d
         req.output[0] = first
         req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
         req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": prompt_len}
-        pool._known[rid] = 1
-        node.queue.took(got.rid, prompt_len, max_new - 1)
+        pool._known[rid] = 1  # its first output came with it: the next forward reads it from the host
         scheduler.inject(req)
         reqs.append((i, req))
     scheduler.run()
