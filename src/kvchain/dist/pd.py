@@ -25,6 +25,7 @@ import hashlib
 import logging
 import struct
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +37,15 @@ from ..plan import PoolKind
 from ..sizing import pages_for
 from ..storage import KVStorage
 from .pd_link import PDLink, PeerLost
-from .transfer import Segments, Transfer, TransferEngine, TransferError, TransferState, coalesce, page_segments
+from .transfer import (
+    Segments,
+    Transfer,
+    TransferEngine,
+    TransferError,
+    TransferState,
+    coalesce,
+    page_segments,
+)
 
 log = logging.getLogger("kvchain.pd")
 
@@ -122,7 +131,7 @@ class Refused:
     extra: dict = field(default_factory=dict)
 
 
-class PDNode:
+class PDNode(ABC):
     """What both nodes share: the storage, the control plane, the transfer engine, the deadline."""
 
     peer_name: str
@@ -216,8 +225,9 @@ class PDNode:
         self.fence_epoch += 1
         return self._fence()
 
+    @abstractmethod
     def _fence(self) -> list[str]:
-        raise NotImplementedError
+        """This node's side of one fence (the epoch is `fence_epoch`)."""
 
     def rejoin(self, link: PDLink) -> None:
         """Carry on over a new control plane (a restarted peer): deferred transfers stay."""
@@ -290,13 +300,11 @@ class PrefillNode(PDNode):
 
     def _fence(self) -> list[str]:
         ask = self.link.exchange({"op": "fence", "epoch": self.fence_epoch})
-        names = [r for r in ask.get("rids", [])]
         states = {}
-        for rid in names:
+        for rid in ask.get("rids", []):
             d = self.deferred.get(rid)
-            if d is None:  # never posted here, or released already: nothing of it is in flight
-                states[rid] = "quiescent"
-            elif d.transfer is None or self.engine.abort(d.transfer).quiescent:
+            # not deferred here (never posted, or released already), never posted, or stopped: quiescent
+            if d is None or d.transfer is None or self.engine.abort(d.transfer).quiescent:
                 states[rid] = "quiescent"
             else:
                 states[rid] = "in flight"

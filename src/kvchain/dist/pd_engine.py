@@ -22,7 +22,14 @@ import numpy as np
 
 from ..engine.request import Phase, ScheduledRequest
 from ..engine.scheduler import Scheduler
-from ..engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
+from ..engine.serve import (
+    Engine,
+    EngineConfig,
+    GenerateOutput,
+    GenerateRequest,
+    GenerateResult,
+    GenerateStats,
+)
 from ..errors import KVChainError
 from .pd import DecodeNode, PrefillNode, Received, Refused, layout_digest
 from .pd_auth import PDListener
@@ -164,7 +171,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
         raise KVChainError(f"generate --pd: {bad}")
     pre, dec = out[0][1], out[1][1]
     outputs = []
-    for i, r in enumerate(requests):
+    for i in range(len(requests)):
         first = GenerateOutput(**{k: v for k, v in pre["outputs"][i].items()})
         if i in dec["outputs"]:
             o = dec["outputs"][i]

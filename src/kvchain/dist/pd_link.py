@@ -9,6 +9,7 @@ stopped with it) is `peer_gone`: proven on the same machine from its pid, never 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -123,10 +124,8 @@ class PDLink:
     def close(self) -> None:
         """End this link's group (once: a later link's group is never this one's to end)."""
         if self._group and dist.is_initialized():
-            try:
+            with contextlib.suppress(RuntimeError):  # a group whose peer died may refuse to end cleanly
                 dist.destroy_process_group()
-            except RuntimeError:
-                pass
         self._group = False
         self.conn.close()
 

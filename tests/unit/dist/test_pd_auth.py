@@ -17,7 +17,7 @@ from kvchain.dist.pd_auth import HELLO, NONCE, HandshakeRefused, PDListener, con
 from kvchain.dist.pd_link import PDLink, hello
 from kvchain.dist.pp import run_stage_processes
 from kvchain.dist.transfer import make_engine
-from kvchain.errors import InputError
+from kvchain.errors import InputError, TransferTimeoutError
 from support.chains import allocator_state, same_state, small_storage
 
 SECRET = b"the deployment's secret"
@@ -133,7 +133,7 @@ def test_the_listener_binds_only_the_interface_it_is_given(caplog):
         with caplog.at_level(logging.WARNING, logger="kvchain.pd"):
             stray = socket.create_connection(("127.0.0.1", listener.port))
             stray.close()
-            with pytest.raises(Exception):
+            with pytest.raises(TransferTimeoutError, match="1 refused"):
                 listener.accept({"secret": "never sent"}, timeout_s=1.0)
         assert any("refused a PD connection" in r.message for r in caplog.records)
     finally:

@@ -57,7 +57,7 @@ def _exchange(stage: int, n: int, port: int, kind: str) -> dict:
         link.all_gather("done")
         state = t.state.value
         engine.close()
-        return {"state": state, "bytes": data.numpy().tobytes() if stage == 1 else data.numpy().tobytes()}
+        return {"state": state, "bytes": data.numpy().tobytes()}
     finally:
         link.close()
 
