@@ -14,13 +14,46 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..alloc.id_space import IdStack
+from ..decl import MHA
 from ..errors import CapacityError, InputError
-from ..layout.host import HostLayout, host_layout, page_envelope_pair
-from ..layout.views import SubPoolView
-from ..plan import KVStoragePlan, PoolKind, SubPool
+from ..layout.entry import PageEnvelope
+from ..plan import KVStoragePlan, Placement, PoolKind, SubPool
 
-__all__ = ["HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair"]
+__all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair"]
+
+
+def page_envelope_pair(plan: KVStoragePlan) -> tuple[SubPool, SubPool] | None:
+    """The two end sub-pools when both hold MHA pages: they share one page-envelope host backing
+    (of the larger envelope, HIC-11). A float always keeps a host pool of its own (HIC-12)."""
+    up, down = plan.up_end, plan.down_end
+    if up is None or up.placement is not Placement.UP_END or up.kind is PoolKind.STATE:
+        return None
+    if not (isinstance(up.geometry, MHA) and isinstance(down.geometry, MHA)):
+        return None
+    return up, down
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A host backing: `n_pages` envelopes of one size, for one sub-pool or the paired ends."""
+
+    sub_pools: tuple[str, ...]
+    envelope: PageEnvelope
+    n_pages: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.envelope.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.envelope.page_bytes
+
+    def allocate(self, pin: bool | None = None) -> torch.Tensor:
+        """A `[n_pages, page_bytes]` uint8 host tensor, pinned when CUDA is present."""
+        if pin is None:
+            pin = torch.cuda.is_available()
+        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=bool(pin and self.n_pages))
 
 
 class HostPool:
@@ -30,7 +63,8 @@ class HostPool:
         self.layout = layout
         self.data = layout.allocate(pin)
         self.pinned = bool(self.data.is_pinned()) if layout.n_pages else False
-        self._free = IdStack(layout.n_pages, np.arange(layout.n_pages - 1, -1, -1, dtype=np.int64))
+        self._free = np.arange(layout.n_pages - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
+        self._n_free = layout.n_pages
 
     @property
     def n_pages(self) -> int:
@@ -38,7 +72,7 @@ class HostPool:
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        return self._n_free
 
     @property
     def nbytes(self) -> int:
@@ -46,13 +80,19 @@ class HostPool:
 
     def alloc(self, n: int) -> np.ndarray:
         """`n` free host pages; raises CapacityError, taking none, when fewer are free."""
-        if n > len(self._free):
-            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: {len(self._free)} free pages, "
+        if n > self._n_free:
+            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: {self._n_free} free pages, "
                                 f"{n} needed")
-        return self._free.pop(n)
+        self._n_free -= n
+        return self._free[self._n_free : self._n_free + n][::-1].copy()
 
     def free(self, ids: np.ndarray) -> None:
-        self._free.push(np.asarray(ids, dtype=np.int64))
+        ids = np.asarray(ids, dtype=np.int64)
+        if self._n_free + len(ids) > self.layout.n_pages:
+            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: a free of {len(ids)} pages "
+                                f"past its {self.layout.n_pages}")
+        self._free[self._n_free : self._n_free + len(ids)] = ids
+        self._n_free += len(ids)
 
     def pages(self, pool: SubPool) -> torch.Tensor:
         """This backing's pages as `pool`'s page envelopes: `[n_pages, pool.page_bytes]` (a column
@@ -124,7 +164,7 @@ class HostPools:
             if pool.name in self._of:
                 continue
             pages = self.sizing.state_slots if pool.kind is PoolKind.STATE else n
-            self._of[pool.name] = HostPool(host_layout(pool, pages), pin)
+            self._of[pool.name] = HostPool(HostLayout((pool.name,), pool.envelope, pages), pin)
 
     def pool(self, sub_pool: str) -> HostPool:
         self.plan.by_name(sub_pool)
@@ -151,7 +191,3 @@ class HostPools:
     def pages(self, sub_pool: str) -> torch.Tensor:
         """Host pages of `sub_pool` as `[n, page_bytes]` envelopes, the layout of its device view."""
         return self.pool(sub_pool).pages(self.plan.by_name(sub_pool))
-
-    def view(self, sub_pool: str) -> SubPoolView:
-        """The sub-pool's typed views over its host pages: the same components as on the device."""
-        return SubPoolView(self.plan.by_name(sub_pool), self.pages(sub_pool))

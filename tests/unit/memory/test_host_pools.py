@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from kvchain.errors import CapacityError, InputError
-from kvchain.memory.host import HostPools, host_sizing
+from kvchain.layout import host as host_layouts
+from kvchain.layout.views import SubPoolView
+from kvchain.memory.host import HostPools, host_sizing, page_envelope_pair
 from kvchain.plan import PoolKind
 from support.chains import small_storage
 
@@ -33,7 +35,7 @@ def test_every_sub_pool_has_a_host_pool_laid_out_like_its_view():
         src = torch.tensor([dev.shape[0] - 1, 3])
         dst = torch.from_numpy(backing.alloc(2))
         pages[dst] = dev[src]
-        device_view, host_view = storage.view(pool.name), host.view(pool.name)
+        device_view, host_view = storage.view(pool.name), SubPoolView(pool, pages)
         for comp in pool.envelope.components:
             dev_t = device_view.tensor(comp.layer_id, comp.name)
             host_t = host_view.tensor(comp.layer_id, comp.name)
@@ -105,3 +107,10 @@ def test_host_pages_are_freed_and_taken_again():
     assert len(np.unique(ids)) == pool.n_pages and pool.n_free == 0
     pool.free(ids[:3])
     assert sorted(pool.alloc(3).tolist()) == sorted(ids[:3].tolist())
+
+
+def test_the_pairing_agrees_with_the_host_layouts():
+    for kwargs in (dict(windows=(8,), state=False), dict(windows=(32, 8), state=True), dict(windows=(8,), mla=True,
+                   state=False), dict(windows=(32, 8), state=False)):
+        plan = small_storage(**kwargs).plan
+        assert page_envelope_pair(plan) == host_layouts.page_envelope_pair(plan)
