@@ -33,6 +33,9 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="launch forward N+1 before processing forward N (default on)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prefixes: attention, window rows, state checkpoints (default on)")
+    p.add_argument("--host-budget", type=byte_size, default=None,
+                   help="bytes of host memory for the host tier: prefixes the pool evicts are copied there "
+                        "and loaded back on a match (default: no host tier)")
     p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
     p.add_argument("--json", action="store_true",
@@ -102,7 +105,8 @@ def run_generate(args: argparse.Namespace) -> int:
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
-                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
+                          host_budget=args.host_budget)
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
@@ -142,6 +146,9 @@ def _render(result, tokenizer, engine) -> None:
         ("state checkpoints", str(s.checkpoints)),
         ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {engine.storage.sizing.budget_bytes:,} bytes"),
     ]
+    if engine.pool.hicache is not None:
+        rows.append(("host tier", f"{s.host_hits} hits, {s.host_backups} backups, {s.host_loads} loads "
+                                  f"({engine.pool.hicache.host.nbytes:,} host bytes)"))
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)

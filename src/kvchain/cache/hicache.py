@@ -461,6 +461,13 @@ class HiCacheController:
             self.stats["load_states"] += int(self.state is not None and self.state.name in load.virtual)
         return started
 
+    def drop_host(self) -> int:
+        """Free every host record no queued load reads (a host-tier reset); returns how many."""
+        gone = [d for d, r in self.records.items() if not r.pins]
+        for digest in gone:
+            self._free_record(digest)
+        return len(gone)
+
     # -- inspection ----------------------------------------------------------------------------------
 
     def host_pages_used(self) -> dict[str, int]:
