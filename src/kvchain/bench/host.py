@@ -196,7 +196,7 @@ def summarize(page_bytes: int, layers: int, rounds: list[tuple[int, float, float
 
 def headline(cells: list[dict]) -> dict:
     """The worst ratio of any cell and direction."""
-    worst = min(((c[f"{d}_ratio"], d, c["page_bytes"]) for c in cells for d in ("backup", "load")))
+    worst = min((c[f"{d}_ratio"], d, c["page_bytes"]) for c in cells for d in ("backup", "load"))
     return {"worst_ratio": worst[0], "direction": worst[1], "page_bytes": worst[2]}
 
 
