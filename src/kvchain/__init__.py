@@ -17,6 +17,7 @@ from .alloc.iteration_ids import IterationIds
 from .alloc.runner_ids import RunnerIds
 from .alloc.stage_capacity import StageCapacity, StageGeometry, simulated_snapshot
 from .build import build_kv_storage
+from .cache.hicache import HiCacheController, HiRadixCache, WritePolicy
 from .cache.radix import CheckpointStrategy, UnifiedRadixCache
 from .capacity import evict_until_fits, reclaimable_pages
 from .decl import (
@@ -54,6 +55,7 @@ from .errors import (
     TransferTimeoutError,
 )
 from .memory.arena import KVArena
+from .memory.host import HostPool, HostPools, host_sizing, page_envelope_pair
 from .models import list_presets, load_config_file, model_from_config, model_from_preset
 from .models.small import small_hybrid
 from .plan import (
@@ -110,6 +112,10 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "GenerateStats",
+    "HiCacheController",
+    "HiRadixCache",
+    "HostPool",
+    "HostPools",
     "HostTier",
     "ImmediateDevice",
     "InputError",
@@ -156,11 +162,13 @@ __all__ = [
     "UnifiedRadixCache",
     "WindowLifetime",
     "WindowRetirement",
+    "WritePolicy",
     "build_kv_storage",
     "check_bs1_floor",
     "compare",
     "evict_until_fits",
     "format_bytes",
+    "host_sizing",
     "kv_layer_decls",
     "list_presets",
     "load_checkpoint",
@@ -170,6 +178,7 @@ __all__ = [
     "mamba_prefill_chunk_grid",
     "model_from_config",
     "model_from_preset",
+    "page_envelope_pair",
     "parse_bytes",
     "plan_kv_storage",
     "plan_stages",

@@ -115,8 +115,14 @@ def copy_pages(dst: torch.Tensor, dst_ids: np.ndarray, src: torch.Tensor, src_id
     dst_ids = np.asarray(dst_ids, dtype=np.int64)
     if not len(src_ids):
         return
-    if dst.device == src.device:  # through int64 words: a byte-wide gather runs several times slower
-        wide = dst.shape[1] % 8 == 0
+    wide = dst.shape[1] % 8 == 0  # through int64 words: a byte-wide gather runs several times slower
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        # one numpy gather-scatter on the calling thread: a torch op on a busy CPU enters an OpenMP
+        # region that waits for every torch thread (as `memory/copy.py` found for page moves)
+        d, s = (dst.view(torch.int64), src.view(torch.int64)) if wide else (dst, src)
+        d.numpy()[dst_ids] = s.numpy()[src_ids]
+        return
+    if dst.device == src.device:
         d, s = (dst.view(torch.int64), src.view(torch.int64)) if wide else (dst, src)
         d.index_copy_(0, torch.from_numpy(dst_ids).to(dst.device), s.index_select(0, torch.from_numpy(src_ids).to(src.device)))
         return
