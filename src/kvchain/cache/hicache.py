@@ -126,16 +126,19 @@ def copy_pages(dst: torch.Tensor, dst_ids: np.ndarray, src: torch.Tensor, src_id
         d, s = (dst.view(torch.int64), src.view(torch.int64)) if wide else (dst, src)
         d.index_copy_(0, torch.from_numpy(dst_ids).to(dst.device), s.index_select(0, torch.from_numpy(src_ids).to(src.device)))
         return
-    host_ids = dst_ids if dst.device.type == "cpu" else src_ids
+    host, host_ids = (dst, dst_ids) if dst.device.type == "cpu" else (src, src_ids)
+    # asynchronous only from and to pinned rows that are contiguous (a shared backing's smaller
+    # envelope is a column slice: torch would stage it through memory the copy does not own)
+    non_blocking = host.is_pinned() and host.is_contiguous()
     if len(host_ids) > 1 and (np.diff(host_ids) == 1).all():
         h = slice(int(host_ids[0]), int(host_ids[0]) + len(host_ids))
         if dst.device.type == "cpu":  # device to host: gather on the device, one copy across
-            dst[h].copy_(src.index_select(0, torch.from_numpy(src_ids).to(src.device)), non_blocking=True)
+            dst[h].copy_(src.index_select(0, torch.from_numpy(src_ids).to(src.device)), non_blocking=non_blocking)
         else:  # host to device: one copy across, scatter on the device
-            dst.index_copy_(0, torch.from_numpy(dst_ids).to(dst.device), src[h].to(dst.device, non_blocking=True))
+            dst.index_copy_(0, torch.from_numpy(dst_ids).to(dst.device), src[h].to(dst.device, non_blocking=non_blocking))
         return
     for s, d, n in _runs(src_ids, dst_ids):
-        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
 
 
 class HiCacheController:
