@@ -21,7 +21,7 @@ from .alloc.page_usage import PageUse
 from .alloc.runner_ids import RunnerIds
 from .alloc.signals import HostTransfer, NetworkTransfer, ReceiveHold
 from .device.base import Device, Event
-from .errors import CapacityError, InputError, InvariantError
+from .errors import InputError, InvariantError
 from .layout.views import SubPoolView
 from .memory.arena import KVArena
 from .plan import KVStoragePlan, PoolKind, SubPool
@@ -501,29 +501,13 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def bind_loaded(self, sub_pool: str, physical: np.ndarray) -> np.ndarray:
-        """Fresh ids for a host-tier load's pages of the owner (virtual pages, for the tree to hold) or
-        of the state sub-pool (slot ids), bound to `physical`: pages `alloc_load` took, still under
-        their reservation and bound to nothing. Window rows are named by owner ids instead
-        (`UnifiedRadixCache.name_loaded_window_rows_by_owner`, HIC-6). Raises `InputError` for
-        another sub-pool or pages no load reserved, and `CapacityError` when the ids run short."""
         pool = self.plan.by_name(boundary.name(sub_pool))
         if pool.kind is PoolKind.WINDOW:
             raise InputError(f"{pool.name}: a load's window rows are named by owner ids (bind_window), not bound fresh")
         physical = boundary.id_array(physical, f"{pool.name} loaded pages")
         boundary.in_range(physical, 0, self.arena.layout.grids[pool.index].n_grid, f"{pool.name} loaded pages")
         boundary.distinct(physical, f"{pool.name} loaded pages")
-        chain = self.allocator
-        band = chain.bands[pool.index]
-        loose = (band.ids.p2v[physical] >= 0) | ~band.fixed_mask[physical]
-        if loose.any():
-            raise InputError(f"{pool.name}: pages {physical[loose][:8].tolist()} are not a load's reserved, "
-                             "unbound pages")
-        free = chain.slot_free if pool.kind is PoolKind.STATE else chain.virtual_free
-        if len(physical) > len(free):
-            raise CapacityError(f"{pool.name}: {len(free)} free ids, {len(physical)} needed for a load")
-        ids = free.pop(len(physical))
-        band.bind(ids, physical)
-        return ids
+        return self.allocator.bind_loaded(pool.name, physical)
 
     @_operation
     def record_host_transfer(self, name: str, writes: bool, pages: dict[str, np.ndarray], done: Event) -> HostTransfer:
