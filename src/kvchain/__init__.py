@@ -17,6 +17,7 @@ from .alloc.iteration_ids import IterationIds
 from .alloc.runner_ids import RunnerIds
 from .alloc.stage_capacity import StageCapacity, StageGeometry, simulated_snapshot
 from .build import build_kv_storage
+from .cache.hicache import HiCacheController, HiRadixCache, WritePolicy
 from .cache.radix import CheckpointStrategy, UnifiedRadixCache
 from .capacity import evict_until_fits, reclaimable_pages
 from .decl import (
@@ -59,6 +60,7 @@ from .errors import (
     TransferTimeoutError,
 )
 from .memory.arena import KVArena
+from .memory.host import HostPool, HostPools, host_sizing, page_envelope_pair
 from .models import list_presets, load_config_file, model_from_config, model_from_preset
 from .models.small import small_hybrid
 from .plan import (
@@ -119,6 +121,10 @@ __all__ = [
     "GenerateStats",
     "GlooEngine",
     "HandshakeRefused",
+    "HiCacheController",
+    "HiRadixCache",
+    "HostPool",
+    "HostPools",
     "HostTier",
     "ImmediateDevice",
     "InputError",
@@ -176,12 +182,14 @@ __all__ = [
     "UnifiedRadixCache",
     "WindowLifetime",
     "WindowRetirement",
+    "WritePolicy",
     "build_kv_storage",
     "check_bs1_floor",
     "compare",
     "evict_until_fits",
     "format_bytes",
     "generate_pd",
+    "host_sizing",
     "kv_layer_decls",
     "list_presets",
     "load_checkpoint",
@@ -192,6 +200,7 @@ __all__ = [
     "mamba_prefill_chunk_grid",
     "model_from_config",
     "model_from_preset",
+    "page_envelope_pair",
     "parse_bytes",
     "plan_kv_storage",
     "plan_stages",

@@ -33,6 +33,9 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="launch forward N+1 before processing forward N (default on)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached prefixes: attention, window rows, state checkpoints (default on)")
+    p.add_argument("--host-budget", type=byte_size, default=None,
+                   help="bytes of host memory for the host tier: prefixes the pool evicts are copied there "
+                        "and loaded back on a match (default: no host tier)")
     p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
     p.add_argument("--pd", action="store_true",
@@ -107,7 +110,8 @@ def run_generate(args: argparse.Namespace) -> int:
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
-                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
+                          host_budget=args.host_budget)
     if getattr(args, "pd", False):
         return _run_pd(args, config, requests, tokenizer)
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
@@ -116,7 +120,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
         return 0
-    _render(result, tokenizer, engine.storage.sizing.budget_bytes)
+    hicache = engine.pool.hicache
+    _render(result, tokenizer, engine.storage.sizing.budget_bytes,
+            host_bytes=None if hicache is None else hicache.host.nbytes)
     return 0
 
 
@@ -126,6 +132,8 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
 
     if args.device != "cpu":
         raise InputError("--pd runs on --device cpu")
+    if args.host_budget is not None:
+        raise InputError("--host-budget does not apply with --pd (its nodes keep no prefix cache)")
     kind = args.pd_engine or ("nixl" if nixl_available() is None else "gloo")
     if kind == "nixl" and nixl_available() is not None:
         raise InputError(f"--pd-engine nixl: {nixl_available()}")
@@ -137,7 +145,7 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
     return 0
 
 
-def _render(result, tokenizer, budget_bytes: int) -> None:
+def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -166,6 +174,9 @@ def _render(result, tokenizer, budget_bytes: int) -> None:
         ("state checkpoints", str(s.checkpoints)),
         ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {budget_bytes:,} bytes"),
     ]
+    if host_bytes is not None:
+        rows.append(("host tier", f"{s.host_hits} hits, {s.host_backups} backups, {s.host_loads} loads "
+                                  f"({host_bytes:,} host bytes)"))
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)

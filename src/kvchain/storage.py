@@ -500,6 +500,16 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         self.allocator.end_load_reservation(sub_pool, reservation)
 
     @_operation
+    def bind_loaded(self, sub_pool: str, physical: np.ndarray) -> np.ndarray:
+        pool = self.plan.by_name(boundary.name(sub_pool))
+        if pool.kind is PoolKind.WINDOW:
+            raise InputError(f"{pool.name}: a load's window rows are named by owner ids (bind_window), not bound fresh")
+        physical = boundary.id_array(physical, f"{pool.name} loaded pages")
+        boundary.in_range(physical, 0, self.arena.layout.grids[pool.index].n_grid, f"{pool.name} loaded pages")
+        boundary.distinct(physical, f"{pool.name} loaded pages")
+        return self.allocator.bind_loaded(pool.name, physical)
+
+    @_operation
     def record_host_transfer(self, name: str, writes: bool, pages: dict[str, np.ndarray], done: Event) -> HostTransfer:
         pages = self._physical(pages)
         transfer = HostTransfer(name, bool(boundary.of_type(writes, (bool, np.bool_), "writes")),

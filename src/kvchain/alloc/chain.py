@@ -918,6 +918,21 @@ class ChainAllocator:
         """`n` pages of one sub-pool fixed under a load reservation (HIC-4/5)."""
         return self.take_for_load(self._band_named(sub_pool), n)
 
+    def bind_loaded(self, sub_pool: str, physical: np.ndarray) -> np.ndarray:
+        """Fresh owner virtual ids (or, for the state band, slot ids) bound to a host-tier load's
+        pages: ones a load reservation fixes and nothing binds yet."""
+        band = self._band_named(sub_pool)
+        loose = (band.ids.p2v[physical] != UNBOUND) | ~band.fixed_mask[physical]
+        if loose.any():
+            raise InputError(f"{sub_pool}: pages {physical[loose][:8].tolist()} are not a load's reserved, "
+                             "unbound pages")
+        free = self.slot_free if band is self.state_band else self.virtual_free
+        if len(physical) > len(free):
+            raise CapacityError(f"{sub_pool}: {len(free)} free ids, {len(physical)} needed for a load")
+        ids = free.pop(len(physical))
+        band.bind(ids, physical)
+        return ids
+
     def end_load_reservation(self, sub_pool: str, reservation: PageUse) -> None:
         """The reservation's pages may move again (HIC-6)."""
         self._band_named(sub_pool).unfix(reservation)

@@ -29,6 +29,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     moves.add_argument("--repeats", type=positive_int, default=5, help="per cell; the median counts")
     moves.add_argument("--device", default="cpu", help="cpu or cuda")
     moves.add_argument("--json", action="store_true")
+    host = sub.add_parser("host", help="host-tier copy bandwidth of real page batches (backup, load) vs a "
+                          "contiguous copy_ of the same bytes, swept over page sizes")
+    host.add_argument("--repeats", type=positive_int, default=5, help="per cell; the median counts")
+    host.add_argument("--device", default="cpu", help="cpu or cuda")
+    host.add_argument("--json", action="store_true")
     engine = sub.add_parser("engine", help="serving throughput: kvchain's engine vs transformers' generate_batch "
                             "and batched generate on tiny checkpoints")
     engine.add_argument("--families", default="gemma3,gpt_oss,qwen3_next,nemotron_h",
@@ -58,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_engine(args)
     if args.bench == "pd":
         return _run_pd(args)
+    if args.bench == "host":
+        return _run_host(args)
     if args.bench == "alloc":
         from .alloc import PROFILES, run_alloc_bench
 
@@ -171,4 +178,20 @@ def _run_pd(args: argparse.Namespace) -> int:
         table.add_column(label, justify="right")
     table.add_row(str(result["batch_gb_per_s"]), str(result["large_gb_per_s"]), str(result["ratio"]))
     Console().print(table)
+    return 0
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .host import SWEEP_LAYERS, _backend, host_table, run_host_bench
+
+    _backend(args.device).__getitem__(0).close()  # refuses an unknown device or a missing CUDA first
+    with progress(disable=args.json, unit="cells") as bar:
+        task = bar.add_task("bench host", total=len(SWEEP_LAYERS))
+        result = run_host_bench(repeats=args.repeats, device=args.device, progress=lambda n: bar.advance(task, n))
+    if args.json:
+        print(dump_json(result))
+        return 0
+    Console().print(host_table(result))
     return 0

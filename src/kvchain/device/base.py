@@ -77,6 +77,12 @@ class Device(abc.ABC):
     def forward_stream(self) -> Stream:
         return self.stream(self.FORWARD)
 
+    @property
+    def copy_stream(self) -> Stream:
+        """Where host-tier copies run (backups and loads), ordered after the forward stream by the
+        one who launches them (HIC-1, HIC-9)."""
+        return self.stream(self.COPY)
+
     def _make_stream(self, name: str) -> Stream:
         return Stream(name, self)
 

@@ -17,9 +17,11 @@ import numpy as np
 
 from ..alloc.demand import DemandPurpose, KVDemand, request_demand
 from ..cache.checkpoints import default_checkpoint_interval
+from ..cache.hicache import HiCacheController, HiRadixCache, WritePolicy, host_pages_per_state
 from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
-from ..errors import CapacityError
+from ..errors import CapacityError, InputError
+from ..memory.host import HostPools
 from ..plan import PoolKind
 from ..prefill_budget import (
     Admission,
@@ -83,6 +85,25 @@ class KVChainPool:
         self.steps: StepSequence[list[ScheduledRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
         #: the waiting request at the head of the queue and the locks on its cached match
         self._pin: tuple[ScheduledRequest, dict] | None = None
+
+    # -- the host tier -------------------------------------------------------------------------------
+
+    def enable_host_tier(self, budget_bytes: int, policy: WritePolicy = WritePolicy.WRITE_BACK) -> None:
+        """Back the prefix tree with host pools of `budget_bytes` (the host tier): a node the tree
+        evicts is copied to the host first, and a match loads back what the host holds past the
+        device tree, state included. Only before anything is cached."""
+        if self.tree is None:
+            raise InputError("a host tier backs the prefix cache: it needs prefix caching on")
+        if self.tree.root.children:
+            raise InputError("a host tier is set up before anything is cached")
+        host = HostPools(self.plan, budget_bytes, pages_per_state=host_pages_per_state(self.storage,
+                                                                                       self.checkpoint_interval))
+        self.tree = HiRadixCache(self.storage, host, self.strategy, self.checkpoint_interval, policy)
+
+    @property
+    def hicache(self) -> HiCacheController | None:
+        """The host tier's controller (None without one)."""
+        return self.tree.hicache if isinstance(self.tree, HiRadixCache) else None
 
     # -- demand ----------------------------------------------------------------------------------------
 
@@ -548,6 +569,8 @@ class KVChainPool:
         return PoolStats(live, self.storage.sizing.budget_bytes, cached)
 
     def check_idle(self) -> None:
+        if self.hicache is not None:
+            self.hicache.collect(wait=True)  # every host copy ends, so the ledger is empty
         held = self.tree.held_pages() if self.tree is not None else None
         self.steps.check_idle(held)
 

@@ -57,6 +57,9 @@ class EngineConfig:
     keep_logits: bool = False
     #: cpu only: seconds each forward starts late on its stream (tests that show a missing wait)
     forward_delay: float = 0.0
+    #: bytes of host memory for the host tier (evicted prefixes backed up, loaded back on a match);
+    #: None: no host tier
+    host_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,10 @@ class GenerateStats:
     peak_utilisation: float = 0.0
     #: times the allocator relocated a float band (a window sub-pool between the chain's ends)
     float_relocations: int = 0
+    #: the host tier: matches a load from the host lengthened, nodes backed up, loads
+    host_hits: int = 0
+    host_backups: int = 0
+    host_loads: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -150,6 +157,8 @@ class Engine:
                               keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
                               strategy=strategy, checkpoint_interval=interval,
                               max_tokens=config.max_batched_tokens + config.max_running)
+        if config.host_budget is not None:
+            self.pool.enable_host_tier(config.host_budget)
         self._rid = 0
 
     def generate(self, requests: Sequence[GenerateRequest],
@@ -176,6 +185,7 @@ class Engine:
         scheduler = Scheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens, max_running=cfg.max_running)
         scheduler.add(reqs)
         before = dict(self.pool.stats_counters)
+        host0 = dict(self.pool.hicache.stats) if self.pool.hicache is not None else None
         counters = self.pool.counters
         forwards0 = counters.forwards
         before_storage = self.storage.stats()
@@ -217,6 +227,11 @@ class Engine:
             checkpoints=self.pool.stats_counters["checkpoints"] - before["checkpoints"],
             window_pages_retired=self.pool.stats_counters["window_retired"] - before["window_retired"],
             peak_utilisation=peak, float_relocations=self.storage.stats().relocations - relocations0)
+        if host0 is not None:
+            host = self.pool.hicache.stats
+            stats.host_hits = host["host_hits"] - host0["host_hits"]
+            stats.host_backups = host["backups"] - host0["backups"]
+            stats.host_loads = host["loads"] - host0["loads"]
         logits = {}
         if cfg.keep_logits:
             index = {r.rid: i for i, r in enumerate(reqs)}

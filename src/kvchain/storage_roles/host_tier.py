@@ -36,6 +36,14 @@ class HostTier(Protocol):
         reservation still covers stays fixed."""
 
     @abstractmethod
+    def bind_loaded(self, sub_pool: str, physical: np.ndarray) -> np.ndarray:
+        """Fresh ids for a load's pages of the owner (virtual pages, for the tree to hold) or of the
+        state sub-pool (slot ids), bound to `physical`: pages `alloc_load` took, still under their
+        reservation and bound to nothing. Window rows are named by owner ids instead
+        (`UnifiedRadixCache.name_loaded_window_rows_by_owner`, HIC-6). Raises `InputError` for a
+        window sub-pool or pages no load reserved, and `CapacityError` when the ids run short."""
+
+    @abstractmethod
     def record_host_transfer(self, name: str, writes: bool, pages: dict[str, np.ndarray], done: Event) -> HostTransfer:
         """Record a host-tier copy of physical `pages` per sub-pool name, finishing at `done`: a
         backup reads them (`writes=False`, COPY_READ), a load writes them (COPY_WRITE). Returns the

@@ -59,18 +59,20 @@ class HostTierOps:
             return "none"
         self._job += 1
         name = f"backup{self._job}"
-        plan, accesses, pages = [], [], {}
+        plan, accesses, pages, spans = [], [], {}, []
         for i, vpages in self._full_pages(req).items():
             band = self.chain.bands[i]
             physical = band.ids.v2p[vpages].copy()
             pages[band.name] = physical
             accesses.append(PageAccess(i, physical))
             plan.append((i, *self._page_tokens(i, physical, vpages)))
+            spans.append((i, physical, vpages))
         device = self.device
         copy = device.stream(Device.COPY)
         self._after_schedule_and_forwards(copy)
         check = self._transfer_reader(name, plan)
-        device.launch(copy, check, on_start=check, reads=accesses, label=name)
+        body = self._backup_body(name, check, spans)  # the copy into the host pools (`harness_hostpool`)
+        device.launch(copy, body, on_start=check, reads=accesses, label=name)
         done = device.record(copy, f"{name} done")
         transfer = self.storage.record_host_transfer(name, False, pages, done)
         self.jobs.append(Job("backup", name, req.rid, done, transfer))
@@ -115,6 +117,10 @@ class HostTierOps:
                 for comp in self.comps[i]:
                     comp[pages, offs] = vals.view(-1, *([1] * (comp.dim() - 2))).expand(len(pages), *comp.shape[2:])
 
+        loaded = self._load_body(name, [(b.index, p) for b, p, _ in taken], values)  # from the host pools
+        if loaded is not None:
+            write, values = loaded
+            self.expected[vtok] = values
         device.launch(copy, write, writes=[PageAccess(b.index, p) for b, p, _ in taken], label=name)
         done = device.record(copy, f"{name} done")
         transfer = storage.record_host_transfer(name, True, {b.name: p for b, p, _ in taken}, done)
@@ -133,6 +139,7 @@ class HostTierOps:
 
     def _end_copy(self, job: Job) -> None:
         self.device.host_wait(job.done)
+        self._host_copy_ended(job)
         self.storage.end_host_transfer(job.transfer)
         self.jobs.remove(job)
         req = self.reqs.get(job.rid)

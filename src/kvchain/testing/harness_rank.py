@@ -23,12 +23,13 @@ from .harness_config import HarnessConfig, harness_storage
 from .harness_device import HarnessDevice, cuda_device, thread_device
 from .harness_forwards import DEPTH, ForwardOps
 from .harness_host import HostTierOps
+from .harness_hostpool import HostPoolOps
 from .harness_maintenance import MaintenanceOps
 from .harness_pd import PDOps
 from .harness_records import READY, Job, Req
 
 
-class Rank(ForwardOps, MaintenanceOps, HostTierOps, PDOps):
+class Rank(ForwardOps, MaintenanceOps, HostTierOps, HostPoolOps, PDOps):
     """One simulated rank: a storage on its own device, and the scheduler, tree, host tier and PD
     engine around it. `step(op)` runs one operation and returns its outcome (a short string the
     two ranks must agree on); `take_findings()` returns what the checks found since the last call."""

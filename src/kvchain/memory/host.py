@@ -1,0 +1,193 @@
+"""Host pools: the host tier's memory, one pool per sub-pool laid out page by page like its device
+view, so a host copy moves whole page envelopes and a host page reads through the same typed views.
+
+The two end sub-pools share one page-envelope backing when both hold MHA pages (HIC-11): their host
+pages come from one free list of envelopes of the larger size, so the budget serves whichever end
+is evicted more. A float always keeps a pool of its own (HIC-12). The memory is pinned when CUDA is
+present, so copies from and to the device run asynchronously on the copy stream; plain CPU memory
+otherwise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..decl import MHA
+from ..errors import CapacityError, InputError
+from ..layout.entry import PageEnvelope
+from ..plan import KVStoragePlan, Placement, PoolKind, SubPool
+
+__all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair"]
+
+
+def page_envelope_pair(plan: KVStoragePlan) -> tuple[SubPool, SubPool] | None:
+    """The two end sub-pools when both hold MHA pages: they share one page-envelope host backing
+    (of the larger envelope, HIC-11). A float always keeps a host pool of its own (HIC-12)."""
+    up, down = plan.up_end, plan.down_end
+    if up is None or up.placement is not Placement.UP_END or up.kind is PoolKind.STATE:
+        return None
+    if not (isinstance(up.geometry, MHA) and isinstance(down.geometry, MHA)):
+        return None
+    return up, down
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A host backing: `n_pages` envelopes of one size, for one sub-pool or the paired ends."""
+
+    sub_pools: tuple[str, ...]
+    envelope: PageEnvelope
+    n_pages: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.envelope.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.envelope.page_bytes
+
+    def allocate(self, pin: bool | None = None) -> torch.Tensor:
+        """A `[n_pages, page_bytes]` uint8 host tensor, pinned when CUDA is present."""
+        if pin is None:
+            pin = torch.cuda.is_available()
+        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=bool(pin and self.n_pages))
+
+
+class HostPool:
+    """One host backing: `[n_pages, page_bytes]` uint8 and a free list of its pages."""
+
+    def __init__(self, layout: HostLayout, pin: bool | None = None) -> None:
+        self.layout = layout
+        self.data = layout.allocate(pin)
+        self.pinned = bool(self.data.is_pinned()) if layout.n_pages else False
+        self._free = np.arange(layout.n_pages - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
+        self._n_free = layout.n_pages
+
+    @property
+    def n_pages(self) -> int:
+        return self.layout.n_pages
+
+    @property
+    def n_free(self) -> int:
+        return self._n_free
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def alloc(self, n: int) -> np.ndarray:
+        """`n` free host pages; raises CapacityError, taking none, when fewer are free."""
+        if n > self._n_free:
+            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: {self._n_free} free pages, "
+                                f"{n} needed")
+        self._n_free -= n
+        return self._free[self._n_free : self._n_free + n][::-1].copy()
+
+    def free(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        if self._n_free + len(ids) > self.layout.n_pages:
+            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: a free of {len(ids)} pages "
+                                f"past its {self.layout.n_pages}")
+        self._free[self._n_free : self._n_free + len(ids)] = ids
+        self._n_free += len(ids)
+
+    def pages(self, pool: SubPool) -> torch.Tensor:
+        """This backing's pages as `pool`'s page envelopes: `[n_pages, pool.page_bytes]` (a column
+        slice when a shared backing's envelope is larger)."""
+        if pool.name not in self.layout.sub_pools:
+            raise InputError(f"host pool {self.layout.sub_pools} does not back sub-pool {pool.name!r}")
+        return self.data[:, : pool.page_bytes]
+
+
+@dataclass(frozen=True)
+class HostSizing:
+    """Host pages per sub-pool a budget buys: token sub-pools get `token_pages` each, the state
+    sub-pool one slot per `pages_per_state` token pages (a checkpoint interval), so a backed-up
+    prefix finds a host state slot at its checkpoints."""
+
+    token_pages: int
+    state_slots: int
+    pages_per_state: int
+    group_bytes: int  # host bytes of `pages_per_state` token pages of every sub-pool and one state slot
+
+
+def _token_page_bytes(plan: KVStoragePlan) -> int:
+    """Host bytes one page of every token sub-pool takes (a shared backing: two larger envelopes)."""
+    pair = page_envelope_pair(plan)
+    total = 0
+    for pool in plan.sub_pools:
+        if pool.kind is PoolKind.STATE:
+            continue
+        total += max(pair[0].page_bytes, pair[1].page_bytes) if pair and pool in pair else pool.page_bytes
+    return total
+
+
+def host_sizing(plan: KVStoragePlan, budget_bytes: int, pages_per_state: int = 1) -> HostSizing:
+    """Split `budget_bytes` of host memory into whole groups of `pages_per_state` token pages of every
+    sub-pool plus one state slot. Raises InputError for a budget under one group."""
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+        raise InputError(f"a host budget is a number of bytes >= 0, got {budget_bytes!r}")
+    if not isinstance(pages_per_state, int) or pages_per_state < 1:
+        raise InputError(f"pages per host state slot must be a whole number >= 1, got {pages_per_state!r}")
+    state = plan.state
+    k = pages_per_state if state is not None else 1
+    group = k * _token_page_bytes(plan) + (state.page_bytes if state is not None else 0)
+    groups = budget_bytes // group
+    if groups < 1:
+        raise InputError(f"a host budget of {budget_bytes} bytes holds no host page: one group of {k} "
+                         f"page(s) of every sub-pool{' and a state slot' if state is not None else ''} "
+                         f"needs {group} bytes")
+    return HostSizing(groups * k, groups if state is not None else 0, k, group)
+
+
+class HostPools:
+    """Every sub-pool's host pool (HIC-10), sized from a host budget in bytes; the end sub-pools
+    share one backing when `page_envelope_pair` pairs them (HIC-11), a float never shares (HIC-12)."""
+
+    def __init__(self, plan: KVStoragePlan, budget_bytes: int, *, pages_per_state: int = 1,
+                 pin: bool | None = None) -> None:
+        self.plan = plan
+        self.sizing = host_sizing(plan, budget_bytes, pages_per_state)
+        self.budget_bytes = budget_bytes
+        pair = page_envelope_pair(plan)
+        self._of: dict[str, HostPool] = {}
+        n = self.sizing.token_pages
+        if pair is not None:
+            up, down = pair
+            big = up if up.page_bytes >= down.page_bytes else down
+            shared = HostPool(HostLayout((up.name, down.name), big.envelope, 2 * n), pin)
+            self._of[up.name] = self._of[down.name] = shared
+        for pool in plan.sub_pools:
+            if pool.name in self._of:
+                continue
+            pages = self.sizing.state_slots if pool.kind is PoolKind.STATE else n
+            self._of[pool.name] = HostPool(HostLayout((pool.name,), pool.envelope, pages), pin)
+
+    def pool(self, sub_pool: str) -> HostPool:
+        self.plan.by_name(sub_pool)
+        return self._of[sub_pool]
+
+    @property
+    def backings(self) -> list[HostPool]:
+        """Each distinct backing once, in chain order of its first sub-pool."""
+        out: list[HostPool] = []
+        for pool in self.plan.sub_pools:
+            backing = self._of[pool.name]
+            if all(backing is not b for b in out):
+                out.append(backing)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.backings)
+
+    @property
+    def pinned(self) -> bool:
+        return all(b.pinned for b in self.backings if b.n_pages)
+
+    def pages(self, sub_pool: str) -> torch.Tensor:
+        """Host pages of `sub_pool` as `[n, page_bytes]` envelopes, the layout of its device view."""
+        return self.pool(sub_pool).pages(self.plan.by_name(sub_pool))

@@ -1,0 +1,57 @@
+"""The host tier through the engine: a tight device budget evicts cached prefixes, the host tier
+backs them up and loads them back on later matches, and the outputs are those of the run without a
+host tier (attention and window rows for Gemma 3, recurrent state for Nemotron-H), and transformers'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvchain.cli import main
+from kvchain.engine.checkpoint import load_checkpoint
+from kvchain.engine.serve import Engine, EngineConfig
+from kvchain.errors import InputError
+from support.engine import LOGIT_TOL, checkpoint_dir, mismatches, serve, tight_budget
+
+N = 9
+HOST = 4 * 2**20
+
+
+@pytest.mark.parametrize("family", ["gemma3", "nemotron_h"])
+def test_prefixes_evicted_to_host_and_loaded_back_give_the_same_outputs(family):
+    with_host = serve(family, N, at_once=1, host_budget=HOST)
+    without = serve(family, N, at_once=1)
+    assert with_host.stats.host_hits > 0 and with_host.stats.host_loads > 0 and with_host.stats.host_backups > 0
+    assert without.stats.host_hits == 0 and with_host.stats.cached_tokens > without.stats.cached_tokens
+    assert [o.token_ids for o in with_host.outputs] == [o.token_ids for o in without.outputs]
+    assert max(float((with_host.logits[k] - without.logits[k]).abs().max()) for k in without.logits) < LOGIT_TOL[family]
+    if family == "gemma3":  # transformers' reference is cheap with its cache
+        assert mismatches(with_host, family, N) == []
+
+
+def test_a_host_tier_needs_the_prefix_cache_and_a_budget_that_holds_a_page():
+    checkpoint = load_checkpoint(checkpoint_dir("gemma3"))
+    base = dict(budget_bytes=tight_budget("gemma3", 1), page_size=4, context_len=128, max_running=8)
+    with pytest.raises(InputError, match="prefix caching"):
+        Engine(checkpoint, EngineConfig(**base, prefix_cache=False, host_budget=HOST))
+    with pytest.raises(InputError, match="holds no host page"):
+        Engine(checkpoint, EngineConfig(**base, host_budget=10))
+
+
+def test_generate_cli_reports_the_host_tier(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    shared = list(range(1, 25))
+    rows = [{"prompt_token_ids": [*shared, 30 + i, 40 + i], "max_new_tokens": 4} for i in range(3)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    capsys.readouterr()
+    args = ["generate", "--model-path", str(checkpoint_dir("gemma3")), "--prompts", str(prompts),
+            "--budget", "4MiB", "--page-size", "4", "--context", "128", "--json"]
+    assert main([*args, "--host-budget", "1MiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert [o["token_ids"] for o in out["outputs"]] == [o["token_ids"] for o in plain["outputs"]]
+    assert {"host_hits", "host_backups", "host_loads"} <= set(out["stats"])
+    assert main([*args, "--host-budget", "12"]) == 2
+    assert "holds no host page" in capsys.readouterr().err
