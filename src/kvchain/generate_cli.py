@@ -37,6 +37,16 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
     p.add_argument("--json", action="store_true",
                    help='print {"outputs": [{"index", "token_ids", ...}], "stats": {...}} instead of tables')
+    p.add_argument("--pp", type=positive_int, default=1,
+                   help="pipeline stages: split the layers across this many processes over gloo, each stage its own "
+                        "pool of its own layers (cpu; default 1)")
+    p.add_argument("--pp-partition", type=_layer_counts, default=None,
+                   help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """Layers per pipeline stage, such as `2,2`."""
+    return tuple(positive_int(part) for part in text.split(","))
 
 
 def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int] | None, str | None, int]]:
@@ -103,6 +113,8 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+    if args.pp > 1 or args.pp_partition is not None:
+        return _run_stages(args, checkpoint, config, requests)
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
@@ -110,6 +122,32 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
         return 0
     _render(result, tokenizer, engine)
+    return 0
+
+
+def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
+    """`--pp N`: one process per stage (`engine/pp.py`); every stage samples the same tokens."""
+    from types import SimpleNamespace
+
+    from .engine.pp import check_stage_split, generate_in_stages
+
+    if args.device != "cpu":
+        raise InputError(f"--pp {args.pp}: pipeline stages run on --device cpu (one process per stage over gloo)")
+    check_stage_split(checkpoint, config, args.pp, args.pp_partition)
+    tokenizer = checkpoint.tokenizer
+    runs = generate_in_stages(args.model_path, config, requests, args.pp, args.pp_partition)
+    result = runs[-1].result
+    stages = [{"stage": i, "first_layer": r.first_layer, "last_layer": r.last_layer, "arena_bytes": r.arena_bytes,
+               "bytes_per_token": r.bytes_per_token, "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                          "stages": stages}))
+        return 0
+    budget = SimpleNamespace(storage=SimpleNamespace(sizing=SimpleNamespace(budget_bytes=config.budget_bytes)))
+    _render(result, tokenizer, budget)
+    for s in stages:
+        print(f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
+              f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps")
     return 0
 
 
