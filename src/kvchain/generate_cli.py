@@ -42,6 +42,9 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                         "pool of its own layers (cpu; default 1)")
     p.add_argument("--pp-partition", type=_layer_counts, default=None,
                    help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: split the heads and the MLP across this many processes over gloo, "
+                        "each rank a pool of its shard of the KV heads (cpu; llama and gemma3 families; default 1)")
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:
@@ -113,6 +116,10 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+    if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):
+        raise InputError(f"--tp {args.tp} and --pp {args.pp}: give one of them (ranks within stages are not built)")
+    if args.tp > 1:
+        return _run_ranks(args, checkpoint, config, requests)
     if args.pp > 1 or args.pp_partition is not None:
         return _run_stages(args, checkpoint, config, requests)
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
@@ -148,6 +155,31 @@ def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
     for s in stages:
         print(f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
               f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps")
+    return 0
+
+
+def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
+    """`--tp N`: one process per rank (`engine/tp.py`); every rank samples the same tokens."""
+    from types import SimpleNamespace
+
+    from .engine.tp import check_tp_split, generate_in_ranks
+
+    if args.device != "cpu":
+        raise InputError(f"--tp {args.tp}: tensor-parallel ranks run on --device cpu (one process per rank over gloo)")
+    check_tp_split(checkpoint, config, args.tp)
+    runs = generate_in_ranks(args.model_path, config, requests, args.tp)
+    result = runs[0].result
+    ranks = [{"rank": i, "arena_bytes": r.arena_bytes, "bytes_per_token": r.bytes_per_token,
+              "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                          "ranks": ranks}))
+        return 0
+    budget = SimpleNamespace(storage=SimpleNamespace(sizing=SimpleNamespace(budget_bytes=config.budget_bytes)))
+    _render(result, checkpoint.tokenizer, budget)
+    for r in ranks:
+        print(f"rank {r['rank']}: arena {r['arena_bytes']:,} B, {r['bytes_per_token']:,} B/token (its shard of the "
+              f"KV heads), decision digests compared after {r['steps_checked']} steps")
     return 0
 
 

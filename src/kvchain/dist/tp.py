@@ -19,11 +19,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InvariantError
+from ..errors import InvariantError, PlanError
 from .pp import loopback_env
 
 #: the check a rank whose decisions differ from another rank's fails
 RANK_AGREEMENT = "tp.rank_agreement"
+
+
+class RankLayoutError(PlanError):
+    """Ranks that must share one layout were sized to different ones."""
+
+
+def check_same_layout(layouts: Sequence[dict]) -> None:
+    """Refuse ranks whose layouts (`StageGeometry.to_dict()` of each rank's chain) differ: they could
+    not run the same operations on the same ids."""
+    for rank, layout in enumerate(layouts[1:], start=1):
+        if layout != layouts[0]:
+            raise RankLayoutError(f"rank {rank}'s layout differs from rank 0's (arena bytes "
+                                  f"{layout['arena_bytes']} vs {layouts[0]['arena_bytes']}): ranks that share a "
+                                  "layout must size for the same budget")
 
 
 def digest(entries: Sequence) -> str:

@@ -196,12 +196,24 @@ def generate_stage_process(stage: int, n_stages: int, port: int, path: str, conf
     link = StageLink.join(stage, n_stages, port, timeout_s)
     # on an error the group is left as it is: a teardown would wait on the peers, and the process ends
     with StageEngine(path, config, link, partition) as engine:
-        result = engine.generate(requests)
+        result = _by_value(engine.generate(requests))
         geometry = StageGeometry.of_chain(engine.storage.allocator, stage)
         run = StageRun(result, engine.layers.start, engine.layers.stop - 1, engine.storage.sizing.arena_bytes,
                        geometry.bytes_per_token(), engine.sizing.concurrency, engine.digests)
     link.close()
     return run
+
+
+def _by_value(result: GenerateResult) -> GenerateResult:
+    """`result` with its logits as numpy arrays: a tensor crosses processes as a shared-memory
+    handle its sender must outlive, and a stage process ends once it reported."""
+    result.logits = {k: v.numpy() for k, v in result.logits.items()}
+    return result
+
+
+def _as_tensors(result: GenerateResult) -> GenerateResult:
+    result.logits = {k: torch.from_numpy(v) for k, v in result.logits.items()}
+    return result
 
 
 def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stages: int,
@@ -233,18 +245,22 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
         if status != "ok":
             text = str(value).splitlines()[0] if value else "no answer within the time allowed"
             raise _stage_error(stage, status, text)
-    return [out[s][1] for s in range(n_stages)]
+    runs = [out[s][1] for s in range(n_stages)]
+    for run in runs:
+        _as_tensors(run.result)
+    return runs
 
 
-def _stage_error(stage: int, status: str, text: str) -> Exception:
-    """A stage's failure as the error the CLI prints: the same class where it is one of ours."""
+def _stage_error(stage: int, status: str, text: str, what: str = "stage") -> Exception:
+    """A stage's (or rank's) failure as the error the CLI prints: the same class where it is one
+    of ours."""
     from .. import errors
 
     name, _, message = text.partition(": ")
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, errors.KVChainError) and cls is not errors.InvariantError:
         try:
-            return cls(f"stage {stage}: {message}")
+            return cls(f"{what} {stage}: {message}")
         except TypeError:
             pass
-    return errors.KVChainError(f"stage {stage}: {status}: {text}")
+    return errors.KVChainError(f"{what} {stage}: {status}: {text}")

@@ -15,7 +15,6 @@ rank over gloo (`tp_rank_process`, `run_rank_processes`)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,17 +23,13 @@ from ..build import build_kv_storage
 from ..decl import KVLayerDecl
 from ..device import ModeledDevice
 from ..dist.pp import run_stage_processes
-from ..dist.tp import RankLink, check_rank_agreement, digest
+from ..dist.tp import RankLink, check_rank_agreement, check_same_layout, digest
 from ..engine.pool import KVChainPool
 from ..engine.request import ScheduledRequest
 from ..engine.scheduler import Scheduler
-from ..errors import InputError, PlanError
+from ..errors import InputError
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import PlanSizing, size_plan
-
-
-class RankLayoutError(PlanError):
-    """Ranks that must share one layout were sized to different ones."""
 
 
 @dataclass(frozen=True)
@@ -81,15 +76,6 @@ def build_rank(spec: RankSpec, rank: int, budget_bytes: int) -> KVChainPool:
     plan = spec.plan()
     storage = build_kv_storage(plan, spec.sizing(budget_bytes), "cpu", backend=spec.device(rank))
     return KVChainPool(storage, prefix_cache=True)
-
-
-def check_same_layout(layouts: Sequence[dict]) -> None:
-    """Refuse ranks whose layouts differ: they could not run the same operations on the same ids."""
-    for rank, layout in enumerate(layouts[1:], start=1):
-        if layout != layouts[0]:
-            raise RankLayoutError(f"rank {rank}'s layout differs from rank 0's (arena bytes "
-                                  f"{layout['arena_bytes']} vs {layouts[0]['arena_bytes']}): ranks that share a "
-                                  "layout must size for the same budget")
 
 
 def layout_of(pool: KVChainPool) -> dict:

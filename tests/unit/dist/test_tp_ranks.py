@@ -12,13 +12,11 @@ import pytest
 
 from kvchain.alloc.stage_capacity import StageGeometry
 from kvchain.dist.pp import run_stage_processes
-from kvchain.dist.tp import RankLink, first_difference
+from kvchain.dist.tp import RankLayoutError, RankLink, check_same_layout, first_difference
 from kvchain.errors import InputError, InvariantError
 from kvchain.sim.tp import (
-    RankLayoutError,
     RankSpec,
     build_rank,
-    check_same_layout,
     layout_of,
     run_rank_processes,
     run_ranks_in_process,

@@ -78,8 +78,10 @@ def test_generate_cli_with_pp_prints_what_one_process_does(tmp_path, capsys):
     (["--pp", "2", "--device", "cuda"], "--device"),
 ])
 def test_bad_pp_input_is_one_line_and_exit_2(argv, needle, capsys):
+    path = checkpoint_dir("gpt_oss")
+    capsys.readouterr()  # what writing the checkpoint printed
     with pytest.raises(SystemExit) as exit_info:
-        raise SystemExit(main(["generate", "--model-path", str(checkpoint_dir("gpt_oss")), "--prompt", "ab", *argv]))
+        raise SystemExit(main(["generate", "--model-path", str(path), "--prompt", "ab", *argv]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
