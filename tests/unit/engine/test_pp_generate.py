@@ -41,7 +41,7 @@ def _config(**kw) -> EngineConfig:
 def test_two_stages_generate_what_one_process_does():
     """A Gemma-3-like checkpoint split 4/2 into two stage processes: the stages' arenas hold other bytes per token, every step's capacity digests agree,
     and both stages sample exactly the tokens one process samples."""
-    path, reqs = str(gemma_six()), workload(16)
+    path, reqs = str(gemma_six()), workload(8)
     with Engine(path, _config()) as engine:
         one = engine.generate(reqs)
     assert all(o.finish_reason == "length" for o in one.outputs)
@@ -59,7 +59,7 @@ def test_generate_cli_with_pp_prints_what_one_process_does(tmp_path, capsys):
     path = checkpoint_dir("gpt_oss")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
-                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(6)))
+                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
     argv = ["generate", "--model-path", str(path), "--prompts", str(prompts), "--budget", "4MiB", "--page-size", "4",
             "--ignore-eos", "--json"]
     assert main([*argv, "--no-overlap"]) == 0

@@ -29,7 +29,7 @@ def test_two_ranks_generate_what_one_process_does():
     """Gemma 3 (window and full attention) on two ranks: each rank's pool holds half the bytes per
     token, every step's decision digests agree, and both ranks sample the tokens one process
     samples, their logits within the engine's tolerance of one process's."""
-    path, reqs = str(checkpoint_dir("gemma3")), workload(12)
+    path, reqs = str(checkpoint_dir("gemma3")), workload(8)
     with Engine(path, _config()) as engine:
         one = engine.generate(reqs)
         whole = StageGeometry.of_chain(engine.storage.allocator, 0).bytes_per_token()
@@ -63,7 +63,7 @@ def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
 def test_generate_cli_with_tp_prints_what_one_process_does(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
-                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(6)))
+                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
     argv = ["generate", "--model-path", str(checkpoint_dir("llama")), "--prompts", str(prompts), "--budget", "4MiB",
             "--page-size", "4", "--ignore-eos", "--no-overlap", "--json"]
     assert main(argv) == 0

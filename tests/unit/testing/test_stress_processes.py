@@ -31,7 +31,7 @@ def test_a_decision_on_a_fired_event_diverges_across_processes():
     """LIFE-39, LIFE-40: with a free that decides on whether the running forward's event fired on
     this rank (`free_on_fired_event`), the processes' digests differ, at the operation where the
     in-process harness sees its two ranks diverge, and the finding names the differing decision."""
-    case = seed_case(6, 400)
+    case = seed_case(6, 160)
     case.mutant = "free_on_fired_event"
     with mutants.applied(case.mutant):
         local = run_case(case)
@@ -44,23 +44,23 @@ def test_a_decision_on_a_fired_event_diverges_across_processes():
 
 
 def test_a_corrupted_count_on_one_process_fires_the_check():
-    """HARN-10: rank 1's count of live owner pages is corrupted before operation 150: that
+    """HARN-10: rank 1's count of live owner pages is corrupted before operation 60: that
     operation both processes stop with `rank_divergence`."""
-    result, out = run_case_processes(seed_case(0, 400), corrupt=(1, 150))
-    assert result.failure is not None and result.failure.op == 150
+    result, out = run_case_processes(seed_case(0, 80), corrupt=(1, 60))
+    assert result.failure is not None and result.failure.op == 60
     assert checks.RANK_DIVERGENCE in result.failure.checks
-    assert out[0][1]["failure"]["op"] == out[1][1]["failure"]["op"] == 150
+    assert out[0][1]["failure"]["op"] == out[1][1]["failure"]["op"] == 60
     assert not mp.active_children()
 
 
 def test_the_cli_runs_seeds_on_two_processes(capsys):
-    assert main(["stress", "--processes", "2", "--seeds", "0:1", "--ops", "120", "--json"]) == 0
+    assert main(["stress", "--processes", "2", "--seeds", "0:1", "--ops", "40", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["processes"] == 2 and out["seeds"] == 1 and out["ops"] == 121 and out["failed_seeds"] == 0
+    assert out["processes"] == 2 and out["seeds"] == 1 and out["ops"] == 41 and out["failed_seeds"] == 0
 
 
 def test_the_cli_reports_a_divergence_across_processes(capsys):
-    assert main(["stress", "--processes", "2", "--seeds", "6:7", "--ops", "400", "--mutant", "free_on_fired_event",
+    assert main(["stress", "--processes", "2", "--seeds", "6:7", "--ops", "160", "--mutant", "free_on_fired_event",
                  "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["failures_by_check"]["rank_divergence"] == 1
