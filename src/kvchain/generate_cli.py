@@ -45,6 +45,19 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="--pd's data plane (default nixl where it imports, else gloo)")
     p.add_argument("--json", action="store_true",
                    help='print {"outputs": [{"index", "token_ids", ...}], "stats": {...}} instead of tables')
+    p.add_argument("--pp", type=positive_int, default=1,
+                   help="pipeline stages: split the layers across this many processes over gloo, each stage its own "
+                        "pool of its own layers (cpu; default 1)")
+    p.add_argument("--pp-partition", type=_layer_counts, default=None,
+                   help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: split the heads and the MLP across this many processes over gloo, "
+                        "each rank a pool of its shard of the KV heads (cpu; llama and gemma3 families; default 1)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """Layers per pipeline stage, such as `2,2`."""
+    return tuple(positive_int(part) for part in text.split(","))
 
 
 def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int] | None, str | None, int]]:
@@ -112,8 +125,17 @@ def run_generate(args: argparse.Namespace) -> int:
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
                           host_budget=args.host_budget)
-    if getattr(args, "pd", False):
+    split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
+    if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):
+        raise InputError(f"--tp {args.tp} and --pp {args.pp}: give one of them (ranks within stages are not built)")
+    if split and (args.pd or args.host_budget is not None):
+        raise InputError(f"--{'pd' if args.pd else 'host-budget'} with --tp/--pp: give one of them")
+    if args.pd:
         return _run_pd(args, config, requests, tokenizer)
+    if args.tp > 1:
+        return _run_ranks(args, checkpoint, config, requests)
+    if args.pp > 1 or args.pp_partition is not None:
+        return _run_stages(args, checkpoint, config, requests)
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
@@ -142,6 +164,51 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
         print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
         return 0
     _render(result, tokenizer, args.budget)
+    return 0
+
+
+def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
+    """`--pp N`: one process per stage (`engine/pp.py`); every stage samples the same tokens."""
+    from .engine.pp import check_stage_split, generate_in_stages
+
+    if args.device != "cpu":
+        raise InputError(f"--pp {args.pp}: pipeline stages run on --device cpu (one process per stage over gloo)")
+    check_stage_split(checkpoint, config, args.pp, args.pp_partition)
+    tokenizer = checkpoint.tokenizer
+    runs = generate_in_stages(args.model_path, config, requests, args.pp, args.pp_partition)
+    result = runs[-1].result
+    stages = [{"stage": i, "first_layer": r.first_layer, "last_layer": r.last_layer, "arena_bytes": r.arena_bytes,
+               "bytes_per_token": r.bytes_per_token, "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                          "stages": stages}))
+        return 0
+    _render(result, tokenizer, config.budget_bytes)
+    for s in stages:
+        print(f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
+              f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps")
+    return 0
+
+
+def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
+    """`--tp N`: one process per rank (`engine/tp.py`); every rank samples the same tokens."""
+    from .engine.tp import check_tp_split, generate_in_ranks
+
+    if args.device != "cpu":
+        raise InputError(f"--tp {args.tp}: tensor-parallel ranks run on --device cpu (one process per rank over gloo)")
+    check_tp_split(checkpoint, config, args.tp)
+    runs = generate_in_ranks(args.model_path, config, requests, args.tp)
+    result = runs[0].result
+    ranks = [{"rank": i, "arena_bytes": r.arena_bytes, "bytes_per_token": r.bytes_per_token,
+              "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                          "ranks": ranks}))
+        return 0
+    _render(result, checkpoint.tokenizer, config.budget_bytes)
+    for r in ranks:
+        print(f"rank {r['rank']}: arena {r['arena_bytes']:,} B, {r['bytes_per_token']:,} B/token (its shard of the "
+              f"KV heads), decision digests compared after {r['steps_checked']} steps")
     return 0
 
 

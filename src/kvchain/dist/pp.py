@@ -80,11 +80,22 @@ class StageLink:
         self._wait(dist.irecv(buf, self.stage - 1), "receive from", self.stage - 1)
         return bytes(buf.tolist()).decode()
 
-    def _wait(self, work, what: str, peer: int) -> None:
+    def send_tensor(self, tensor: torch.Tensor, peer: int) -> None:
+        """Send `tensor` (a stage's hidden states, the last stage's logits) to stage `peer`."""
+        data = tensor.detach().contiguous().cpu()  # referenced until the send is done
+        self._wait(dist.isend(data, peer), "send to", peer, "tensor")
+
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
+        """A tensor of `shape` and `dtype` from stage `peer` (both stages know its shape)."""
+        buf = torch.empty(shape, dtype=dtype)
+        self._wait(dist.irecv(buf, peer), "receive from", peer, "tensor")
+        return buf
+
+    def _wait(self, work, what: str, peer: int, payload: str = "digest") -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise TransferTimeoutError(f"stage {self.stage}: digest {what} stage {peer} did not finish within "
+            raise TransferTimeoutError(f"stage {self.stage}: {payload} {what} stage {peer} did not finish within "
                                        f"{self.timeout.total_seconds():g} s ({e})") from None
 
     def close(self) -> None:
@@ -107,7 +118,8 @@ def run_stage_processes(target: Callable[..., Any], n_stages: int, args: tuple =
                         ) -> dict[int, tuple[str, Any]]:
     """Run `target(stage, n_stages, port, *args)` in one process per stage and return each stage's
     ("ok", result) or ("error", text). Stops waiting at the first error or after `timeout_s`; a
-    stage that did not report is ("timeout", None). Every process it started is ended before it
+    stage that did not report is ("timeout", None), or ("timeout", text) naming the exit code of
+    a process that ended on its own without reporting. Every process it started is ended before it
     returns. Processes fork where the platform allows (a spawned one spends seconds importing
     torch again), else spawn; `start_method` overrides."""
     if start_method is None:
@@ -148,5 +160,7 @@ def run_stage_processes(target: Callable[..., Any], n_stages: int, args: tuple =
                 p.join(timeout=5.0)
         results.close()
     for s in range(n_stages):
-        out.setdefault(s, ("timeout", None))
+        if s not in out:  # say how it ended: still running (ended here) or its exit code
+            code = procs[s].exitcode
+            out[s] = ("timeout", None if code in (None, -15, -9) else f"ended with exit code {code} without a report")
     return out

@@ -31,6 +31,8 @@ MAX_REQUESTS = 100_000
 MAX_RUNNING = 65_536
 #: pages of the smallest sub-pool a budget may buy: every pool keeps host arrays per page
 MAX_PAGES = 2**24
+#: the pools a comparison runs unless `--pools` names others
+DEFAULT_POOLS = "kvchain,vllm-hybrid,sglang-static,ideal"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -42,7 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=bounded_int(MAX_REQUESTS, "each request holds its tokens in memory"),
                    default=2000, help="requests to generate or replay (default 2000)")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--pools", default="kvchain,vllm-hybrid,sglang-static,ideal",
+    p.add_argument("--pools", default=DEFAULT_POOLS,
                    help="comma-separated pools to compare (default: kvchain, the engines and the ideal bound; also "
                         "static-default, static-best, uniform-page: the layouts alone under kvchain's admission)")
     p.add_argument("--admission", default="optimistic", choices=list(ADMISSION_MODES),
@@ -77,6 +79,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="worker processes (default: the cores)")
     p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--pp", type=_positive_int, default=1,
+                   help="pipeline stages: serve kvchain alone, each stage its own layers and arena, every capacity "
+                        "question asked of every stage's snapshot (default 1)")
+    p.add_argument("--pp-partition", type=_layer_counts, default=None,
+                   help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """Layers per pipeline stage, such as `26,22`."""
+    return tuple(_positive_int(part) for part in text.split(","))
 
 
 def _requests(args: argparse.Namespace):
@@ -116,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from .report import comparison_json, plot_comparison, render_comparison
     from .runner import StepTimeModel
 
+    if args.pp > 1 or args.pp_partition is not None:
+        return _run_stages(args)
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
     unknown = [p for p in pools if p not in POOLS]
     if not pools or unknown:
@@ -153,3 +167,20 @@ def run(args: argparse.Namespace) -> int:
         render_comparison(model, args, result)
     return 0
 
+
+
+def _run_stages(args: argparse.Namespace) -> int:
+    """`--pp N`: kvchain's pipeline stages side by side (`sim/pp_cli.py`)."""
+    from .pp_cli import check_pp_flags, run_pp
+
+    check_pp_flags(args, DEFAULT_POOLS)
+    if args.rate is not None and args.trace:
+        raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
+    model = load_model(args)
+    check_model_flags(model, args)
+    _check_attention(model)
+    args.context = check_context(model, args.context)
+    requests = _requests(args)
+    if not requests:
+        raise InputError("the workload has no requests")
+    return run_pp(model, args, requests)

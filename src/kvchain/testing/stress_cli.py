@@ -208,6 +208,9 @@ def configure_stress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-rate", type=_rate, default=0.0,
                    help="with --mutant-table: exit 1 when a mutant the device can show is caught by fewer seeds")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--processes", type=int, choices=(1, 2), default=1,
+                   help="2: run each seed's two ranks as two real processes over gloo on the loopback interface, "
+                        "comparing their decision digests after every operation (default 1: in one process)")
 
 
 @dataclass
@@ -260,6 +263,18 @@ def _run_seed(job: _Job) -> dict:
             saved.save(path)
             out["case"] = str(path)
     return out
+
+
+def _check_processes(args: argparse.Namespace) -> None:
+    """Refuse what two rank processes per seed cannot serve, in one line."""
+    if args.jobs > 1:
+        raise InputError("--processes 2 runs one seed at a time (its two ranks are the processes): drop --jobs")
+    if args.minimize:
+        raise InputError("--processes 2 does not shrink failures: replay the saved case with --minimize")
+    if args.device == "cuda":
+        raise InputError("--processes 2 runs on --device modeled or threads (the ranks would share one GPU)")
+    if args.replay is not None or args.mutant_table:
+        raise InputError("--processes 2 runs seeds: --replay and --mutant-table run in one process")
 
 
 def _list_mutants() -> int:
@@ -391,6 +406,8 @@ def run_stress(args: argparse.Namespace) -> int:
     if args.list_mutants:
         return _list_mutants()
     _check_device(args.device)
+    if args.processes == 2:
+        _check_processes(args)
     if args.mutant_table:
         return _mutant_table(args)
     until = _target(args.mutant, args.device)
@@ -418,7 +435,12 @@ def run_stress(args: argparse.Namespace) -> int:
             bar.update(task, advance=1, rate=f"{ops / (time.perf_counter() - start):,.0f} ops/s"
                             + (f"  [red]{failed} failed[/]" if failed else ""))
 
-        if args.jobs == 1:
+        if args.processes == 2:
+            from .stress_processes import run_seed_processes
+
+            for job in jobs:
+                done(run_seed_processes(job.seed, job.ops, job.device, job.mutant, job.until, job.out))
+        elif args.jobs == 1:
             with mutants.applied(args.mutant):
                 for job in jobs:
                     done(_run_seed(job))
@@ -437,7 +459,7 @@ def run_stress(args: argparse.Namespace) -> int:
         "seeds": len(results), "ops": total_ops, "seconds": round(elapsed, 2),
         "ops_per_second": round(total_ops / elapsed, 1) if elapsed else None, "failed_seeds": len(failed),
         "failures_by_check": {c: by_check.get(c, 0) for c in checks.ALL_CHECKS},
-        "mutant": args.mutant, "target": until, "device": args.device,
+        "mutant": args.mutant, "target": until, "device": args.device, "processes": args.processes,
         "failures": [{"seed": r["seed"], "describe": r["describe"], "case": r["case"],
                       "minimized_ops": r.get("minimized_ops")} for r in failed],
     }

@@ -1,0 +1,266 @@
+"""Pipeline stages of the engine: a checkpoint's layers split across processes, each stage serving
+its own layers from its own pool, outputs identical to one process.
+
+Each stage process loads the checkpoint and replaces the decoder layers other stages host with
+pass-throughs (`keep_stage_layers`), plans and sizes only its own layers (`plan_stages`,
+`size_stages`: its arena's bytes follow them, PP-1), all-gathers the stages' geometries and installs
+them (PP-6), so every capacity question is asked of every stage's snapshot and every stage's
+scheduler takes the same decisions with no relay (PP-7..10). A step's forward runs stage by stage:
+the first stage embeds the tokens and runs its layers, the hidden states go to the next stage
+(`StageRunner`), the last stage's logits come back to every stage, and each samples the same
+tokens. After each step each stage sends its capacity digest to the next, which checks it
+(`chain.stage_capacity_agreement`, PP-15, PP-16). A stage runs each forward to its end before it
+schedules the next (no micro-batch overlap)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
+from ..build import build_kv_storage
+from ..cache.radix import CheckpointStrategy
+from ..dist.pp import StageLink, run_stage_processes
+from ..errors import InputError, InvariantError
+from ..plan import plan_stages, stage_layer_ranges
+from ..sizing import size_stages
+from .batch import ForwardBatch
+from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .model_pool import ModelPool
+from .runner import ModelRunner
+from .serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
+
+
+class PassThroughLayer(torch.nn.Module):
+    """A decoder layer another stage hosts: the hidden states pass on unchanged."""
+
+    def __init__(self, hosted_by: int) -> None:
+        super().__init__()
+        self.hosted_by = hosted_by
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of decoder layers (`model.model.layers` for the families served)."""
+    n = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise InputError(f"{type(model).__name__}: no list of {n} decoder layers to split into stages")
+
+
+def keep_stage_layers(model: torch.nn.Module, layers: range, owner: Callable[[int], int]) -> None:
+    """Replace every decoder layer outside `layers` by a pass-through (`owner(i)`: its stage)."""
+    stack = decoder_layers(model)
+    for i in range(len(stack)):
+        if i not in layers:
+            stack[i] = PassThroughLayer(owner(i))
+
+
+class _Cut(Exception):
+    """Raised by the hook on a stage's last layer: the forward stops there with its hidden states."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("stage output")
+        self.hidden = hidden
+
+
+class StageRunner(ModelRunner):
+    """The forward of one stage: its own layers of the model, the hidden states received from the
+    previous stage (the first embeds the tokens) and sent to the next; the last stage's logits
+    go back to every stage, so every stage samples the same tokens."""
+
+    def __init__(self, model: torch.nn.Module, plan, stage: int, ranges: Sequence[range], link: StageLink) -> None:
+        layers = ranges[stage]
+        keep_stage_layers(model, layers, lambda i: next(s for s, r in enumerate(ranges) if i in r))
+        super().__init__(model, plan)
+        self.stage = stage
+        self.n_stages = len(ranges)
+        self.link = link
+        self.first = stage == 0
+        self.last = stage == self.n_stages - 1
+        self.hidden_size = int(model.config.get_text_config().hidden_size)
+        self.vocab = int(model.get_input_embeddings().num_embeddings)
+        if not self.last:
+            decoder_layers(model)[layers.stop - 1].register_forward_hook(self._cut)
+
+    @staticmethod
+    def _cut(_module, _args, output) -> None:
+        raise _Cut(output[0] if isinstance(output, tuple) else output)
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+               sample_at: torch.Tensor) -> torch.Tensor:
+        link, n_tokens, n_sample = self.link, int(input_ids.shape[0]), int(sample_at.shape[0])
+        kwargs = {"position_ids": positions[None], "use_cache": False, "kvchain_batch": batch, **self._masks}
+        if self.first:
+            inputs = {"input_ids": input_ids[None]}
+        else:
+            hidden = link.recv_tensor((1, n_tokens, self.hidden_size), self.dtype, self.stage - 1)
+            inputs = {"inputs_embeds": hidden.to(self.device)}
+        if self.last:
+            logits = self.model(**inputs, logits_to_keep=sample_at, **kwargs).logits[0].float()
+            for stage in range(self.n_stages - 1):
+                if n_sample:
+                    link.send_tensor(logits, stage)
+            return logits
+        try:
+            self.model(**inputs, logits_to_keep=sample_at, **kwargs)
+        except _Cut as cut:
+            link.send_tensor(cut.hidden, self.stage + 1)
+        else:
+            raise InvariantError("engine.stage_cut", f"stage {self.stage}'s last layer never ran")
+        if not n_sample:
+            return torch.empty((0, self.vocab), dtype=torch.float32, device=self.device)
+        return link.recv_tensor((n_sample, self.vocab), torch.float32, self.n_stages - 1).to(self.device)
+
+
+class StageEngine(Engine):
+    """One pipeline stage of an `Engine`: its own layers, its own pool, the stages' geometries
+    installed on its chain, and its capacity digest checked against the previous stage's after
+    every step."""
+
+    def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: StageLink,
+                 partition: Sequence[int] | None = None) -> None:
+        config = replace(config, overlap=False)
+        self.config = config
+        backend, torch_device = _backend(config.device, config.forward_delay)
+        if not isinstance(checkpoint, LoadedCheckpoint):
+            checkpoint = load_checkpoint(checkpoint, device=torch_device)
+        self.checkpoint = checkpoint
+        self.link = link
+        stage, n_stages = link.stage, link.n_stages
+        spec = checkpoint.model_spec()
+        context = config.context_len or min(spec.max_context or 4096, 4096)
+        n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
+        ranges = stage_layer_ranges(n_layers, n_stages, partition)
+        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition)
+        self.sizing = size_stages(plans, config.budget_bytes, context_len=context,
+                                  max_running_requests=config.max_running)
+        self.plan = plans[stage]
+        self.layers = ranges[stage]
+        self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
+        self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link)
+        interval = config.checkpoint_interval if self.plan.state is not None else None
+        self.pool = ModelPool(self.storage, self.runner, overlap=False, war_barrier=config.war_barrier,
+                              eos=() if config.ignore_eos else checkpoint.eos_token_ids,
+                              keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
+                              strategy=CheckpointStrategy.EXTRA_BUFFER, checkpoint_interval=interval,
+                              max_tokens=config.max_batched_tokens + config.max_running)
+        self._rid = 0
+        self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
+        self.storage.allocator.install_stage_capacity(self.geometries, stage)
+        self.digests: list[str] = []
+
+    def generate(self, requests: Sequence[GenerateRequest],
+                 progress: Callable[[int, int], None] | None = None) -> GenerateResult:
+        """Serve every request; after each step the capacity digest goes to the next stage and the
+        previous stage's is checked against this one's."""
+
+        def step_done(done: int, total: int) -> None:
+            digest = self.storage.allocator.stage_capacity.take_digest()
+            self.digests.append(digest)
+            previous = self.link.recv_previous()
+            if previous is not None:
+                check_stage_agreement(digest, previous, self.link.stage, len(self.digests) - 1)
+            self.link.send_next(digest)
+            if progress is not None:
+                progress(done, total)
+
+        return super().generate(requests, progress=step_done)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """What one stage process reports: the outputs (every stage samples the same), its layers,
+    geometry and digests."""
+
+    result: GenerateResult
+    first_layer: int
+    last_layer: int
+    arena_bytes: int
+    bytes_per_token: int
+    concurrency: int
+    digests: list[str]
+
+
+def generate_stage_process(stage: int, n_stages: int, port: int, path: str, config: EngineConfig,
+                           requests: list[GenerateRequest], partition: tuple[int, ...] | None = None,
+                           timeout_s: float = 60.0) -> StageRun:
+    """One stage of `kvchain generate --pp N` in its own process."""
+    link = StageLink.join(stage, n_stages, port, timeout_s)
+    # on an error the group is left as it is: a teardown would wait on the peers, and the process ends
+    with StageEngine(path, config, link, partition) as engine:
+        result = _by_value(engine.generate(requests))
+        geometry = StageGeometry.of_chain(engine.storage.allocator, stage)
+        run = StageRun(result, engine.layers.start, engine.layers.stop - 1, engine.storage.sizing.arena_bytes,
+                       geometry.bytes_per_token(), engine.sizing.concurrency, engine.digests)
+    link.close()
+    return run
+
+
+def _by_value(result: GenerateResult) -> GenerateResult:
+    """`result` with its logits as numpy arrays: a tensor crosses processes as a shared-memory
+    handle its sender must outlive, and a stage process ends once it reported."""
+    result.logits = {k: v.numpy() for k, v in result.logits.items()}
+    return result
+
+
+def _as_tensors(result: GenerateResult) -> GenerateResult:
+    result.logits = {k: torch.from_numpy(v) for k, v in result.logits.items()}
+    return result
+
+
+def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stages: int,
+                      partition: Sequence[int] | None = None) -> list[range]:
+    """The stages' layer ranges, or the one-line refusal of a split the design refuses (a stage
+    without a full-attention owner, stages whose sub-pools differ, PP-4, PP-5), before any stage
+    process starts."""
+    if config.device != "cpu":
+        raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
+    n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
+    ranges = stage_layer_ranges(n_layers, n_stages, partition)
+    plan_stages(checkpoint.model_spec().decls, n_stages, page_size=config.page_size, n_layers=n_layers,
+                partition=partition)
+    return ranges
+
+
+def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateRequest], n_stages: int,
+                       partition: tuple[int, ...] | None = None, *, timeout_s: float = 300.0,
+                       env: dict[str, str] | None = None) -> list[StageRun]:
+    """Serve `requests` from the checkpoint at `path` split into `n_stages` stage processes over
+    gloo on 127.0.0.1; every stage's report, in stage order. A stage that failed raises its error
+    (the first stage's to fail) as one line."""
+    if config.device != "cpu":
+        raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
+    out = run_stage_processes(generate_stage_process, n_stages, (path, config, requests, partition),
+                              timeout_s=timeout_s, env=env)
+    for stage in range(n_stages):
+        status, value = out[stage]
+        if status != "ok":
+            text = str(value).splitlines()[0] if value else "no answer within the time allowed"
+            raise _stage_error(stage, status, text)
+    runs = [out[s][1] for s in range(n_stages)]
+    for run in runs:
+        _as_tensors(run.result)
+    return runs
+
+
+def _stage_error(stage: int, status: str, text: str, what: str = "stage") -> Exception:
+    """A stage's (or rank's) failure as the error the CLI prints: the same class where it is one
+    of ours."""
+    from .. import errors
+
+    name, _, message = text.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.KVChainError) and cls is not errors.InvariantError:
+        try:
+            return cls(f"{what} {stage}: {message}")
+        except TypeError:
+            pass
+    return errors.KVChainError(f"{what} {stage}: {status}: {text}")

@@ -1,0 +1,87 @@
+"""The engine split into pipeline stages, one process per stage over gloo: each stage its own
+layers and pool, the hidden states passed stage to stage, the outputs identical to one process."""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing as mp
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvchain.cli import main
+from kvchain.engine.pp import generate_in_stages
+from kvchain.engine.serve import Engine, EngineConfig
+from kvchain.engine.tiny import make_checkpoint
+from support.engine import checkpoint_dir, workload
+
+#: Gemma 3's interleave over six layers: split 4/2, the stages hold 3 and 1 window layers
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+CHECKS = {"KVCHAIN_INVARIANT_CHECK": "1"}
+
+
+@functools.cache
+def gemma_six() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="kvchain-pp-"))
+    import atexit
+
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return make_checkpoint("gemma3", root / "gemma3", seed=1, num_hidden_layers=6, layer_types=LAYER_TYPES)
+
+
+def _config(**kw) -> EngineConfig:
+    base = dict(budget_bytes=600 * 1024, page_size=4, max_running=8, max_batched_tokens=64, context_len=128,
+                ignore_eos=True)
+    return EngineConfig(**{**base, **kw})
+
+
+def test_two_stages_generate_what_one_process_does():
+    """A Gemma-3-like checkpoint split 4/2 into two stage processes: the stages' arenas hold other bytes per token, every step's capacity digests agree,
+    and both stages sample exactly the tokens one process samples."""
+    path, reqs = str(gemma_six()), workload(8)
+    with Engine(path, _config()) as engine:
+        one = engine.generate(reqs)
+    assert all(o.finish_reason == "length" for o in one.outputs)
+    runs = generate_in_stages(path, _config(), reqs, 2, (4, 2), env=CHECKS)
+    first, second = runs
+    assert (first.first_layer, first.last_layer, second.first_layer, second.last_layer) == (0, 3, 4, 5)
+    assert first.bytes_per_token == 2 * second.bytes_per_token
+    assert [o.token_ids for o in first.result.outputs] == [o.token_ids for o in one.outputs]
+    assert [o.token_ids for o in second.result.outputs] == [o.token_ids for o in one.outputs]
+    assert len(first.digests) == first.result.stats.steps > 10 and first.digests == second.digests
+    assert not mp.active_children()
+
+
+def test_generate_cli_with_pp_prints_what_one_process_does(tmp_path, capsys):
+    path = checkpoint_dir("gpt_oss")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
+                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
+    argv = ["generate", "--model-path", str(path), "--prompts", str(prompts), "--budget", "4MiB", "--page-size", "4",
+            "--ignore-eos", "--json"]
+    assert main([*argv, "--no-overlap"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--pp", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["outputs"] == one["outputs"]
+    assert [(s["first_layer"], s["last_layer"]) for s in two["stages"]] == [(0, 1), (2, 3)]
+    assert not mp.active_children()
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--pp", "2", "--pp-partition", "1,3"], "stage 0 (layers 0..0) has no full-attention layer"),
+    (["--pp", "2", "--pp-partition", "2,1"], "4 in all"),
+    (["--pp", "5"], "5 stages"),
+    (["--pp", "2", "--device", "cuda"], "--device"),
+])
+def test_bad_pp_input_is_one_line_and_exit_2(argv, needle, capsys):
+    path = checkpoint_dir("gpt_oss")
+    capsys.readouterr()  # what writing the checkpoint printed
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["generate", "--model-path", str(path), "--prompt", "ab", *argv]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err

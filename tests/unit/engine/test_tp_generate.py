@@ -1,0 +1,89 @@
+"""The engine's heads split across tensor-parallel rank processes over gloo: each rank its shard
+of the weights and a pool of its shard of the KV heads, the partial outputs all-reduced after
+attention and the MLP, the outputs identical to one process."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+import torch.distributed as dist
+
+from kvchain.alloc.stage_capacity import StageGeometry
+from kvchain.cli import main
+from kvchain.engine import tp
+from kvchain.engine.serve import Engine, EngineConfig
+from kvchain.engine.tp import generate_in_ranks
+from kvchain.errors import KVChainError
+from support.engine import LOGIT_TOL, checkpoint_dir, workload
+
+
+def _config(**kw) -> EngineConfig:
+    base = dict(budget_bytes=4 * 2**20, page_size=4, max_running=8, max_batched_tokens=64, context_len=128,
+                ignore_eos=True, keep_logits=True, overlap=False)
+    return EngineConfig(**{**base, **kw})
+
+
+def test_two_ranks_generate_what_one_process_does():
+    """Gemma 3 (window and full attention) on two ranks: each rank's pool holds half the bytes per
+    token, every step's decision digests agree, and both ranks sample the tokens one process
+    samples, their logits within the engine's tolerance of one process's."""
+    path, reqs = str(checkpoint_dir("gemma3")), workload(8)
+    with Engine(path, _config()) as engine:
+        one = engine.generate(reqs)
+        whole = StageGeometry.of_chain(engine.storage.allocator, 0).bytes_per_token()
+    runs = generate_in_ranks(path, _config(), reqs, 2)
+    assert [r.bytes_per_token * 2 for r in runs] == [whole, whole]
+    for run in runs:
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
+        assert max(float((run.result.logits[k] - one.logits[k]).abs().max()) for k in one.logits) < LOGIT_TOL["gemma3"]
+    assert len(runs[0].digests) == runs[0].result.stats.steps > 10 and runs[0].digests == runs[1].digests
+    assert not mp.active_children()
+
+
+def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
+    """Rank 1 reports one more live page than it holds: the first step's digests differ and both
+    ranks fail `tp.rank_agreement`, naming the differing decision."""
+    real = tp.shared_counts
+
+    def skewed(chain):
+        counts = real(chain)
+        if dist.get_rank() == 1:
+            counts = type(counts)((counts.held[0] + 1, *counts.held[1:]), counts.virtual_held, counts.slots_held,
+                                  counts.frees_pend)
+        return counts
+
+    monkeypatch.setattr(tp, "shared_counts", skewed)  # the rank processes fork with it
+    with pytest.raises(KVChainError, match=r"tp.rank_agreement: iteration 0: rank 1's .*rank 0 \('held'"):
+        generate_in_ranks(str(checkpoint_dir("llama")), _config(), workload(4), 2)
+    assert not mp.active_children()
+
+
+def test_generate_cli_with_tp_prints_what_one_process_does(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
+                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
+    argv = ["generate", "--model-path", str(checkpoint_dir("llama")), "--prompts", str(prompts), "--budget", "4MiB",
+            "--page-size", "4", "--ignore-eos", "--no-overlap", "--json"]
+    assert main(argv) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--tp", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["outputs"] == one["outputs"] and len(two["ranks"]) == 2
+
+
+@pytest.mark.parametrize(("family", "argv", "needle"), [
+    ("gpt_oss", ["--tp", "2"], "the gpt_oss family is not split over ranks"),
+    ("llama", ["--tp", "3"], "attention heads (4) do not split evenly over 3 ranks"),
+    ("llama", ["--tp", "2", "--pp", "2"], "give one of them"),
+    ("llama", ["--tp", "2", "--device", "cuda"], "--device"),
+])
+def test_bad_tp_input_is_one_line_and_exit_2(family, argv, needle, capsys):
+    path = checkpoint_dir(family)
+    capsys.readouterr()  # what writing the checkpoint printed
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["generate", "--model-path", str(path), "--prompt", "ab", *argv]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
