@@ -1,0 +1,48 @@
+"""kvchain's waiting order (`sim/waiting.py`) on a case worked by hand: a tiny pool of 15
+full-attention pages of 4 tokens, no window, no state, one request running at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvchain.engine.request import Phase, ScheduledRequest
+from kvchain.engine.scheduler import Scheduler
+from kvchain.sim.baselines import PoolConfig, kvchain_pool, vllm_hybrid_pool
+from kvchain.sim.waiting import LongestPrefixScheduler, scheduler_class
+from support.simworld import world
+
+
+def _run(cls):
+    """A (24 tokens) runs first and leaves its 6 pages in the tree. Then X (8 unrelated tokens)
+    and Y (A's 24 tokens and 4 more) arrive in that order, with room for one at a time. First
+    come first served admits X, and Y after it; the longest-prefix order admits Y first (it
+    matches 24 tokens, X none), and Y computes only its 4 new tokens."""
+    pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+    a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+    x = ScheduledRequest(1, 5, np.arange(500, 508, dtype=np.int32), 2, 2)
+    y = ScheduledRequest(2, 5, np.concatenate([a.prompt, np.arange(900, 904, dtype=np.int32)]), 2, 2)
+    sched = cls(pool, max_batched_tokens=64, max_running=1)
+    sched.add([a, x, y])
+    sched.run()
+    assert all(r.phase is Phase.FINISHED for r in (a, x, y))
+    return a, x, y
+
+
+def test_fcfs_admits_in_arrival_order():
+    _a, x, y = _run(Scheduler)
+    assert x.admitted_step < y.admitted_step
+
+
+def test_longest_prefix_admits_the_cached_request_first():
+    _a, x, y = _run(LongestPrefixScheduler)
+    assert y.admitted_step < x.admitted_step
+    assert y.cached == 24
+
+
+def test_kvchain_pools_order_by_prefix_and_the_engines_first_come_first_served():
+    from kvchain.models import model_from_preset
+
+    decls = model_from_preset("llama-3.1-8b").decls
+    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is LongestPrefixScheduler
+    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30, waiting_order="fcfs"))) is Scheduler
+    assert scheduler_class(vllm_hybrid_pool(decls, PoolConfig(2**30))) is Scheduler
