@@ -24,6 +24,10 @@ from ..engine.scheduler import Scheduler
 WAITING_ORDERS = ("longest-prefix", "fcfs")
 #: waiting requests the order looks at from the head (sglang turns `lpm` off past 128 waiting)
 LOOKAHEAD = 64
+#: a waiting request overtaken this many times goes next, whatever the others match: bounded
+#: unfairness, so a request that shares nothing (a long document, a long answer) is not pushed
+#: to the end of a run whose length it then sets
+MAX_OVERTAKEN = 4
 
 
 class LongestPrefixScheduler(Scheduler):
@@ -31,10 +35,12 @@ class LongestPrefixScheduler(Scheduler):
     Under priority scheduling priority still comes first; the prefix decides among equals."""
 
     lookahead = LOOKAHEAD
+    max_overtaken = MAX_OVERTAKEN
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._memo: dict[ScheduledRequest, tuple[tuple, int]] = {}
+        self._overtaken: dict[ScheduledRequest, int] = {}
 
     def _tree_version(self, tree) -> tuple:
         """Changes whenever a walk's answer may: pages inserted or evicted, state slots held."""
@@ -65,23 +71,30 @@ class LongestPrefixScheduler(Scheduler):
     def _next_waiting(self) -> ScheduledRequest:
         if len(self.waiting) < 2 or getattr(self.pool, "tree", None) is None:
             return super()._next_waiting()
-        best, best_key = None, None
+        best, best_key, best_i = None, None, 0
+        overtaken = self._overtaken
         for i, req in enumerate(self.waiting):
             if i >= self.lookahead:
                 break
-            key = (req.priority if self.priority else 0, -self.cached_len(req), i)
+            due = overtaken.get(req, 0) >= self.max_overtaken
+            key = (req.priority if self.priority else 0, not due, 0 if due else -self.cached_len(req), i)
             if best_key is None or key < best_key:
-                best, best_key = req, key
-        if best is not self.waiting[0]:
+                best, best_key, best_i = req, key, i
+        if best_i:
+            for i, req in enumerate(self.waiting):
+                if i >= best_i:
+                    break
+                overtaken[req] = overtaken.get(req, 0) + 1
             self.waiting.remove(best)
             self.waiting.appendleft(best)
         return best
 
     def step(self):
         record = super().step()
-        if len(self._memo) > 4 * self.lookahead:  # forget requests no longer waiting
+        if len(self._memo) + len(self._overtaken) > 4 * self.lookahead:  # forget requests no longer waiting
             waiting = set(self.waiting)
             self._memo = {r: v for r, v in self._memo.items() if r in waiting}
+            self._overtaken = {r: v for r, v in self._overtaken.items() if r in waiting}
         return record
 
 
