@@ -46,3 +46,24 @@ def test_kvchain_pools_order_by_prefix_and_the_engines_first_come_first_served()
     assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is LongestPrefixScheduler
     assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30, waiting_order="fcfs"))) is Scheduler
     assert scheduler_class(vllm_hybrid_pool(decls, PoolConfig(2**30))) is Scheduler
+
+
+def test_a_request_overtaken_four_times_goes_next():
+    """A (24 tokens) leaves its pages in the tree; then X (8 unrelated tokens) and Y1..Y5 (A's
+    24 tokens and 4 of their own) arrive in that order, one running at a time. Each Y matches 24
+    tokens and X none, so Y1, Y2, Y3 and Y4 overtake X; then X has been overtaken 4 times
+    (`MAX_OVERTAKEN`) and goes before Y5."""
+    from kvchain.sim.waiting import MAX_OVERTAKEN
+
+    assert MAX_OVERTAKEN == 4
+    pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+    a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+    x = ScheduledRequest(1, 5, np.arange(500, 508, dtype=np.int32), 2, 2)
+    ys = [ScheduledRequest(2 + i, 5, np.concatenate([a.prompt, np.arange(4, dtype=np.int32) + 900 + 10 * i]), 2, 2)
+          for i in range(5)]
+    sched = LongestPrefixScheduler(pool, max_batched_tokens=64, max_running=1)
+    sched.add([a, x, *ys])
+    sched.run()
+    order = sorted([x, *ys], key=lambda r: r.admitted_step)
+    assert order == [*ys[:4], x, ys[4]]
+    assert all(y.cached == 24 for y in ys)
