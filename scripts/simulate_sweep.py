@@ -34,12 +34,13 @@ WORKLOADS = {
 }
 
 
-def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0) -> dict:
+def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0,
+        waiting_order: str = "fcfs") -> dict:
     name, params = WORKLOADS[workload]
     reqs = workload_from_name(name, requests, 0, **params)
     budget = BUDGETS.get(preset, DEFAULT_BUDGET)
     t0 = time.time()
-    result = compare(model_from_preset(preset).decls, PoolConfig(budget, host_budget=host_budget), reqs, pools,
+    result = compare(model_from_preset(preset).decls, PoolConfig(budget, host_budget=host_budget, waiting_order=waiting_order), reqs, pools,
                      SchedulerConfig(step_time=StepTimeModel()), jobs=jobs)
     return {"preset": preset, "workload": workload, "budget_gib": budget / GiB, "requests": requests,
             "wall_s": round(time.time() - t0, 1), "results": [r.to_dict() for r in result.results]}
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", default=None,
                    help="a previous --out JSON: pools not run here are taken from its matching rows")
     p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
+    p.add_argument("--waiting-order", default="fcfs", help="kvchain's waiting order (fcfs or longest-prefix)")
     p.add_argument("--wide", action="store_true", help="print the one-line-a-row table of docs/simulate.md")
     args = p.parse_args(argv)
     pools = tuple(args.pools.split(","))
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for preset in args.presets.split(","):
         for workload in args.workloads.split(","):
-            rows.append(run(preset, workload, args.requests, args.jobs, pools, args.host_budget))
+            rows.append(run(preset, workload, args.requests, args.jobs, pools, args.host_budget, args.waiting_order))
             if previous:
                 rows[-1:] = merge(rows[-1:], previous)
             print(f"{preset} {workload}: {rows[-1]['wall_s']} s", file=sys.stderr, flush=True)

@@ -72,9 +72,10 @@ class PoolConfig:
     strategy: CheckpointStrategy | None = None
     #: kvchain's admission mode, also used by the layout-only baselines (see `admission_policy`)
     admission: str = "optimistic"
-    #: kvchain's waiting order, also used by the layout-only baselines (`sim/waiting.py`); the
-    #: engines' pools and `ideal` admit first come first served
-    waiting_order: str = "longest-prefix"
+    #: kvchain's waiting order, also used by the layout-only baselines (`sim/waiting.py`): first
+    #: come first served by default, as the engines' pools and `ideal` always admit;
+    #: `longest-prefix` raises hit rates but costs whole-run steps on some rows (docs/simulate.md)
+    waiting_order: str = "fcfs"
     #: bytes of the host tier behind kvchain's prefix tree (`sim/host_tier.py`), 0 for none
     host_budget: int = 0
 

@@ -71,9 +71,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="bytes of a host tier behind kvchain's prefix tree, e.g. 64GiB: evicted tree nodes are backed "
                         "up there and loaded back on a match, retracted requests swapped out instead of recomputed "
                         "(default: none)")
-    p.add_argument("--waiting-order", default="longest-prefix", choices=list(WAITING_ORDERS),
-                   help="kvchain's waiting order: longest-prefix (default: the waiting request the prefix tree holds "
-                        "most of first, among the first 64) or fcfs; the engines' pools and ideal admit fcfs")
+    p.add_argument("--waiting-order", default="fcfs", choices=list(WAITING_ORDERS),
+                   help="kvchain's waiting order: fcfs (default, as the engines' pools and ideal) or longest-prefix "
+                        "(the waiting request the prefix tree holds most of first, among the first 64; a request "
+                        "overtaken 4 times goes next)")
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
     p.add_argument("--ms-per-step", type=positive_float, default=50.0,

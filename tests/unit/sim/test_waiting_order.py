@@ -39,13 +39,14 @@ def test_longest_prefix_admits_the_cached_request_first():
     assert y.cached == 24
 
 
-def test_kvchain_pools_order_by_prefix_and_the_engines_first_come_first_served():
+def test_kvchain_pools_take_the_order_asked_and_the_engines_first_come_first_served():
     from kvchain.models import model_from_preset
 
     decls = model_from_preset("llama-3.1-8b").decls
-    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is LongestPrefixScheduler
-    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30, waiting_order="fcfs"))) is Scheduler
-    assert scheduler_class(vllm_hybrid_pool(decls, PoolConfig(2**30))) is Scheduler
+    lpm = PoolConfig(2**30, waiting_order="longest-prefix")
+    assert scheduler_class(kvchain_pool(decls, lpm)) is LongestPrefixScheduler
+    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is Scheduler  # the default
+    assert scheduler_class(vllm_hybrid_pool(decls, lpm)) is Scheduler
 
 
 def test_a_request_overtaken_four_times_goes_next():
