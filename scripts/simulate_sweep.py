@@ -59,6 +59,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_time_bound(preset: str, workload: str, requests: int) -> float:
+    """Steps at which the chain would be busy every step: every request's bytes (its state, its
+    prompt's KV and its output's as it grows one token a step) summed over the steps it decodes,
+    over the chain's bytes. A bound no loop reaches: it needs a full pool through ramp and drain."""
+    from kvchain.memory.arena import arena_layout
+    from kvchain.plan import plan_kv_storage
+    from kvchain.sim.baselines import _sizing
+
+    plan = plan_kv_storage(model_from_preset(preset).decls, page_size=1)
+    cfg = PoolConfig(BUDGETS.get(preset, DEFAULT_BUDGET))
+    chain = arena_layout(plan, _sizing(plan, cfg).arena_bytes).chain_bytes
+    token = plan.owner.unit_bytes + sum(w.unit_bytes for w in plan.windows)
+    state = plan.state.page_bytes if plan.state is not None else 0
+    name, params = WORKLOADS[workload]
+    total = 0.0
+    for r in workload_from_name(name, requests, 0, **params):
+        total += r.output_len * (state + token * r.prompt_len) + token * r.output_len * (r.output_len - 1) / 2
+    return total / chain
+
+
 def _pool(row: dict, name: str) -> dict | None:
     return next((r for r in row["results"] if r["pool"] == name), None)
 
@@ -115,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a previous --out JSON: pools not run here are taken from its matching rows")
     p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
     p.add_argument("--waiting-order", default="fcfs", help="kvchain's waiting order (fcfs or longest-prefix)")
+    p.add_argument("--memory-time", action="store_true",
+                   help="print each preset and workload's memory-time bound in steps (no simulation)")
     p.add_argument("--wide", action="store_true", help="print the one-line-a-row table of docs/simulate.md")
     args = p.parse_args(argv)
     pools = tuple(args.pools.split(","))
@@ -122,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in (args.merge.split(",") if args.merge else []):
         with open(path) as f:
             previous += json.load(f)
+    if args.memory_time:
+        for preset in args.presets.split(","):
+            for workload in args.workloads.split(","):
+                print(f"{preset} {workload}: {memory_time_bound(preset, workload, args.requests):,.0f} steps")
+        return 0
     rows = []
     for preset in args.presets.split(","):
         for workload in args.workloads.split(","):
