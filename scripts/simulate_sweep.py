@@ -3,6 +3,7 @@ admission modes) against the engines' policies and the ideal bound, side by side
 
     PYTHONPATH=src python scripts/simulate_sweep.py --requests 300 --jobs 2 --out sweep.json
     PYTHONPATH=src python scripts/simulate_sweep.py --presets gpt-oss-120b,qwen3-next-80b --workloads mixed
+    PYTHONPATH=src python scripts/simulate_sweep.py --pools kvchain --merge old.json --wide   # rerun one pool
 
 Prints one markdown table (whole-run steps, seconds under the default step-time model, prefix hit
 rate, preemptions; kvchain's steps over each pool's) and writes every figure as JSON with `--out`.
@@ -33,12 +34,13 @@ WORKLOADS = {
 }
 
 
-def run(preset: str, workload: str, requests: int, jobs: int) -> dict:
+def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0,
+        waiting_order: str = "fcfs") -> dict:
     name, params = WORKLOADS[workload]
     reqs = workload_from_name(name, requests, 0, **params)
     budget = BUDGETS.get(preset, DEFAULT_BUDGET)
     t0 = time.time()
-    result = compare(model_from_preset(preset).decls, PoolConfig(budget), reqs, POOLS,
+    result = compare(model_from_preset(preset).decls, PoolConfig(budget, host_budget=host_budget, waiting_order=waiting_order), reqs, pools,
                      SchedulerConfig(step_time=StepTimeModel()), jobs=jobs)
     return {"preset": preset, "workload": workload, "budget_gib": budget / GiB, "requests": requests,
             "wall_s": round(time.time() - t0, 1), "results": [r.to_dict() for r in result.results]}
@@ -57,6 +59,70 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_time_bound(preset: str, workload: str, requests: int) -> float:
+    """Steps at which the chain would be busy every step: every request's bytes (its state, its
+    prompt's KV and its output's as it grows one token a step) summed over the steps it decodes,
+    over the chain's bytes. A bound no loop reaches: it needs a full pool through ramp and drain."""
+    from kvchain.memory.arena import arena_layout
+    from kvchain.plan import plan_kv_storage
+    from kvchain.sim.baselines import _sizing
+
+    plan = plan_kv_storage(model_from_preset(preset).decls, page_size=1)
+    cfg = PoolConfig(BUDGETS.get(preset, DEFAULT_BUDGET))
+    chain = arena_layout(plan, _sizing(plan, cfg).arena_bytes).chain_bytes
+    token = plan.owner.unit_bytes + sum(w.unit_bytes for w in plan.windows)
+    state = plan.state.page_bytes if plan.state is not None else 0
+    name, params = WORKLOADS[workload]
+    total = 0.0
+    for r in workload_from_name(name, requests, 0, **params):
+        total += r.output_len * (state + token * r.prompt_len) + token * r.output_len * (r.output_len - 1) / 2
+    return total / chain
+
+
+def _pool(row: dict, name: str) -> dict | None:
+    return next((r for r in row["results"] if r["pool"] == name), None)
+
+
+def wide_table(rows: list[dict]) -> str:
+    """One line a preset and workload, as docs/simulate.md prints it: kvchain's steps over each
+    pool's, seconds, hit rates and preemptions side by side."""
+    lines = ["| model | workload | budget | kvchain steps | kvchain / vllm-hybrid | kvchain / sglang-static | "
+             "kvchain / ideal | exact / optimistic | seconds: kvchain, vllm-hybrid, sglang-static, ideal | "
+             "hit rate: kvchain, vllm-hybrid, ideal | preempted: kvchain, kvchain-exact, vllm-hybrid, sglang-static |",
+             "| - | - | - | - | - | - | - | - | - | - | - |"]
+
+    def get(row, pool, key, fmt):
+        r = _pool(row, pool)
+        return "-" if r is None or r.get(key) is None else format(r[key], fmt)
+
+    for row in rows:
+        k = _pool(row, "kvchain")
+        ratio = {p: (k["steps"] / _pool(row, p)["steps"]) if _pool(row, p) else None
+                 for p in ("vllm-hybrid", "sglang-static", "ideal", "kvchain-exact")}
+        exact = f"{1 / ratio['kvchain-exact']:.3f}x" if ratio["kvchain-exact"] else "-"
+        cells = [row["preset"], row["workload"], f"{row['budget_gib']:.0f} GiB", f"{k['steps']:,}",
+                 *(f"{ratio[p]:.3f}x" if ratio[p] else "-" for p in ("vllm-hybrid", "sglang-static", "ideal")), exact,
+                 ", ".join(get(row, p, "seconds", ".0f") for p in ("kvchain", "vllm-hybrid", "sglang-static", "ideal")),
+                 ", ".join(get(row, p, "hit_rate", ".1%") for p in ("kvchain", "vllm-hybrid", "ideal")),
+                 ", ".join(get(row, p, "preemptions", "d")
+                           for p in ("kvchain", "kvchain-exact", "vllm-hybrid", "sglang-static"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def merge(rows: list[dict], previous: list[dict]) -> list[dict]:
+    """Each row with the pools it did not run taken from `previous` (the same preset, workload,
+    budget and requests), marked `from_previous`."""
+    out = []
+    for row in rows:
+        old = next((p for p in previous if (p["preset"], p["workload"], p["budget_gib"], p["requests"])
+                    == (row["preset"], row["workload"], row["budget_gib"], row["requests"])), None)
+        ran = {r["pool"] for r in row["results"]}
+        kept = [{**r, "from_previous": True} for r in (old["results"] if old else []) if r["pool"] not in ran]
+        out.append({**row, "results": row["results"] + kept})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=",".join(i.name for i in list_presets()))
@@ -64,16 +130,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=None, help="write every figure as JSON here")
+    p.add_argument("--pools", default=",".join(POOLS), help="pools to run (default: all five)")
+    p.add_argument("--merge", default=None,
+                   help="a previous --out JSON: pools not run here are taken from its matching rows")
+    p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
+    p.add_argument("--waiting-order", default="fcfs", help="kvchain's waiting order (fcfs or longest-prefix)")
+    p.add_argument("--memory-time", action="store_true",
+                   help="print each preset and workload's memory-time bound in steps (no simulation)")
+    p.add_argument("--wide", action="store_true", help="print the one-line-a-row table of docs/simulate.md")
     args = p.parse_args(argv)
+    pools = tuple(args.pools.split(","))
+    previous = []
+    for path in (args.merge.split(",") if args.merge else []):
+        with open(path) as f:
+            previous += json.load(f)
+    if args.memory_time:
+        for preset in args.presets.split(","):
+            for workload in args.workloads.split(","):
+                print(f"{preset} {workload}: {memory_time_bound(preset, workload, args.requests):,.0f} steps")
+        return 0
     rows = []
     for preset in args.presets.split(","):
         for workload in args.workloads.split(","):
-            rows.append(run(preset, workload, args.requests, args.jobs))
+            rows.append(run(preset, workload, args.requests, args.jobs, pools, args.host_budget, args.waiting_order))
+            if previous:
+                rows[-1:] = merge(rows[-1:], previous)
             print(f"{preset} {workload}: {rows[-1]['wall_s']} s", file=sys.stderr, flush=True)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
-    print(table(rows))
+    print(wide_table(rows) if args.wide else table(rows))
     return 0
 
 

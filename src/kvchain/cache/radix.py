@@ -162,6 +162,9 @@ class UnifiedRadixCache:
         self._state_i = self.state.index if self.state is not None else -1
         self.stats = {"inserted_pages": 0, "matched_tokens": 0, "evicted_pages": 0, "evicted_window_pages": 0,
                       "evicted_state_slots": 0, "checkpoints": 0, "checkpoint_stalls": 0}
+        #: called as `on_evict(kind, node)` before an eviction frees anything (a host tier backs
+        #: the node up there: `kvchain.sim.host_tier`)
+        self.on_evict = None
 
     def _index_slots(self) -> list[str]:
         """Sub-pool names in `tree_slots` order: full, the primary window (the generic window slot),
@@ -677,6 +680,8 @@ class UnifiedRadixCache:
 
     def _evict(self, kind: str, node: TreeNode, freed: Evicted) -> None:
         storage = self.storage
+        if self.on_evict is not None:
+            self.on_evict(kind, node)
         self._account(node, -1)
         if kind in ("leaf", "window"):
             for w, pool in enumerate(self.windows):

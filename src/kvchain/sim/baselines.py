@@ -72,6 +72,12 @@ class PoolConfig:
     strategy: CheckpointStrategy | None = None
     #: kvchain's admission mode, also used by the layout-only baselines (see `admission_policy`)
     admission: str = "optimistic"
+    #: kvchain's waiting order, also used by the layout-only baselines (`sim/waiting.py`): first
+    #: come first served by default, as the engines' pools and `ideal` always admit;
+    #: `longest-prefix` raises hit rates but costs whole-run steps on some rows (docs/simulate.md)
+    waiting_order: str = "fcfs"
+    #: bytes of the host tier behind kvchain's prefix tree (`sim/host_tier.py`), 0 for none
+    host_budget: int = 0
 
 
 #: How each pool's prefix tree caches recurrent state when `PoolConfig.strategy` is None. kvchain
@@ -108,6 +114,11 @@ def kvchain_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
     pool = KVChainPool(storage, prefix_cache=cfg.prefix_cache, strategy=engine_strategy(cfg, "kvchain"),
                        checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = "kvchain"
+    pool.waiting_order = cfg.waiting_order
+    if cfg.host_budget:
+        from .host_tier import with_host_tier
+
+        pool = with_host_tier(pool, cfg.host_budget)
     return pool
 
 
@@ -162,6 +173,7 @@ def static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, split: StaticSpli
                        checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = name
     pool.split = split
+    pool.waiting_order = cfg.waiting_order
     return pool
 
 
@@ -169,6 +181,7 @@ def sglang_static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChain
     """`static-default`'s fixed split with sglang's scheduling policy (`SglangPolicy`)."""
     pool = static_pool(decls, cfg, name="sglang-static")
     pool.policy = SglangPolicy()
+    pool.waiting_order = "fcfs"
     return pool
 
 
@@ -259,6 +272,7 @@ def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, name: str = "uni
                        checkpoint_interval=interval, policy=admission_policy(cfg.admission))
     pool.name = name
     pool.uniform = layout
+    pool.waiting_order = cfg.waiting_order
     return pool
 
 
@@ -268,6 +282,7 @@ def vllm_hybrid_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPo
     scheduling policy (`VllmPolicy`)."""
     pool = uniform_pool(decls, cfg, name="vllm-hybrid")
     pool.policy = VllmPolicy()
+    pool.waiting_order = "fcfs"
     return pool
 
 

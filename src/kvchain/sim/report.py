@@ -107,6 +107,15 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
                        f"{r.finished:,}")
     console.print(whole)
     console.print(memory)
+    hosted = [r for r in result.results if r.host is not None]
+    if hosted:
+        host = _table("Host tier", ["pool", "hit rate\ndevice", "hit rate\nhost", "swapped\ntokens",
+                                    "recomp.\ntokens", "copied", "loads", "swaps\nrefused"])
+        for r in hosted:
+            host.add_row(r.pool, f"{r.device_hit_rate:.1%}", f"{r.host_hit_rate:.1%}", f"{r.swapped_tokens:,}",
+                         f"{r.recomputed_tokens:,}", format_bytes(r.host_copied_bytes), f"{r.host['loads']:,}",
+                         f"{r.host['swap_refused']:,}")
+        console.print(host)
     console.print("steps: to serve the whole trace; kvchain / pool: kvchain's steps over the pool's (below 1: "
                   "kvchain serves it in fewer); the saturation slice averages only the steps that ended with "
                   "requests waiting, not the whole run; memory used: bytes running requests and the prefix "

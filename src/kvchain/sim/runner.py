@@ -23,6 +23,7 @@ import numpy as np
 from ..engine.protocol import Pool
 from ..engine.request import Phase, ScheduledRequest
 from ..engine.scheduler import Scheduler, SchedulerStats
+from .waiting import scheduler_class
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class StepTimeModel:
     base_ms: float = 8.0
     per_token_us: float = 25.0
     per_kv_token_ns: float = 4.0
+    #: host-tier copies (backups, load-backs, swaps), either way: 40 ps a byte is 25 GB/s, a
+    #: PCIe Gen4 x16 link's usable bandwidth; charged on top of the step, overlapping nothing
+    per_host_byte_ps: float = 40.0
 
     def __post_init__(self) -> None:
         from ..errors import InputError
@@ -42,8 +46,9 @@ class StepTimeModel:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise InputError(f"step-time model: {name} must be a finite number >= 0, got {value!r}")
 
-    def seconds(self, computed_tokens: int, kv_tokens: int) -> float:
-        return self.base_ms / 1e3 + computed_tokens * self.per_token_us / 1e6 + kv_tokens * self.per_kv_token_ns / 1e9
+    def seconds(self, computed_tokens: int, kv_tokens: int, copied_bytes: int = 0) -> float:
+        return (self.base_ms / 1e3 + computed_tokens * self.per_token_us / 1e6 + kv_tokens * self.per_kv_token_ns / 1e9
+                + copied_bytes * self.per_host_byte_ps / 1e12)
 
     @classmethod
     def parse(cls, text: str) -> StepTimeModel:
@@ -55,7 +60,8 @@ class StepTimeModel:
                 continue
             key, _, value = part.partition("=")
             if key.strip() not in cls.__dataclass_fields__:
-                raise InputError(f"step-time model: unknown field {key.strip()!r} (use base_ms, per_token_us, per_kv_token_ns)")
+                raise InputError(f"step-time model: unknown field {key.strip()!r} (use base_ms, per_token_us, "
+                                 "per_kv_token_ns, per_host_byte_ps)")
             try:
                 fields[key.strip()] = float(value)
             except ValueError:
@@ -92,6 +98,17 @@ class PoolResult:
     tokens_per_second: float | None = None
     ttft_s: dict[str, float] | None = None
     tpot_s: dict[str, float] | None = None
+    #: with a host tier (`sim/host_tier.py`): prompt tokens the host supplied at first admission
+    #: (part of `hit_rate`), retracted requests' tokens swapped back instead of recomputed, and
+    #: every byte copied between device and host; None without one
+    host_hit_rate: float | None = None
+    swapped_tokens: int | None = None
+    host_copied_bytes: int | None = None
+    host: dict | None = None
+
+    @property
+    def device_hit_rate(self) -> float:
+        return self.hit_rate - (self.host_hit_rate or 0.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,12 +125,14 @@ def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens
     progress hook); with the step-time model, `record_ends` (when given) receives the time each
     history record ends, in seconds, for a plot against time."""
     reqs = [copy.deepcopy(r) for r in requests]
-    sched = Scheduler(pool, max_batched_tokens=max_batched_tokens, max_running=max_running, priority=priority)
+    sched = scheduler_class(pool)(pool, max_batched_tokens=max_batched_tokens, max_running=max_running, priority=priority)
     sched.add(reqs)
     stepped: list[int] = []  # with the step-time model: the step numbers run, and when each ended
     ends: list[float] = []
     weights: list[int] = []  # steps each history record stands for (an idle jump: the steps it skipped)
     seconds = 0.0 if step_time is not None else None
+    host = getattr(pool, "host_counters", None)
+    copied_before = 0
     ran = 0
     while not sched.idle and ran < max_steps:
         gap = _idle_gap(sched)
@@ -130,7 +149,11 @@ def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens
         weights.append(1)
         if step_time is not None:
             kv = sum(r.computed for r in sched.running)
-            seconds += step_time.seconds(record.output_tokens + record.prefill_tokens, kv)
+            copied = 0
+            if host is not None:
+                copied = host["copied_bytes"] - copied_before
+                copied_before = host["copied_bytes"]
+            seconds += step_time.seconds(record.output_tokens + record.prefill_tokens, kv, copied)
             stepped.append(record.step)
             ends.append(seconds)
             if record_ends is not None:
@@ -172,6 +195,11 @@ def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens
         seconds=seconds,
         tokens_per_second=(stats.output_tokens / seconds) if seconds else None,
     )
+    if host is not None:
+        result.host_hit_rate = host["host_hit_tokens"] / max(prompt_tokens, 1)
+        result.swapped_tokens = host["swapped_tokens"]
+        result.host_copied_bytes = host["copied_bytes"]
+        result.host = pool.host_report()
     if step_time is not None:
         clock = _Clock(np.asarray(stepped, dtype=np.int64), np.asarray(ends), step_time.seconds(0, 0))
         last = sched.step_no - 1

@@ -49,6 +49,8 @@ def test_trace_replay(tmp_path, capsys):
     (["--workload", "nope"], "nope"),
     (["--budget", "lots"], "--budget"),
     (["--step-time", "warp=9"], "step-time"),
+    (["--host-budget", "lots"], "--host-budget"),
+    (["--waiting-order", "random"], "--waiting-order"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     base = [a for a in SMALL if a not in ("--budget", "2GiB")] if "--budget" in argv else SMALL
@@ -234,3 +236,13 @@ def test_plot_and_table_agree_on_utilisation_at_saturation():
             assert f"{r.utilisation:.1%} used at saturation" in levels[r.pool].get_label()
         else:
             assert "never saturated" in levels[r.pool].get_label()
+
+
+def test_host_budget_adds_the_host_tier_table(capsys):
+    assert main([*SMALL, "--pools", "kvchain,vllm-hybrid", "--host-budget", "4GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kv, vllm = out["results"]
+    assert kv["host"]["host_budget"] == 4 * 2**30 and kv["host_hit_rate"] is not None
+    assert vllm["host"] is None  # the host tier is kvchain's
+    assert main([*SMALL, "--pools", "kvchain", "--host-budget", "4GiB"]) == 0
+    assert "Host tier" in capsys.readouterr().out

@@ -1,0 +1,70 @@
+"""kvchain's waiting order (`sim/waiting.py`) on a case worked by hand: a tiny pool of 15
+full-attention pages of 4 tokens, no window, no state, one request running at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvchain.engine.request import Phase, ScheduledRequest
+from kvchain.engine.scheduler import Scheduler
+from kvchain.sim.baselines import PoolConfig, kvchain_pool, vllm_hybrid_pool
+from kvchain.sim.waiting import LongestPrefixScheduler, scheduler_class
+from support.simworld import world
+
+
+def _run(cls):
+    """A (24 tokens) runs first and leaves its 6 pages in the tree. Then X (8 unrelated tokens)
+    and Y (A's 24 tokens and 4 more) arrive in that order, with room for one at a time. First
+    come first served admits X, and Y after it; the longest-prefix order admits Y first (it
+    matches 24 tokens, X none), and Y computes only its 4 new tokens."""
+    pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+    a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+    x = ScheduledRequest(1, 5, np.arange(500, 508, dtype=np.int32), 2, 2)
+    y = ScheduledRequest(2, 5, np.concatenate([a.prompt, np.arange(900, 904, dtype=np.int32)]), 2, 2)
+    sched = cls(pool, max_batched_tokens=64, max_running=1)
+    sched.add([a, x, y])
+    sched.run()
+    assert all(r.phase is Phase.FINISHED for r in (a, x, y))
+    return a, x, y
+
+
+def test_fcfs_admits_in_arrival_order():
+    _a, x, y = _run(Scheduler)
+    assert x.admitted_step < y.admitted_step
+
+
+def test_longest_prefix_admits_the_cached_request_first():
+    _a, x, y = _run(LongestPrefixScheduler)
+    assert y.admitted_step < x.admitted_step
+    assert y.cached == 24
+
+
+def test_kvchain_pools_take_the_order_asked_and_the_engines_first_come_first_served():
+    from kvchain.models import model_from_preset
+
+    decls = model_from_preset("llama-3.1-8b").decls
+    lpm = PoolConfig(2**30, waiting_order="longest-prefix")
+    assert scheduler_class(kvchain_pool(decls, lpm)) is LongestPrefixScheduler
+    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is Scheduler  # the default
+    assert scheduler_class(vllm_hybrid_pool(decls, lpm)) is Scheduler
+
+
+def test_a_request_overtaken_four_times_goes_next():
+    """A (24 tokens) leaves its pages in the tree; then X (8 unrelated tokens) and Y1..Y5 (A's
+    24 tokens and 4 of their own) arrive in that order, one running at a time. Each Y matches 24
+    tokens and X none, so Y1, Y2, Y3 and Y4 overtake X; then X has been overtaken 4 times
+    (`MAX_OVERTAKEN`) and goes before Y5."""
+    from kvchain.sim.waiting import MAX_OVERTAKEN
+
+    assert MAX_OVERTAKEN == 4
+    pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+    a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+    x = ScheduledRequest(1, 5, np.arange(500, 508, dtype=np.int32), 2, 2)
+    ys = [ScheduledRequest(2 + i, 5, np.concatenate([a.prompt, np.arange(4, dtype=np.int32) + 900 + 10 * i]), 2, 2)
+          for i in range(5)]
+    sched = LongestPrefixScheduler(pool, max_batched_tokens=64, max_running=1)
+    sched.add([a, x, *ys])
+    sched.run()
+    order = sorted([x, *ys], key=lambda r: r.admitted_step)
+    assert order == [*ys[:4], x, ys[4]]
+    assert all(y.cached == 24 for y in ys)
