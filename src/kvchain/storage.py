@@ -43,6 +43,9 @@ from .storage_roles.boundary import INT64, count_true
 
 log = logging.getLogger("kvchain.storage")
 
+#: row arrays up to this long are checked with Python's list operations, not a bincount over the table
+_FEW_ROWS = 8
+
 
 def _operation(fn):
     """Run a KVStorage method as one allocator operation."""
@@ -118,7 +121,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     def _rows(self, rows, what: str, in_use: bool = True) -> np.ndarray:
         """Request rows as int64, each inside the table, named once and (`in_use`) in use. Unless
         their bytes passed before: the gather of their in-use marks refuses a row past the table,
-        the bincount of them a negative row, and its count of rows named is the repeats."""
+        the bincount of them a negative row, and its count of rows named is the repeats (a few
+        rows: their list's min, max and set)."""
         if not self._checked:
             return rows
         if type(rows) is not np.ndarray or rows.dtype is not INT64 or rows.ndim != 1:  # `boundary.is_ids`, inlined
@@ -127,12 +131,21 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         n = len(rows)
         key = rows.tobytes()
         if key != self._rows_once:
-            try:
+            if n <= _FEW_ROWS:  # an admission's or a finish's rows: a list's min, max and set beat a bincount
+                listed = rows.tolist()
+                if n and (min(listed) < 0 or max(listed) >= table.rows):
+                    raise _unknown_rows(table, rows)
+                named = np.bincount(rows, minlength=table.rows) if len(set(listed)) != n else None
                 active = table.active[rows]
-                named = np.bincount(rows, minlength=table.rows)
-            except (IndexError, ValueError):
-                raise _unknown_rows(table, rows) from None
-            if count_true(named) != n:
+            else:
+                try:
+                    active = table.active[rows]
+                    named = np.bincount(rows, minlength=table.rows)
+                except (IndexError, ValueError):
+                    raise _unknown_rows(table, rows) from None
+                if count_true(named) == n:
+                    named = None
+            if named is not None:
                 raise InputError(f"{what} names each row once: rows {np.flatnonzero(named > 1)[:8].tolist()} "
                                  "are named twice")
             self._rows_once = key
