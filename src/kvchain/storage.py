@@ -136,7 +136,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
                 if n and (min(listed) < 0 or max(listed) >= table.rows):
                     raise _unknown_rows(table, rows)
                 named = np.bincount(rows, minlength=table.rows) if len(set(listed)) != n else None
-                active = table.active[rows]
+                marks = table.active
+                all_in_use = all(marks[r] for r in listed)
             else:
                 try:
                     active = table.active[rows]
@@ -145,11 +146,12 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
                     raise _unknown_rows(table, rows) from None
                 if count_true(named) == n:
                     named = None
+                all_in_use = count_true(active) == n
             if named is not None:
                 raise InputError(f"{what} names each row once: rows {np.flatnonzero(named > 1)[:8].tolist()} "
                                  "are named twice")
             self._rows_once = key
-            self._once_in_use = table.row_frees if count_true(active) == n else -1
+            self._once_in_use = table.row_frees if all_in_use else -1
         if in_use and not self._in_use(rows):
             active = table.active[rows]
             raise InputError(f"{what} needs distinct rows that are in use: rows {rows[~active][:8].tolist()} are not")
@@ -251,9 +253,13 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         # gather of `_below_context` fails
         if self._checked:
             try:
-                if count_true(new_lens < old_lens):
-                    raise IndexError
-                self._below_context.take(new_lens)  # mode 'raise': a length past it fails
+                if len(rows) <= _FEW_ROWS:  # an admission's lengths: compared as lists
+                    if not all(old <= new <= table.context_len for old, new in zip(old_lens.tolist(), new_lens.tolist())):
+                        raise IndexError
+                else:
+                    if count_true(new_lens < old_lens):
+                        raise IndexError
+                    self._below_context.take(new_lens)  # mode 'raise': a length past it fails
             except IndexError:
                 raise InputError(f"new lengths must lie in [current length, {table.context_len}]") from None
         ps = self.page_size
