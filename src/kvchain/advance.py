@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .alloc.chain import ChainAllocator
+from .alloc.npfast import count_true
 from .requests import RequestTable, expand_runs
 
 
@@ -31,20 +32,28 @@ def retire_window_rows(table: RequestTable, chain: ChainAllocator, page_size: in
         return 0
     ps = page_size
     seq = table.seq_lens[rows]
-    last_page = (seq - 1) // ps  # the page of the last token (-1 for an empty row: it retires nothing)
-    shared = table.shared_pages[rows]
+    last_page = None
+    # with no tree-shared prefix in the table, a row's first bound page is its window's
+    shared = table.shared_pages[rows] if count_true(table.shared_pages) else None
     freed = 0
     for k, band in enumerate(chain.window_bands):
         keep = window_keep_from(seq, band.pool.window, band.pool.lifetime.chunked)
         if checkpoints is not None:
             keep = np.minimum(keep, np.maximum(checkpoints - band.pool.window, 0))
-        new_lo = np.minimum(keep // ps, last_page)
+        new_lo = keep // ps
+        if band.pool.lifetime.chunked:
+            # a chunk starts at the length itself when the length is whole chunks: keep the page of
+            # the last token (a sliding window always keeps it: it starts before the last token)
+            if last_page is None:
+                last_page = (seq - 1) // ps  # -1 for an empty row: it retires nothing
+            np.minimum(new_lo, last_page, out=new_lo)
         window_lo = table.window_lo[:, k]  # a column view: a 1-D gather is 3x faster than a 2-D one
         lo = window_lo[rows]
-        old_lo = np.maximum(lo, shared)
+        old_lo = lo if shared is None else np.maximum(lo, shared)
         counts = new_lo - old_lo
-        if counts.max(initial=0) <= 0:  # the common step: nothing left a window
-            window_lo[rows] = np.maximum(lo, new_lo)
+        if not count_true(counts > 0):  # the common step: nothing left a window
+            if shared is not None:  # the window starts past a shared prefix it never bound
+                window_lo[rows] = np.maximum(lo, new_lo)
             continue
         np.maximum(counts, 0, out=counts)
         n = int(counts.sum())

@@ -111,8 +111,8 @@ _LEVELS = {str(int(v)): v for v in InvariantCheckLevel}
 
 def invariant_level() -> InvariantCheckLevel:
     """The effective check level: unset means off, or strict when the older assert switch is set.
-    Read at the start of every allocator operation, so it stays cheap: two lookups, no parsing
-    unless a value is set."""
+    Read at most once per allocator operation (at its first check, `alloc.invariants.level`), so
+    it stays cheap: two lookups, no parsing unless a value is set."""
     environ = os.environ
     raw = environ.get("KVCHAIN_INVARIANT_CHECK")
     if raw:

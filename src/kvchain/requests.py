@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .alloc.id_space import IdStack
+from .alloc.npfast import count_true
 from .errors import CapacityError, InputError, InvariantError
 from .sizing import pages_for
 
@@ -17,13 +18,19 @@ NO_SLOT = -1
 def expand_runs(rows: np.ndarray, first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every (row, position) of per-row runs: positions `first[i]` to `first[i] + counts[i] - 1` of
     `rows[i]`, in order, in one vectorised pass; runs of at most one skip the expansion. `counts`
-    must be non-negative."""
+    must be non-negative. One run (a prefill's) is a range. Array methods, not the `np.` functions:
+    on arrays this short their dispatch costs more than the work."""
+    if len(counts) == 1:
+        k = int(counts[0])
+        start = int(first[0])
+        return rows.repeat(k), np.arange(start, start + k, dtype=np.int64)
     if counts.max(initial=0) <= 1:
         kept = counts > 0
         return rows[kept], first[kept]
-    starts = np.cumsum(counts) - counts
-    offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)
-    return np.repeat(rows, counts), np.repeat(first, counts) + offsets
+    starts = counts.cumsum() - counts
+    offsets = np.arange(int(counts.sum())) - starts.repeat(counts)
+    return rows.repeat(counts), first.repeat(counts) + offsets
+
 
 class RowResets:
     """Rows handed out since the last forward. Request-scoped device state is not reset when a row
@@ -66,6 +73,9 @@ class RequestTable:
         self.shared_pages = np.zeros(rows, dtype=np.int64)
         self._free = IdStack(rows, np.arange(rows - 1, 0, -1, dtype=np.int64))
         self.resets = RowResets(rows)
+        #: moves whenever a row leaves use: rows found in use stay in use until it moves, so a
+        #: caller may remember that answer (the boundary's `KVStorage._rows`)
+        self.row_frees = 0
 
     @property
     def free_rows(self) -> int:
@@ -83,6 +93,7 @@ class RequestTable:
         if not self.active[row]:
             raise InvariantError("requests.row_state", f"row {row} freed while not in use")
         self.active[row] = False
+        self.row_frees += 1
         self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)] = 0
         self.seq_lens[row] = 0
         self.state_slot[row] = NO_SLOT
@@ -90,12 +101,14 @@ class RequestTable:
         self.shared_pages[row] = 0
         self._free.push(np.array([row], dtype=np.int64))
 
-    def release_rows(self, rows: np.ndarray) -> None:
-        """Give rows back (vectorised `free_row`)."""
+    def release_rows(self, rows: np.ndarray, checked: bool = True) -> None:
+        """Give rows back (vectorised `free_row`). `checked=False` skips the in-use check, for a
+        caller that has just made it."""
         rows = np.asarray(rows, dtype=np.int64)
-        if not self.active[rows].all():
+        if checked and count_true(self.active[rows]) != len(rows):
             raise InvariantError("requests.row_state", f"rows freed while not in use: {rows[~self.active[rows]].tolist()}")
         self.active[rows] = False
+        self.row_frees += 1
         self.page_table[rows] = 0
         self.seq_lens[rows] = 0
         self.state_slot[rows] = NO_SLOT

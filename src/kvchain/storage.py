@@ -43,6 +43,9 @@ from .storage_roles.boundary import INT64, count_true
 
 log = logging.getLogger("kvchain.storage")
 
+#: row arrays up to this long are checked with Python's list operations, not a bincount over the table
+_FEW_ROWS = 8
+
 
 def _operation(fn):
     """Run a KVStorage method as one allocator operation."""
@@ -101,8 +104,11 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         # found inside it, and of the last token ids the pool wrote: a step names the same rows to
         # every call and hands back the ids it was given, and what an array's bytes passed once
         # (a range, no repeats) they pass again, whatever the pool did since. Comparing bytes copies
-        # them once and runs no ufunc; whether rows are in use is pool state, checked every call.
+        # them once and runs no ufunc. Whether rows are in use is pool state: the answer for
+        # `_rows_once` holds while no row has left use (`_once_in_use`, the table's `row_frees`
+        # when they were found in use; -1 when they were not).
         self._rows_once = b""
+        self._once_in_use = -1
         self._rows_inside = b""
         self._tokens_written = b""
         #: per owner virtual page, the row and page column that took it last: with the rows' table
@@ -115,7 +121,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     def _rows(self, rows, what: str, in_use: bool = True) -> np.ndarray:
         """Request rows as int64, each inside the table, named once and (`in_use`) in use. Unless
         their bytes passed before: the gather of their in-use marks refuses a row past the table,
-        the bincount of them a negative row, and its count of rows named is the repeats."""
+        the bincount of them a negative row, and its count of rows named is the repeats (a few
+        rows: their list's min, max and set)."""
         if not self._checked:
             return rows
         if type(rows) is not np.ndarray or rows.dtype is not INT64 or rows.ndim != 1:  # `boundary.is_ids`, inlined
@@ -124,20 +131,39 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         n = len(rows)
         key = rows.tobytes()
         if key != self._rows_once:
-            try:
-                active = table.active[rows]
-                named = np.bincount(rows, minlength=table.rows)
-            except (IndexError, ValueError):
-                raise _unknown_rows(table, rows) from None
-            if count_true(named) != n:
+            if n <= _FEW_ROWS:  # an admission's or a finish's rows: a list's min, max and set beat a bincount
+                listed = rows.tolist()
+                if n and (min(listed) < 0 or max(listed) >= table.rows):
+                    raise _unknown_rows(table, rows)
+                named = np.bincount(rows, minlength=table.rows) if len(set(listed)) != n else None
+                marks = table.active
+                all_in_use = all(marks[r] for r in listed)
+            else:
+                try:
+                    active = table.active[rows]
+                    named = np.bincount(rows, minlength=table.rows)
+                except (IndexError, ValueError):
+                    raise _unknown_rows(table, rows) from None
+                if count_true(named) == n:
+                    named = None
+                all_in_use = count_true(active) == n
+            if named is not None:
                 raise InputError(f"{what} names each row once: rows {np.flatnonzero(named > 1)[:8].tolist()} "
                                  "are named twice")
             self._rows_once = key
-        elif in_use:
+            self._once_in_use = table.row_frees if all_in_use else -1
+        if in_use and not self._in_use(rows):
             active = table.active[rows]
-        if in_use and count_true(active) != n:
             raise InputError(f"{what} needs distinct rows that are in use: rows {rows[~active][:8].tolist()} are not")
         return rows
+
+    def _in_use(self, rows: np.ndarray) -> bool:
+        """Whether every row of `rows`, the bytes `_rows` passed last, is in use: the remembered
+        answer while no row has left use since, else a gather of their in-use marks."""
+        table = self.table
+        if self._once_in_use != table.row_frees:
+            self._once_in_use = table.row_frees if count_true(table.active[rows]) == len(rows) else -1
+        return self._once_in_use == table.row_frees
 
     def _row(self, row, what: str) -> int:
         row = boundary.index(row, f"{what} row")
@@ -227,9 +253,13 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         # gather of `_below_context` fails
         if self._checked:
             try:
-                if count_true(new_lens < old_lens):
-                    raise IndexError
-                self._below_context.take(new_lens)  # mode 'raise': a length past it fails
+                if len(rows) <= _FEW_ROWS:  # an admission's lengths: compared as lists
+                    if not all(old <= new <= table.context_len for old, new in zip(old_lens.tolist(), new_lens.tolist())):
+                        raise IndexError
+                else:
+                    if count_true(new_lens < old_lens):
+                        raise IndexError
+                    self._below_context.take(new_lens)  # mode 'raise': a length past it fails
             except IndexError:
                 raise InputError(f"new lengths must lie in [current length, {table.context_len}]") from None
         ps = self.page_size
@@ -271,11 +301,14 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         if self._checked and count_true(self._below_context[old_lens]) != len(rows):
             raise InputError(f"a row is at the context length {table.context_len}")
         ps = self.page_size
-        col = old_lens // ps
-        offset = old_lens - col * ps
+        col, offset = np.divmod(old_lens, ps)
         grown = offset == 0  # the next token starts a page
-        need_slot = rows[table.state_slot[rows] == NO_SLOT] if self._has_state else rows[:0]
-        if len(need_slot) or grown.any():
+        need_slot = rows[:0]
+        if self._has_state:
+            slotless = table.state_slot[rows] == NO_SLOT
+            if count_true(slotless):
+                need_slot = rows[slotless]
+        if len(need_slot) or count_true(grown):
             self._take_rows_pages(rows[grown], col[grown], need_slot)
         table.seq_lens[rows] = old_lens + 1
         written = table.page_table[rows, col]
@@ -301,9 +334,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         if not len(rows):
             return
         table = self.table
-        active = table.active[rows]
-        if self._checked and count_true(active) != len(rows):
-            raise InvariantError("requests.row_state", f"free of rows not in use {rows[~active].tolist()}")
+        if self._checked and not self._in_use(rows):
+            raise InvariantError("requests.row_state", f"free of rows not in use {rows[~table.active[rows]].tolist()}")
         chain = self.allocator
         # A tree-shared prefix stays with the tree. The rest is bound: no public free reaches a page
         # a row in use owns (`_not_rows_own`), so the pages are not checked again here.
@@ -311,7 +343,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         chain.free_virtual_pages(own)
         slots = table.state_slot[rows]
         chain.free_state_slots(slots[slots != NO_SLOT])
-        table.release_rows(rows)
+        table.release_rows(rows, checked=False)  # checked above, before anything changed
 
     @_operation
     def alloc_state_slots(self, n: int) -> np.ndarray:

@@ -257,6 +257,25 @@ def test_a_prefix_is_bound_pages_that_fit_the_table():
                      InputError, "past the context")
 
 
+def test_the_in_use_answer_remembered_for_an_array_ends_when_a_row_leaves_use():
+    """The boundary remembers that an array's rows were in use until a row leaves use (the table's
+    `row_frees`): the same bytes, named again after a free, are refused, whichever way the row left."""
+    storage, rows = storage_with_rows(n=3)
+    named = np.array(rows)
+    storage.alloc_decode(named)
+    storage.alloc_decode(named)  # remembered: no gather
+    storage.free_rows(named)  # the same bytes: the answer was found before the free
+    assert_unchanged(storage, lambda: storage.alloc_decode(named), InputError, "not")
+    assert_unchanged(storage, lambda: storage.free_rows(named), InvariantError, r"requests\.row_state")
+    storage, rows = storage_with_rows(n=3)
+    named = np.array(rows)
+    storage.alloc_decode(named)
+    storage.free_rows(named[2:])
+    storage.alloc_decode(named[:2])
+    storage.table.free_row(rows[1])  # a row left use without passing the boundary
+    assert_unchanged(storage, lambda: storage.alloc_decode(named[:2]), InputError, "not")
+
+
 def test_a_row_freed_twice_still_names_the_row_state_check():
     storage, rows = storage_with_rows()
     storage.free_rows(np.array(rows[:1]))

@@ -52,7 +52,7 @@ class _CapacityField:
 
     def __set__(self, obj, value) -> None:
         obj.__dict__[self.name] = value
-        obj.epoch.bump()
+        obj.epoch.value += 1  # `CapacityEpoch.bump`, inlined: every take and free sets several
 
 
 class BandState:

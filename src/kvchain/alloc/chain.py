@@ -163,8 +163,20 @@ class ChainAllocator:
         in-place take reads the band as it stands."""
         memo = self._memo.get(mode)
         if memo is None or memo.epoch != self.epoch.value:
-            memo = self._memo[mode] = self.snapshot(mode)
+            if self._modes_agree():
+                # no band holds a vacated, received or network-used page: every mode reads the
+                # chain alike, so one snapshot serves them all until the epoch moves
+                memo = self.snapshot(SnapshotMode.TAKE)
+                for m in SnapshotMode:
+                    self._memo[m] = memo
+            else:
+                memo = self._memo[mode] = self.snapshot(mode)
         return memo
+
+    def _modes_agree(self) -> bool:
+        """Whether every `SnapshotMode` gives the same snapshot: they differ only on vacated pages,
+        receive holds and network uses."""
+        return not any(b.n_vacated or b.n_held or b.usage.uses for b in self.bands)
 
     def in_place(self, pages: Sequence[int]) -> bool:
         """Would a take of `pages` succeed with no rearrangement at all?"""
@@ -279,9 +291,14 @@ class ChainAllocator:
             if after is not None:
                 return [self.take_from(band, n, after if j == i else None)
                         for j, (band, n) in enumerate(zip(bands, pages))]
-        in_place = plan(self.pricing_snapshot(SnapshotMode.TAKE), pages, Step.NO_MOVE)
+            in_place = None  # that answer was no: the in-place plan would only ask it again
+        else:
+            in_place = plan(self.pricing_snapshot(SnapshotMode.TAKE), pages, Step.NO_MOVE)
         if in_place is None:
-            if not feasible(self.pricing_snapshot(), pages):
+            every = self.pricing_snapshot()
+            # where the snapshot over every byte is the in-place plan's own, its in-place answer
+            # is the no just found: only the relayout is left to ask
+            if not feasible(every, pages, in_place_short=every is self._memo.get(SnapshotMode.TAKE)):
                 raise CapacityError(self._shortfall_message(pages))
             self._relieve(pages)
             return [self.take_from(band, n) for band, n in zip(self.bands, pages)]
@@ -844,11 +861,13 @@ class ChainAllocator:
             raise CapacityError(f"owner has {len(self.virtual_free)} free virtual pages, {n_pages} needed")
         if n_slots > len(self.slot_free):
             raise CapacityError(f"state sub-pool has {len(self.slot_free)} free slot ids, {n_slots} needed")
+        if n_pages < 0 or n_slots < 0:
+            raise InputError(f"a take of {n_pages} pages and {n_slots} slots")
         state = self.state_band
-        demand = [n_pages] * len(self.bands)
+        demand = [int(n_pages)] * len(self.bands)
         if state is not None:
-            demand[state.index] = n_slots
-        physical = self.take(demand)
+            demand[state.index] = int(n_slots)
+        physical = self._plan_and_take(tuple(demand))  # a demand built here needs no `_check_demand`
         vpages = slots = _NO_PAGES
         if n_pages:
             vpages = self.virtual_free.pop(n_pages)

@@ -28,31 +28,42 @@ FATAL = {
 NON_FATAL = {"band.host_read_before_wait", "band.geometry_ready", "capacity.observe_only_read"}
 
 
+#: whether an outermost allocator operation is running (`begin_operation` .. `end_operation`)
+_in_operation = False
+#: the level pinned for the running operation: read from the environment at its first check, not
+#: at its start, so an operation that checks nothing (most hot-path calls at level 0) reads nothing
 _operation_level: InvariantCheckLevel | None = None
 #: whether the current allocator operation has queued a stream wait (LIFE-41)
 _operation_waited = False
 
 
 def level() -> InvariantCheckLevel:
-    """The check level: read once per allocator operation (`allocator_operation`), else now."""
-    if _operation_level is not None:
-        return _operation_level
-    return env.invariant_level()
+    """The check level: read once per allocator operation (`allocator_operation`), at its first
+    check, and kept for the rest of it; outside an operation, read now."""
+    global _operation_level
+    lvl = _operation_level
+    if lvl is None:
+        lvl = env.invariant_level()
+        if _in_operation:
+            _operation_level = lvl
+    return lvl
 
 
 def begin_operation() -> bool:
-    """Pin the level for an outermost allocator operation; returns whether this call pinned it."""
-    global _operation_level, _operation_waited
-    if _operation_level is not None:
+    """Open an outermost allocator operation; returns whether this call opened it."""
+    global _in_operation, _operation_level, _operation_waited
+    if _in_operation:
         return False
-    _operation_level = env.invariant_level()
+    _in_operation = True
+    _operation_level = None
     _operation_waited = False
     return True
 
 
 def end_operation(pinned: bool) -> None:
-    global _operation_level, _operation_waited
+    global _in_operation, _operation_level, _operation_waited
     if pinned:
+        _in_operation = False
         _operation_level = None
         _operation_waited = False
 
@@ -60,7 +71,7 @@ def end_operation(pinned: bool) -> None:
 def before_wait() -> None:
     """A stream wait is about to be queued in the current allocator operation."""
     global _operation_waited
-    if _operation_level is not None:
+    if _in_operation:
         _operation_waited = True
 
 

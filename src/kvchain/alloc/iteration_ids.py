@@ -22,9 +22,8 @@ class IterationIds:
     def translate(cls, chain, virtual_tokens: np.ndarray, virtual_slots: np.ndarray | None = None) -> IterationIds:
         ps = chain.plan.page_size
         virtual_tokens = np.asarray(virtual_tokens, dtype=np.int64)
-        vpages = virtual_tokens // ps
-        offsets = virtual_tokens - vpages * ps
-        every = np.take(chain.token_read_maps, vpages, axis=0)  # [tokens, token bands]
+        vpages, offsets = np.divmod(virtual_tokens, ps)  # one pass for both
+        every = chain.token_read_maps.take(vpages, axis=0)  # [tokens, token bands]
         every *= ps
         every += offsets[:, None]
         locs = {band.name: every[:, k] for k, band in enumerate(chain.token_bands)}

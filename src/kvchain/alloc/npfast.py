@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+try:  # the C function itself: `np.count_nonzero`'s Python wrapper costs more than its count here
+    from numpy._core.multiarray import count_nonzero as count_true
+except ImportError:  # numpy 1.x
+    count_true = np.count_nonzero
+
 #: arrays up to this length take the list path
 SHORT = 1024
 

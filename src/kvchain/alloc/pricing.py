@@ -349,14 +349,18 @@ def first_plan(snapshot: ChainSnapshot, demand: Sequence[int], steps: Sequence[S
     return None
 
 
-def feasible(snapshot: ChainSnapshot, demand: Sequence[int]) -> bool:
+def feasible(snapshot: ChainSnapshot, demand: Sequence[int], in_place_short: bool = False) -> bool:
     """Is there any reachable layout that serves `demand`? The one capacity question (CAP-9).
 
     Relayout compacts every end and packs every movable float at its lowest position, which serves
-    whatever any in-place layout serves, so it alone decides."""
+    whatever any in-place layout serves, so it alone decides. `in_place_short`: the caller has
+    just found that the in-place plan on this very snapshot does not serve it (a refused take's
+    first answer), so that plan is not priced twice."""
     if all(d <= 0 for d in demand):
         return True
-    return plan(snapshot, demand, Step.NO_MOVE) is not None or _relayout(snapshot, demand) is not None
+    if not in_place_short and plan(snapshot, demand, Step.NO_MOVE) is not None:
+        return True
+    return _relayout(snapshot, demand) is not None
 
 
 def reclaimed_snapshot(snapshot: ChainSnapshot, freed: Sequence[int]) -> ChainSnapshot:

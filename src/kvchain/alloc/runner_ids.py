@@ -22,9 +22,11 @@ class RunnerIds:
     def translate(cls, chain, table, rows: np.ndarray) -> RunnerIds:
         rows = np.asarray(rows, dtype=np.int64)
         ps = table.page_size
-        n_pages = (int(table.seq_lens[rows].max()) + ps - 1) // ps if len(rows) else 0
-        vpages = table.page_table[rows, :n_pages]
-        every = np.take(chain.token_read_maps, vpages, axis=0)  # [batch, pages, token bands]
+        n_pages = (int(table.seq_lens.take(rows).max()) + ps - 1) // ps if len(rows) else 0
+        # rows of the leading columns, taken whole: a row-wise take copies each row's slice in one
+        # run, where `page_table[rows, :n]` indexes element by element (about 3x slower)
+        vpages = table.page_table[:, :n_pages].take(rows, axis=0)
+        every = chain.token_read_maps.take(vpages, axis=0)  # [batch, pages, token bands]
         tables = {band.name: every[..., k] for k, band in enumerate(chain.token_bands)}
         slots = None
         if chain.state_band is not None:

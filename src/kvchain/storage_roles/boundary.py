@@ -13,13 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..alloc.npfast import has_duplicates
+from ..alloc.npfast import count_true, has_duplicates
 from ..errors import InputError
-
-try:  # the C function itself: `np.count_nonzero`'s Python wrapper costs more than its count here
-    from numpy._core.multiarray import count_nonzero as count_true
-except ImportError:  # numpy 1.x
-    count_true = np.count_nonzero
 
 INT64 = np.dtype(np.int64)
 U64 = np.dtype(np.uint64)

@@ -137,6 +137,18 @@ def test_feasible_matches_brute_force(case):
 
 @settings(max_examples=2000, deadline=None)
 @given(snapshots())
+def test_feasible_told_the_in_place_plan_is_short_gives_the_same_answer(case):
+    """CAP-9: a refused take prices its in-place plan once; told that plan does not serve the
+    demand, `feasible` answers as it would have alone."""
+    if case is None:
+        return
+    snapshot, demand = case
+    if plan(snapshot, demand, Step.NO_MOVE) is None:
+        assert feasible(snapshot, demand, in_place_short=True) == feasible(snapshot, demand)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(snapshots())
 def test_steps_are_ordered_and_first_plan_is_least(case):
     """CAP-8, CAP-10: a step that serves a demand implies every later step serves it, and
     `first_plan` returns the least such step."""
