@@ -103,6 +103,7 @@ class SpecOutputs:
     rounds: list[_Round]
     tokens: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
+    proposed: torch.Tensor | None = None
     logits: torch.Tensor | None = None
 
 
@@ -338,7 +339,8 @@ class SpeculativePool(ModelPool):
             for src, dst, idx in fed:  # forwards run in order on this stream: `src` has run
                 tokens[dst] = src.tokens[idx]
             proposals = []
-            for step, (dbatch, rows_in, sample, live) in enumerate(drafts):
+            for step, (make_batch, rows_in, sample, live) in enumerate(drafts):
+                dbatch = make_batch()
                 if step == 0:
                     inputs = tokens[rows_in]
                 else:  # the proposal of the step before, into the draft and into the verify rows
@@ -358,6 +360,7 @@ class SpeculativePool(ModelPool):
                 proposed = torch.stack(proposals[:kmax], dim=1) if kmax else target[:, :0]
                 match = (proposed == target[:, :kmax]) & valid
                 spec.accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
+                spec.proposed = proposed
                 spec.tokens = target
                 if keep:
                     spec.logits = logits[g_index]
@@ -402,11 +405,15 @@ class SpeculativePool(ModelPool):
         chain0 = None
         if slots is not None:
             chain0 = StepChain(spec_idx, slots.own, slots.chain[:, :1], np.ones(r, np.int64))
-        batch0 = ForwardBatch(
-            q_starts=q0, prefix_lens=starts, seq_lens=starts + counts0, page_size=self.page_size,
-            views=self.storage.views, layer_pool=self.draft.layer_pool,
-            page_tables=views.page_tables, write_locs={k: v[rows0_t] for k, v in views.write_locs.items()},
-            state_slots=views.state_slots, state_fresh=views.state_fresh, verify=chain0)
+        pool_views, layer_pool, ps = self.storage.views, self.draft.layer_pool, self.page_size
+
+        def batch0() -> ForwardBatch:  # gathers from the uploaded buffers: run on the forward stream
+            return ForwardBatch(
+                q_starts=q0, prefix_lens=starts, seq_lens=starts + counts0, page_size=ps, views=pool_views,
+                layer_pool=layer_pool, page_tables=views.page_tables,
+                write_locs={k: v[rows0_t] for k, v in views.write_locs.items()},
+                state_slots=views.state_slots, state_fresh=views.state_fresh, verify=chain0)
+
         every = _t(np.arange(r), device)
         out = [(batch0, rows0_t, _t(q0[spec_idx], device), every)]
         kmax = int(ks.max()) if r else 0
@@ -421,16 +428,26 @@ class SpeculativePool(ModelPool):
                 step_slots = slots.chain[live_t, i]
                 chain_i = StepChain(np.arange(len(live)), slots.chain[live_t, i - 1], slots.chain[live_t, i:i + 1],
                                     np.ones(len(live), np.int64))
-            ones = np.ones(len(live), np.int64)
-            batch_i = ForwardBatch(
-                q_starts=np.arange(len(live) + 1, dtype=np.int64), prefix_lens=starts[reqs] + i,
-                seq_lens=starts[reqs] + i + ones, page_size=self.page_size, views=self.storage.views,
-                layer_pool=self.draft.layer_pool,
-                page_tables={k: v[reqs_t] for k, v in views.page_tables.items()},
-                write_locs={k: v[rows_i] for k, v in views.write_locs.items()},
-                state_slots=step_slots, state_fresh=None, verify=chain_i)
-            out.append((batch_i, rows_i, _t(np.arange(len(live)), device), live_t))
+            out.append((self._step_batch(views, starts[reqs] + i, reqs_t, rows_i, step_slots, chain_i), rows_i,
+                        _t(np.arange(len(live)), device), live_t))
         return out
+
+    def _step_batch(self, views, prefix: np.ndarray, reqs_t: torch.Tensor, rows_t: torch.Tensor,
+                    slots: torch.Tensor | None, chain: StepChain | None):
+        """A draft step after the first: one token for each of `reqs_t`, at packed rows `rows_t`; the
+        batch is built on the forward stream, since it gathers from the uploaded buffers."""
+        pool_views, layer_pool, ps = self.storage.views, self.draft.layer_pool, self.page_size
+        n = len(prefix)
+
+        def make() -> ForwardBatch:
+            return ForwardBatch(
+                q_starts=np.arange(n + 1, dtype=np.int64), prefix_lens=prefix, seq_lens=prefix + 1,
+                page_size=ps, views=pool_views, layer_pool=layer_pool,
+                page_tables={k: v[reqs_t] for k, v in views.page_tables.items()},
+                write_locs={k: v[rows_t] for k, v in views.write_locs.items()},
+                state_slots=slots, state_fresh=None, verify=chain)
+
+        return make
 
     # -- processing ------------------------------------------------------------------------------------
 
