@@ -109,6 +109,8 @@ class GenerateStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     draft_forwards: int = 0
+    #: rounds whose request was retracted while they ran (their results dropped)
+    spec_dropped: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -255,6 +257,7 @@ class Engine:
             stats.spec_proposed = spec_stats.proposed - spec0.proposed
             stats.spec_accepted = spec_stats.accepted - spec0.accepted
             stats.draft_forwards = spec_stats.draft_forwards - spec0.draft_forwards
+            stats.spec_dropped = spec_stats.dropped - spec0.dropped
         logits = {}
         if cfg.keep_logits:
             index = {r.rid: i for i, r in enumerate(reqs)}

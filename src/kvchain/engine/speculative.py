@@ -80,6 +80,8 @@ class SpecCounters:
     proposed: int = 0
     accepted: int = 0
     draft_forwards: int = 0
+    #: rounds whose request was retracted while they ran: their results are dropped
+    dropped: int = 0
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _Round:
     k: int
     out_index: int
     chain: np.ndarray | None
+    round_no: int = -1
 
 
 @dataclass
@@ -179,8 +182,17 @@ class SpeculativePool(ModelPool):
             self.steps.process_oldest()
             self.steps.flush()
 
-    def retract_victims(self, plan, candidates):
-        return super().retract_victims(plan, [c for c in candidates if id(c) not in self._held])
+    def preempt(self, req: ScheduledRequest) -> None:
+        """Retract a request, even one whose round is in flight: its row goes back at once (and may
+        name a new request before the round's commit runs, which is why the commit never looks the
+        row up, LIFE-10), its round's results are dropped, and what the tree caches of it stops
+        before the round's first token, whose successors are not verified."""
+        if id(req) in self._held:
+            self._held.discard(id(req))
+            start = req.pool_state["kv_len"]
+            req.pool_state.pop("spec_round", None)  # its results will be dropped
+            truncate_rows(self.storage, np.array([req.row]), np.array([start]))
+        super().preempt(req)
 
     def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
         """Grow the step's requests; each decode by its round's `k + 1` tokens (and `k + 1` scratch
@@ -295,6 +307,7 @@ class SpeculativePool(ModelPool):
             self._future[req.rid] = (outputs, sample_index[k_], k_)
         round_no = self.counters.forwards
         for rd in rounds:
+            rd.round_no = round_no
             rd.req.pool_state["spec_round"] = round_no
             self._held.add(id(rd.req))
 
@@ -332,7 +345,6 @@ class SpeculativePool(ModelPool):
         runner, draft, keep, fed = self.runner, self.draft, self.keep_logits, _group_futures(futures, device)
         valid = _t(np.arange(kmax)[None, :] < ks[spec_idx][:, None], device, torch.bool)
         g_index = _t(gidx, device)
-        lo_spec = q_starts[spec_idx]
 
         def run() -> None:
             tokens = views.input_ids
@@ -467,6 +479,11 @@ class SpeculativePool(ModelPool):
         done: list[ScheduledRequest] = []
         for r, rd in enumerate(spec.rounds):
             req = rd.req
+            if rd.chain is not None:
+                self.storage.free_state_slots(rd.chain)
+            if req.pool_state.get("spec_round") != rd.round_no:  # retracted while the round ran
+                self.spec.dropped += 1
+                continue
             self._held.discard(id(req))
             a = int(accepted[r])
             emitted = 0
@@ -488,8 +505,6 @@ class SpeculativePool(ModelPool):
             req.pool_state["kv_len"] = req.computed
             req.pool_state.pop("spec_round", None)
             truncate_rows(self.storage, np.array([rd.row]), np.array([req.computed]))
-            if rd.chain is not None:
-                self.storage.free_state_slots(rd.chain)
             self.spec.rounds += 1
             self.spec.proposed += rd.k
             self.spec.accepted += a
