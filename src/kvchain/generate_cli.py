@@ -37,6 +37,11 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
     p.add_argument("--json", action="store_true",
                    help='print {"outputs": [{"index", "token_ids", ...}], "stats": {...}} instead of tables')
+    p.add_argument("--draft-model-path", default=None,
+                   help="speculative decoding: a draft checkpoint sharing the model's vocabulary "
+                        "(`kvchain make-checkpoint ... --draft DIR` writes one)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                   help="tokens the draft proposes per round (with --draft-model-path)")
 
 
 def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int] | None, str | None, int]]:
@@ -102,7 +107,8 @@ def run_generate(args: argparse.Namespace) -> int:
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
-                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos)
+                          checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
+                          **_speculative(args))
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
@@ -111,6 +117,15 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     _render(result, tokenizer, engine)
     return 0
+
+
+def _speculative(args: argparse.Namespace) -> dict:
+    """The draft flags as `EngineConfig` fields; one without the other is refused."""
+    if (args.draft_model_path is None) != (args.num_speculative_tokens is None):
+        raise InputError("--draft-model-path and --num-speculative-tokens go together")
+    if args.draft_model_path is None:
+        return {}
+    return {"draft_model_path": args.draft_model_path, "num_speculative_tokens": args.num_speculative_tokens}
 
 
 def _render(result, tokenizer, engine) -> None:
@@ -142,6 +157,10 @@ def _render(result, tokenizer, engine) -> None:
         ("state checkpoints", str(s.checkpoints)),
         ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {engine.storage.sizing.budget_bytes:,} bytes"),
     ]
+    if s.spec_rounds:
+        rows += [("speculative acceptance", f"{s.acceptance_rate:.0%} ({s.spec_accepted} of {s.spec_proposed} "
+                                            f"proposed tokens, {s.spec_rounds} rounds)"),
+                 ("tokens per target forward", f"{s.tokens_per_target_forward:.2f} ({s.draft_forwards} draft forwards)")]
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)
@@ -154,6 +173,10 @@ def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="the directory to write (config.json, model.safetensors, tokenizer)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a directory that already holds a checkpoint")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="also write a matching draft for speculative decoding: the model's own first layers")
+    p.add_argument("--draft-layers", default=None, metavar="I,J,...",
+                   help="the layers the draft keeps (default: the first and the first full-attention layer)")
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> int:
@@ -173,4 +196,18 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     except OSError as e:
         raise InputError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote a tiny {args.family} checkpoint to {out}")
+    if args.draft is not None:
+        from .engine.speculative_draft import make_draft_checkpoint
+
+        layers = None
+        if args.draft_layers is not None:
+            try:
+                layers = [int(x) for x in args.draft_layers.split(",")]
+            except ValueError:
+                raise InputError(f"--draft-layers takes layer indices like 0,3, not {args.draft_layers!r}") from None
+        try:
+            make_draft_checkpoint(out, Path(args.draft), layers)
+        except OSError as e:
+            raise InputError(f"cannot write {args.draft}: {e.strerror or e}") from None
+        print(f"wrote its draft to {args.draft}")
     return 0
