@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvchain.decl import MHA, FullLifetime, KVPart, State, StateLifetime, StateTensor, WindowLifetime, kv_layer_decls
+from kvchain.decl import (
+    MHA,
+    FullLifetime,
+    KVPart,
+    State,
+    StateLifetime,
+    StateTensor,
+    WindowLifetime,
+    kv_layer_decls,
+)
 from kvchain.errors import InputError
 from kvchain.sim.speculative import draft_decls, expected_tokens_per_round, fused_decls, spec_summary
 
