@@ -8,7 +8,7 @@ the prefix cache must checkpoint the target's state, whose slots then hold the d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -20,8 +20,8 @@ from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .runner import ModelRunner
 from .speculative import SpeculativePool, draft_layer_offset, fuse_draft_layers, plan_with_draft
 
-if TYPE_CHECKING:
-    from .serve import EngineConfig
+#: `serve.EngineConfig` (not imported: `serve` imports this module)
+EngineConfig = Any
 
 
 @dataclass(frozen=True)
