@@ -40,6 +40,9 @@ from .engine.pool import KVChainPool
 from .engine.runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
+from .engine.speculative import SpeculativePool, plan_with_draft, truncate_rows
+from .engine.speculative_draft import make_draft, make_draft_checkpoint
+from .engine.speculative_state import ForwardStateSlots, commit_states_after_verify
 from .engine.tiny import make_checkpoint
 from .errors import (
     BudgetError,
@@ -167,6 +170,13 @@ __all__ = [
     "load_config_file",
     "load_trace",
     "make_checkpoint",
+    "make_draft",
+    "make_draft_checkpoint",
+    "plan_with_draft",
+    "truncate_rows",
+    "commit_states_after_verify",
+    "SpeculativePool",
+    "ForwardStateSlots",
     "mamba_prefill_chunk_grid",
     "model_from_config",
     "model_from_preset",
