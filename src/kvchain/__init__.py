@@ -46,6 +46,9 @@ from .engine.pool import KVChainPool
 from .engine.runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
+from .engine.speculative import SpeculativePool, plan_with_draft, truncate_rows
+from .engine.speculative_draft import make_draft, make_draft_checkpoint
+from .engine.speculative_state import ForwardStateSlots, commit_states_after_verify
 from .engine.tiny import make_checkpoint
 from .errors import (
     BudgetError,
@@ -114,6 +117,7 @@ __all__ = [
     "Forward",
     "ForwardBatch",
     "ForwardHooks",
+    "ForwardStateSlots",
     "FullLifetime",
     "GenerateOutput",
     "GenerateRequest",
@@ -162,6 +166,7 @@ __all__ = [
     "RunnerIds",
     "Scheduler",
     "SchedulerConfig",
+    "SpeculativePool",
     "StageCapacity",
     "StageGeometry",
     "StagePartitionError",
@@ -185,6 +190,7 @@ __all__ = [
     "WritePolicy",
     "build_kv_storage",
     "check_bs1_floor",
+    "commit_states_after_verify",
     "compare",
     "evict_until_fits",
     "format_bytes",
@@ -196,6 +202,8 @@ __all__ = [
     "load_config_file",
     "load_trace",
     "make_checkpoint",
+    "make_draft",
+    "make_draft_checkpoint",
     "make_engine",
     "mamba_prefill_chunk_grid",
     "model_from_config",
@@ -204,6 +212,7 @@ __all__ = [
     "parse_bytes",
     "plan_kv_storage",
     "plan_stages",
+    "plan_with_draft",
     "reclaimable_pages",
     "request_demand",
     "save_trace",
@@ -212,5 +221,6 @@ __all__ = [
     "size_stages",
     "small_hybrid",
     "stage_layer_ranges",
+    "truncate_rows",
     "workload_from_name",
 ]

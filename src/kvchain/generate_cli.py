@@ -45,6 +45,11 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="--pd's data plane (default nixl where it imports, else gloo)")
     p.add_argument("--json", action="store_true",
                    help='print {"outputs": [{"index", "token_ids", ...}], "stats": {...}} instead of tables')
+    p.add_argument("--draft-model-path", default=None,
+                   help="speculative decoding: a draft checkpoint sharing the model's vocabulary "
+                        "(`kvchain make-checkpoint ... --draft DIR` writes one)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                   help="tokens the draft proposes per round (with --draft-model-path)")
     p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline stages: split the layers across this many processes over gloo, each stage its own "
                         "pool of its own layers (cpu; default 1)")
@@ -124,12 +129,14 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
-                          host_budget=args.host_budget)
+                          host_budget=args.host_budget, **_speculative(args))
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
     if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):
         raise InputError(f"--tp {args.tp} and --pp {args.pp}: give one of them (ranks within stages are not built)")
-    if split and (args.pd or args.host_budget is not None):
-        raise InputError(f"--{'pd' if args.pd else 'host-budget'} with --tp/--pp: give one of them")
+    if split and (args.pd or args.host_budget is not None or args.draft_model_path is not None):
+        raise InputError("--pd, --host-budget and --draft-model-path do not combine with --tp/--pp")
+    if args.pd and args.draft_model_path is not None:
+        raise InputError("--pd with --draft-model-path: speculative decoding on PD nodes is not built")
     if args.pd:
         return _run_pd(args, config, requests, tokenizer)
     if args.tp > 1:
@@ -212,6 +219,15 @@ def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
     return 0
 
 
+def _speculative(args: argparse.Namespace) -> dict:
+    """The draft flags as `EngineConfig` fields; one without the other is refused."""
+    if (args.draft_model_path is None) != (args.num_speculative_tokens is None):
+        raise InputError("--draft-model-path and --num-speculative-tokens go together")
+    if args.draft_model_path is None:
+        return {}
+    return {"draft_model_path": args.draft_model_path, "num_speculative_tokens": args.num_speculative_tokens}
+
+
 def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -244,6 +260,10 @@ def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None)
     if host_bytes is not None:
         rows.append(("host tier", f"{s.host_hits} hits, {s.host_backups} backups, {s.host_loads} loads "
                                   f"({host_bytes:,} host bytes)"))
+    if s.spec_rounds:
+        rows += [("speculative acceptance", f"{s.acceptance_rate:.0%} ({s.spec_accepted} of {s.spec_proposed} "
+                                            f"proposed tokens, {s.spec_rounds} rounds)"),
+                 ("tokens per target forward", f"{s.tokens_per_target_forward:.2f} ({s.draft_forwards} draft forwards)")]
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)
@@ -256,6 +276,10 @@ def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="the directory to write (config.json, model.safetensors, tokenizer)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a directory that already holds a checkpoint")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="also write a matching draft for speculative decoding: the model's own first layers")
+    p.add_argument("--draft-layers", default=None, metavar="I,J,...",
+                   help="the layers the draft keeps (default: the first and the first full-attention layer)")
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> int:
@@ -275,4 +299,18 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     except OSError as e:
         raise InputError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote a tiny {args.family} checkpoint to {out}")
+    if args.draft is not None:
+        from .engine.speculative_draft import make_draft_checkpoint
+
+        layers = None
+        if args.draft_layers is not None:
+            try:
+                layers = [int(x) for x in args.draft_layers.split(",")]
+            except ValueError:
+                raise InputError(f"--draft-layers takes layer indices like 0,3, not {args.draft_layers!r}") from None
+        try:
+            make_draft_checkpoint(out, Path(args.draft), layers)
+        except OSError as e:
+            raise InputError(f"cannot write {args.draft}: {e.strerror or e}") from None
+        print(f"wrote its draft to {args.draft}")
     return 0

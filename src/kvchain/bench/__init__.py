@@ -52,6 +52,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--tokens", type=positive_int, default=2048, help="tokens per request")
     pd.add_argument("--budget", type=byte_size, default=256 * 2**20, help="each process's KV budget (default 256MiB)")
     pd.add_argument("--json", action="store_true")
+    spec = sub.add_parser("spec", help="target forwards per generated token with and without a draft "
+                          "(speculative decoding) on a tiny checkpoint")
+    spec.add_argument("--family", default="qwen3_next", help="a tiny checkpoint family")
+    spec.add_argument("--requests", type=positive_int, default=8)
+    spec.add_argument("--num-speculative-tokens", type=positive_int, default=3)
+    spec.add_argument("--draft", default="whole", help="first: the target's first layers; whole: all of them")
+    spec.add_argument("--max-new-tokens", type=positive_int, default=24)
+    spec.add_argument("--seed", type=non_negative_int, default=0)
+    spec.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +74,16 @@ def run(args: argparse.Namespace) -> int:
         return _run_pd(args)
     if args.bench == "host":
         return _run_host(args)
+    if args.bench == "spec":
+        from .spec import render_spec_bench, run_spec_bench
+
+        result = run_spec_bench(family=args.family, requests=args.requests, k=args.num_speculative_tokens,
+                                draft=args.draft, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        if args.json:
+            print(dump_json(result))
+        else:
+            render_spec_bench(result, Console())
+        return 0
     if args.bench == "alloc":
         from .alloc import PROFILES, run_alloc_bench
 

@@ -43,6 +43,9 @@ class ForwardBatch:
     write_locs: dict[str, torch.Tensor] = field(default_factory=dict)
     state_slots: torch.Tensor | None = None
     state_fresh: torch.Tensor | None = None
+    #: speculative rounds: requests whose recurrent layers step token by token into scratch slots
+    #: (`speculative_state.StepChain`); None outside speculative decoding
+    verify: object | None = None
 
     @property
     def batch_size(self) -> int:

@@ -13,6 +13,7 @@ from .batch import ForwardBatch
 from .deltanet import deltanet_forward, deltanet_module_types
 from .mamba2 import mamba2_forward, mamba2_module_types
 from .shortconv import shortconv_forward, shortconv_module_types
+from .speculative_state import stepped_mixer_forward
 
 
 def install_state_mixers(model: torch.nn.Module) -> int:
@@ -38,6 +39,8 @@ def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Cal
         if not isinstance(batch, ForwardBatch):
             raise InputError(f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) runs on "
                              "kvchain's pool and needs kvchain_batch=<ForwardBatch> in the forward's kwargs")
+        if batch.verify is not None:  # a speculative round: token by token into scratch slots
+            return stepped_mixer_forward(forward, module, hidden_states, batch)
         return forward(module, hidden_states, batch)
 
     return run

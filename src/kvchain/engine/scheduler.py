@@ -129,8 +129,9 @@ class Scheduler:
         order, whose retraction lets the rest grow (the pool asks `fits_after_frees`) are
         retracted. Retracting every grower always makes room, so the walk always ends."""
         paused: set[int] = set()
+        held = self.pool.held_back() if hasattr(self.pool, "held_back") else ()  # speculative rounds in flight
         while True:
-            decodes = [r for r in self.running if not r.prefilling]
+            decodes = [r for r in self.running if not r.prefilling and id(r) not in held]
             prefills = [r for r in self.running if r.prefilling]
             plan, left = self._plan(decodes, prefills, paused, budget)
             if not plan:
@@ -264,6 +265,8 @@ class Scheduler:
             stepped.append(req)
         if stepped:
             self.pool.forward(stepped)
+        elif hasattr(self.pool, "idle_step"):  # nothing to step: the pool processes what is in flight
+            self.pool.idle_step()
         for req in list(self.running):
             if not req.prefilling and req.done:
                 self.pool.finish(req)

@@ -8,6 +8,7 @@ stream, overlapped with scheduling (`ModelPool`). Greedy decoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from .model_pool import ModelPool
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .speculative_setup import load_draft, speculative_pool
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class EngineConfig:
     #: bytes of host memory for the host tier (evicted prefixes backed up, loaded back on a match);
     #: None: no host tier
     host_budget: int | None = None
+    #: speculative decoding: a draft checkpoint sharing the target's vocabulary (its layers fused into
+    #: the target's plan) and the tokens it proposes per round (`speculative.py`)
+    draft_model_path: str | Path | None = None
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,21 @@ class GenerateStats:
     host_hits: int = 0
     host_backups: int = 0
     host_loads: int = 0
+    #: speculative decoding: rounds verified, draft tokens proposed and accepted, draft forwards
+    spec_rounds: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    draft_forwards: int = 0
+    #: rounds whose request was retracted while they ran (their results dropped)
+    spec_dropped: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.output_tokens / self.forwards if self.forwards else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -116,7 +137,8 @@ class GenerateStats:
 
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
-                "tokens_per_second": self.tokens_per_second, "prefix_hit_rate": self.prefix_hit_rate}
+                "tokens_per_second": self.tokens_per_second, "prefix_hit_rate": self.prefix_hit_rate,
+                "acceptance_rate": self.acceptance_rate, "tokens_per_target_forward": self.tokens_per_target_forward}
 
 
 @dataclass
@@ -146,18 +168,31 @@ class Engine:
         self.checkpoint = checkpoint
         spec = checkpoint.model_spec()
         context = config.context_len or min(spec.max_context or 4096, 4096)
-        self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)
+        draft = None
+        if config.draft_model_path is not None or config.num_speculative_tokens:
+            draft = load_draft(config, checkpoint, torch_device)
+            self.plan = draft.plan
+        else:
+            self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)
         sizing = size_plan(self.plan, config.budget_bytes, context_len=context, max_running_requests=config.max_running)
         self.storage = build_kv_storage(self.plan, sizing, torch_device, backend=backend)
         self.runner = ModelRunner(checkpoint.model, self.plan)
         strategy = CheckpointStrategy.EXTRA_BUFFER
         interval = config.checkpoint_interval if self.plan.state is not None else None
-        self.pool = ModelPool(self.storage, self.runner, overlap=config.overlap, war_barrier=config.war_barrier,
-                              eos=() if config.ignore_eos else checkpoint.eos_token_ids,
-                              keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
-                              strategy=strategy, checkpoint_interval=interval,
-                              max_tokens=config.max_batched_tokens + config.max_running)
+        if draft is not None and draft.checkpoint_interval is not None:
+            interval = draft.checkpoint_interval
+        pool_kwargs = dict(overlap=config.overlap, war_barrier=config.war_barrier,
+                           eos=() if config.ignore_eos else checkpoint.eos_token_ids,
+                           keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
+                           strategy=strategy, checkpoint_interval=interval,
+                           max_tokens=config.max_batched_tokens + config.max_running)
+        if draft is not None:
+            self.pool = speculative_pool(self.storage, self.runner, draft, config, pool_kwargs)
+        else:
+            self.pool = ModelPool(self.storage, self.runner, **pool_kwargs)
         if config.host_budget is not None:
+            if draft is not None:
+                raise InputError("host_budget with a draft model: the host tier under speculative decoding is not built")
             self.pool.enable_host_tier(config.host_budget)
         self._rid = 0
 
@@ -190,6 +225,7 @@ class Engine:
         forwards0 = counters.forwards
         before_storage = self.storage.stats()
         moves0, relocations0 = before_storage.moves, before_storage.relocations
+        spec0 = dataclasses.replace(self.pool.spec) if hasattr(self.pool, "spec") else None
         peak = 0.0
         t0 = time.perf_counter()
 
@@ -232,6 +268,13 @@ class Engine:
             stats.host_hits = host["host_hits"] - host0["host_hits"]
             stats.host_backups = host["backups"] - host0["backups"]
             stats.host_loads = host["loads"] - host0["loads"]
+        spec_stats = getattr(self.pool, "spec", None)
+        if spec_stats is not None:
+            stats.spec_rounds = spec_stats.rounds - spec0.rounds
+            stats.spec_proposed = spec_stats.proposed - spec0.proposed
+            stats.spec_accepted = spec_stats.accepted - spec0.accepted
+            stats.draft_forwards = spec_stats.draft_forwards - spec0.draft_forwards
+            stats.spec_dropped = spec_stats.dropped - spec0.dropped
         logits = {}
         if cfg.keep_logits:
             index = {r.rid: i for i, r in enumerate(reqs)}

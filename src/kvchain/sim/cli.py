@@ -93,6 +93,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "question asked of every stage's snapshot (default 1)")
     p.add_argument("--pp-partition", type=_layer_counts, default=None,
                    help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
+    p.add_argument("--spec-tokens", type=_positive_int, default=None,
+                   help="speculative decoding: a fused draft (the model's first layers) proposing this many "
+                        "tokens per round; every pool then holds the draft's KV too")
+    p.add_argument("--spec-acceptance", type=float, default=None,
+                   help="with --spec-tokens: the chance each proposal is accepted (reports tokens per target forward)")
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:
@@ -156,6 +161,14 @@ def run(args: argparse.Namespace) -> int:
     _check_attention(model)
     args.context = check_context(model, args.context)
     _check_pages(model, args.budget)
+    decls, spec = model.decls, None
+    if (args.spec_tokens is None) != (args.spec_acceptance is None):
+        raise InputError("--spec-tokens and --spec-acceptance go together")
+    if args.spec_tokens is not None:
+        from .speculative import fused_decls, spec_summary
+
+        spec = spec_summary(model.decls, args.spec_tokens, args.spec_acceptance, args.page_size)
+        decls = fused_decls(model.decls)
     requests = _requests(args)
     if not requests:
         raise InputError("the workload has no requests")
@@ -166,14 +179,22 @@ def run(args: argparse.Namespace) -> int:
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority)
     with progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task(f"simulate {len(pools)} pools", total=None)
-        result = compare(model.decls, cfg, requests, pools, sched, jobs=args.jobs,
+        result = compare(decls, cfg, requests, pools, sched, jobs=args.jobs,
                          progress=lambda done, total: bar.update(task, completed=done, total=total))
     if args.plot:
         plot_comparison(result, args.plot, title=f"{model.name}, {format_bytes(args.budget)}, {args.trace or args.workload}")
     if args.json:
-        print(dump_json(comparison_json(model, args, result), indent=2))
+        out = comparison_json(model, args, result)
+        if spec is not None:
+            out["speculative"] = spec
+        print(dump_json(out, indent=2))
     else:
         render_comparison(model, args, result)
+        if spec is not None:
+            print(f"speculative: {spec['draft_layers']} draft layers fused into every pool "
+                  f"({spec['token_bytes_with_draft']:,} KV bytes per token, {spec['token_bytes_target']:,} without); "
+                  f"{spec['tokens_per_target_forward']:.2f} tokens per target forward per request at "
+                  f"{spec['spec_acceptance']:.0%} acceptance of {spec['spec_tokens']}")
     return 0
 
 

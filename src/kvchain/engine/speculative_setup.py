@@ -1,0 +1,69 @@
+"""Start-up of speculative decoding: load the draft, fuse it into the target's plan, build its pool.
+
+Everything a draft can get wrong is refused here, before any memory is taken: a draft without a
+proposal count (or the reverse), a vocabulary other than the target's, and a draft with recurrent
+layers when the target's state band has no checkpoint policy (`plan_kv_storage` raises PlanError:
+the prefix cache must checkpoint the target's state, whose slots then hold the draft's too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.checkpoints import default_checkpoint_interval
+from ..errors import InputError
+from ..plan import KVStoragePlan, plan_kv_storage
+from ..storage import KVStorage
+from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .runner import ModelRunner
+from .speculative import SpeculativePool, draft_layer_offset, fuse_draft_layers, plan_with_draft
+
+#: `serve.EngineConfig` (not imported: `serve` imports this module)
+EngineConfig = Any
+
+
+@dataclass(frozen=True)
+class DraftSetup:
+    """The loaded draft (its layers renumbered after the target's), the fused plan, and the
+    checkpoint grid declared on the target's state (None: no recurrent state or no prefix cache)."""
+
+    checkpoint: LoadedCheckpoint
+    plan: KVStoragePlan
+    checkpoint_interval: int | None
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.device) -> DraftSetup:
+    """Load `config.draft_model_path` and plan it fused with `target` (refusals: see the module)."""
+    k = config.num_speculative_tokens
+    if config.draft_model_path is None or not isinstance(k, int) or k < 1:
+        raise InputError("speculative decoding needs both a draft model path and a positive number of "
+                         f"speculative tokens (got {config.draft_model_path!r} and {k!r})")
+    draft = load_checkpoint(config.draft_model_path, device=device)
+    if _vocab(draft.model) != _vocab(target.model):
+        raise InputError(f"the draft's vocabulary ({_vocab(draft.model)} ids) is not the target's "
+                         f"({_vocab(target.model)} ids): a draft must share the target's tokenizer")
+    decls = target.model_spec().decls
+    alone = plan_kv_storage(decls, page_size=config.page_size)
+    interval = None
+    if alone.state is not None and config.prefix_cache:
+        interval = config.checkpoint_interval or default_checkpoint_interval(alone)
+    plan = plan_with_draft(decls, draft.model_spec().decls, page_size=config.page_size,
+                           checkpoint_interval=interval)
+    fuse_draft_layers(draft.model, draft_layer_offset(decls))
+    return DraftSetup(draft, plan, interval)
+
+
+def speculative_pool(storage: KVStorage, runner: ModelRunner, draft: DraftSetup, config: EngineConfig,
+                     kwargs: dict) -> SpeculativePool:
+    """The engine's pool with the draft's runner over the same plan; the metadata buffers take a
+    round's `k + 1` tokens per running request."""
+    k = config.num_speculative_tokens
+    kwargs = {**kwargs, "max_tokens": config.max_batched_tokens + config.max_running * (k + 1)}
+    return SpeculativePool(storage, runner, ModelRunner(draft.checkpoint.model, storage.plan),
+                           num_speculative_tokens=k, **kwargs)

@@ -1,0 +1,61 @@
+"""Speculative serving for the engine tests: a draft made from each tiny target (its own first
+layers, or the whole target for a draft that is always right) and a tight budget over the fused
+plan, so the draft's KV is part of what only a few requests fit in."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+from kvchain.engine.checkpoint import load_checkpoint
+from kvchain.engine.serve import Engine, EngineConfig, GenerateResult
+from kvchain.engine.speculative import plan_with_draft
+from kvchain.engine.speculative_draft import make_draft_checkpoint
+from kvchain.plan import PoolKind
+from kvchain.sizing import pages_for, size_plan
+from support.engine import INTERVAL, PAGE, checkpoint_dir, workload
+
+SPEC_FAMILIES = ("gemma3", "qwen3_next", "nemotron_h")
+
+
+@functools.cache
+def draft_dir(family: str, whole: bool = False) -> Path:
+    """The family's draft: the target's first and first full-attention layers, or (`whole`) every
+    layer, a draft whose proposals the target always accepts."""
+    root = Path(tempfile.mkdtemp(prefix=f"kvchain-draft-{family}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    target = checkpoint_dir(family)
+    layers = None
+    if whole:
+        layers = list(range(load_checkpoint(target).config.num_hidden_layers))
+    return make_draft_checkpoint(target, root / "draft", layers)
+
+
+def fused_budget(family: str, at_once: int, whole: bool = False) -> int:
+    """`support.engine.tight_budget` over the fused plan: about `at_once` of the longest requests,
+    their pages in every token sub-pool (draft layers included) and five state slots each (the
+    running, tracking and a round's scratch slots)."""
+    target = load_checkpoint(checkpoint_dir(family)).model_spec()
+    draft = load_checkpoint(draft_dir(family, whole)).model_spec()
+    plan = plan_with_draft(target.decls, draft.decls, page_size=PAGE, checkpoint_interval=INTERVAL)
+    fixed = size_plan(plan, 2**30, context_len=128, max_running_requests=8).fixed.total
+    token_pages = sum(p.page_bytes for p in plan.sub_pools if p.kind is not PoolKind.STATE)
+    state = plan.state.page_bytes if plan.state is not None else 0
+    return fixed + at_once * (pages_for(92, PAGE) * token_pages + 6 * state)
+
+
+def serve_spec(family: str, n: int, *, k: int = 3, at_once: int = 4, whole: bool = False, poison: bool = True,
+               **overrides) -> GenerateResult:
+    """`support.engine.serve` with the family's draft proposing `k` tokens per round."""
+    cfg = dict(budget_bytes=fused_budget(family, at_once, whole), page_size=PAGE, max_running=8,
+               max_batched_tokens=48, context_len=128, checkpoint_interval=INTERVAL, ignore_eos=True,
+               keep_logits=True, overlap=True, draft_model_path=str(draft_dir(family, whole)),
+               num_speculative_tokens=k)
+    cfg.update(overrides)
+    with Engine(load_checkpoint(checkpoint_dir(family)), EngineConfig(**cfg)) as engine:
+        if poison:
+            engine.storage.arena.data.fill_(0xFF)
+        return engine.generate(workload(n))

@@ -1,0 +1,43 @@
+"""Speculative decoding in the engine against plain greedy decoding of the target (and so against
+transformers), under the overlap loop on ThreadDevice with compaction and prefix reuse, over an
+arena whose free bytes are NaN. The draft is the target's own first layers (it proposes mostly
+wrong tokens, so rounds reject) or the whole target (every proposal accepted)."""
+
+from __future__ import annotations
+
+import pytest
+from spec_support import SPEC_FAMILIES, serve_spec
+
+from support.engine import mismatches
+
+
+def check(family: str, n: int, **kw):
+    result = serve_spec(family, n, at_once=3, **kw)
+    assert mismatches(result, family, n) == []
+    s = result.stats
+    assert s.spec_rounds > 0 and s.spec_proposed >= s.spec_rounds
+    assert s.peak_running >= 2 and s.cached_tokens > 0  # batched, with prefix hits
+    return result
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_speculative_output_is_plain_greedy_output(family):
+    """CI slice: 6 requests per family, from a pool where 3 fit at once."""
+    result = check(family, 6)
+    assert result.stats.compaction_moves > 0  # pages moved between the rounds
+    assert result.stats.spec_accepted < result.stats.spec_proposed  # rounds reject (the draft is weak)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+def test_a_draft_that_is_the_target_has_every_proposal_accepted(family):
+    result = check(family, 6, whole=True)
+    s = result.stats
+    assert s.spec_accepted == s.spec_proposed
+    assert s.tokens_per_target_forward > 2  # rounds of 3 proposals: up to 4 tokens per request per forward
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_speculative_output_is_plain_greedy_output_24(family):
+    check(family, 24)
+    check(family, 12, whole=True, k=2)
