@@ -12,10 +12,17 @@ Peers (each on its own copy of the model, loaded by `load_checkpoint`):
 - `generate`: plain `generate`, batched with left padding in input order, `max_running` requests a
   batch, each batch run to its longest max_new_tokens and each output trimmed to its request's.
 
+kvchain runs twice: on worker-thread streams (`ThreadDevice`, the cpu default, under the overlap
+loop) and `inline` (every stream's work on the host thread, `ImmediateDevice`), the way
+`generate_batch` runs its loop on one thread.
+
 Timing is wall clock around serving the requests only (engines and managers are built and warmed up
-before the clock starts). A fresh kvchain engine and a fresh continuous-batching manager serve each
-repeat so neither starts with the previous repeat's prompts in its prefix cache; the median over the
-repeats is reported. Greedy outputs are compared per request with kvchain's, token for token."""
+before the clock starts), with the process's CPU seconds over the same span. A fresh kvchain engine
+and a fresh continuous-batching manager serve each repeat so neither starts with the previous
+repeat's prompts in its prefix cache. The engines run round robin; the median over the repeats is
+reported, and each repeat's ratio against each peer (neighbouring runs, so load that drifts falls on
+both) gives the spread and the worst case. Greedy outputs are compared per request with kvchain's,
+token for token."""
 
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ FAMILIES = ("gemma3", "gpt_oss", "qwen3_next", "nemotron_h")
 #: Families whose layers are all attention: the only ones transformers' continuous batching serves.
 ATTENTION_ONLY = frozenset({"gemma3", "gpt_oss"})
 PEERS = ("generate_batch", "generate")
+#: kvchain's two ways to run a cpu engine's streams: the key its figures go under, `EngineConfig.inline`
+KVCHAIN = {"kvchain": False, "kvchain_inline": True}
 DEFAULT_BUDGET = 4 * 2**20
 PAGE_SIZE = 16
 MAX_RUNNING = 16
@@ -77,20 +86,23 @@ def _warmup_workload() -> list[BenchPrompt]:
 Outputs = list[list[int]]
 
 
-def run_kvchain(path: Path, prompts: Sequence[BenchPrompt], budget: int) -> tuple[Outputs, float, dict[str, Any]]:
-    """Serve `prompts` on a fresh engine; seconds cover `generate` alone."""
+def run_kvchain(path: Path, prompts: Sequence[BenchPrompt], budget: int,
+                inline: bool = False) -> tuple[Outputs, float, dict[str, Any]]:
+    """Serve `prompts` on a fresh engine (`inline`: streams on the host thread); seconds cover
+    `generate` alone."""
     from ..engine.serve import Engine, EngineConfig, GenerateRequest
 
     config = EngineConfig(budget_bytes=budget, page_size=PAGE_SIZE, max_running=MAX_RUNNING,
-                          max_batched_tokens=MAX_BATCHED_TOKENS)
+                          max_batched_tokens=MAX_BATCHED_TOKENS, inline=inline)
     with Engine(path, config) as engine:
         reqs = [GenerateRequest(p.token_ids, p.max_new_tokens) for p in prompts]
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         result = engine.generate(reqs)
         seconds = time.perf_counter() - t0
         stats = result.stats
-        info = {"kv_bytes": int(engine.storage.sizing.arena_bytes), "peak_running": stats.peak_running,
-                "prefix_hit_rate": round(stats.prefix_hit_rate, 4), "forwards": stats.forwards}
+        info = {"cpu_seconds": time.process_time() - cpu0, "kv_bytes": int(engine.storage.sizing.arena_bytes),
+                "peak_running": stats.peak_running, "prefix_hit_rate": round(stats.prefix_hit_rate, 4),
+                "forwards": stats.forwards, "streams": "inline" if inline else "threads"}
     return [o.token_ids for o in result.outputs], seconds, info
 
 
@@ -122,7 +134,7 @@ def run_generate_batch(model: torch.nn.Module, prompts: Sequence[BenchPrompt],
                                   max_requests_per_batch=MAX_RUNNING, auto_switch_to_flash=False)
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                    block=True, timeout=30, warmup=True) as manager:
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         ids = [manager.add_request(p.token_ids, request_id=f"r{i}", max_new_tokens=p.max_new_tokens)
                for i, p in enumerate(prompts)]
         done: dict[str, Any] = {}
@@ -137,8 +149,9 @@ def run_generate_batch(model: torch.nn.Module, prompts: Sequence[BenchPrompt],
                     raise InputError(f"transformers generate_batch failed request {result.request_id}: {result.error}")
                 done[result.request_id] = result
         seconds = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         cache = manager.batch_processor.cache
-        info = {"kv_bytes": int(cache.num_sectors * cache.bytes_per_sector), "num_blocks": num_blocks,
+        info = {"cpu_seconds": cpu, "kv_bytes": int(cache.num_sectors * cache.bytes_per_sector), "num_blocks": num_blocks,
                 "page_size": PAGE_SIZE, "attn_implementation": model.config._attn_implementation,
                 "prefix_sharing": bool(cache.use_prefix_sharing)}
     return [list(done[i].generated_tokens) for i in ids], seconds, info
@@ -149,7 +162,7 @@ def run_generate(model: torch.nn.Module, prompts: Sequence[BenchPrompt]) -> tupl
     from transformers import GenerationConfig
 
     outputs: Outputs = []
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for lo in range(0, len(prompts), MAX_RUNNING):
         batch = prompts[lo: lo + MAX_RUNNING]
         width = max(len(p.token_ids) for p in batch)
@@ -165,7 +178,8 @@ def run_generate(model: torch.nn.Module, prompts: Sequence[BenchPrompt]) -> tupl
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
         for i, p in enumerate(batch):
             outputs.append(out[i, width: width + p.max_new_tokens].tolist())
-    return outputs, time.perf_counter() - t0, {"batch": MAX_RUNNING, "padding": "left"}
+    seconds = time.perf_counter() - t0
+    return outputs, seconds, {"cpu_seconds": time.process_time() - cpu0, "batch": MAX_RUNNING, "padding": "left"}
 
 
 # -- the bench -----------------------------------------------------------------------------------------
@@ -196,30 +210,48 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+Timed = tuple[Outputs, list[float], list[float], dict]
+
+
 def _interleaved(runners: dict[str, Callable[[], tuple[Outputs, float, dict]]], repeats: int,
-                 tick: Callable[[], None]) -> dict[str, tuple[Outputs, list[float], dict]]:
+                 tick: Callable[[], None]) -> dict[str, Timed]:
     """Time every engine `repeats` times, round robin (kvchain, then each peer, then again), so load
-    that drifts during the run falls on all of them alike; the first run's outputs are kept."""
-    out: dict[str, tuple[Outputs, list[float], dict]] = {}
+    that drifts during the run falls on all of them alike: per engine the first run's outputs, every
+    run's wall and CPU seconds, the last run's info."""
+    out: dict[str, Timed] = {}
     for _ in range(repeats):
         for name, fn in runners.items():
             outputs, seconds, info = fn()
+            info = dict(info)
+            cpu = info.pop("cpu_seconds")
             kept = out.get(name)
-            out[name] = (outputs if kept is None else kept[0], ([] if kept is None else kept[1]) + [seconds], info)
+            if kept is None:
+                out[name] = (outputs, [seconds], [cpu], info)
+            else:
+                out[name] = (kept[0], kept[1] + [seconds], kept[2] + [cpu], info)
             tick()
     return out
 
 
-def _throughput(tokens: int, runs: list[float]) -> dict[str, Any]:
+def _throughput(tokens: int, runs: list[float], cpu: list[float]) -> dict[str, Any]:
     seconds = statistics.median(runs)
     return {"seconds": round(seconds, 4), "tokens_per_second": round(tokens / seconds, 2),
-            "runs": [round(s, 4) for s in runs]}
+            "runs": [round(s, 4) for s in runs], "cpu_seconds": round(statistics.median(cpu), 4),
+            "cpu_runs": [round(c, 4) for c in cpu]}
+
+
+def _paired(ours: tuple[int, list[float]], theirs: tuple[int, list[float]]) -> dict[str, float]:
+    """Per repeat, our tokens/s over theirs from neighbouring runs: the median, the worst (min) and
+    the best (max)."""
+    (our_tokens, our_runs), (their_tokens, their_runs) = ours, theirs
+    ratios = sorted((our_tokens / a) / (their_tokens / b) for a, b in zip(our_runs, their_runs, strict=True))
+    return {"median": round(statistics.median(ratios), 4), "min": round(ratios[0], 4), "max": round(ratios[-1], 4)}
 
 
 def bench_family(family: str, prompts: Sequence[BenchPrompt], *, budget: int, repeats: int, workdir: Path,
                  tick: Callable[[], None]) -> dict[str, Any]:
-    """One family: kvchain and each peer it can run, each warmed up once, then timed `repeats` times
-    round robin."""
+    """One family: kvchain (both ways to run its streams) and each peer it can run, each warmed up
+    once, then timed `repeats` times round robin."""
     from ..engine.checkpoint import load_checkpoint
     from ..engine.tiny import make_checkpoint
 
@@ -229,9 +261,10 @@ def bench_family(family: str, prompts: Sequence[BenchPrompt], *, budget: int, re
     cb_model = loaded.model
     plain_model = load_checkpoint(path).model
     refused: dict[str, str] = {}
-    run_kvchain(path, warm, budget)
-    runners: dict[str, Callable[[], tuple[Outputs, float, dict]]] = {
-        "kvchain": lambda: run_kvchain(path, prompts, budget)}
+    runners: dict[str, Callable[[], tuple[Outputs, float, dict]]] = {}
+    for name, inline in KVCHAIN.items():
+        run_kvchain(path, warm, budget, inline)
+        runners[name] = lambda inline=inline: run_kvchain(path, prompts, budget, inline)
     if family in ATTENTION_ONLY:
         kv_bytes = run_kvchain(path, warm, budget)[2]["kv_bytes"]
         blocks = cb_num_blocks(kv_bytes, cb_model.config, loaded.dtype)
@@ -242,30 +275,34 @@ def bench_family(family: str, prompts: Sequence[BenchPrompt], *, budget: int, re
     run_generate(plain_model, warm)
     runners["generate"] = lambda: run_generate(plain_model, prompts)
     timed = _interleaved(runners, repeats, tick)
-    for _ in range(repeats * (len(PEERS) + 1 - len(runners))):
+    for _ in range(repeats * (len(PEERS) + len(KVCHAIN) - len(runners))):
         tick()  # the refused peer's share of the progress bar
-    ours, runs, info = timed["kvchain"]
+    ours = timed["kvchain"][0]
     tokens = sum(len(o) for o in ours)
-    result: dict[str, Any] = {"output_tokens": tokens, "kv_bytes": info["kv_bytes"],
-                              "kvchain": {**_throughput(tokens, runs), **info}}
+    result: dict[str, Any] = {"output_tokens": tokens, "kv_bytes": timed["kvchain"][3]["kv_bytes"]}
+    for name in KVCHAIN:
+        _outputs, runs, cpu, info = timed[name]
+        result[name] = {**_throughput(tokens, runs, cpu), **info}
+    result["kvchain_inline"]["mismatches"] = mismatches(ours, timed["kvchain_inline"][0])
     for peer in PEERS:
-        if peer in timed:
-            theirs, runs, peer_info = timed[peer]
-            result[peer] = _peer(tokens, theirs, runs, peer_info, ours)
+        if peer not in timed:
+            continue
+        theirs, runs, cpu, peer_info = timed[peer]
+        entry = result[peer] = _peer(tokens, theirs, runs, cpu, peer_info, ours)
+        for name, prefix in (("kvchain", ""), ("kvchain_inline", "inline_")):
+            entry[f"{prefix}ratio"] = round(result[name]["tokens_per_second"] / entry["tokens_per_second"], 4)
+            entry[f"{prefix}paired"] = _paired((tokens, timed[name][1]), (entry["output_tokens"], runs))
     result["generate"]["mismatches_alone"] = _mismatches_alone(plain_model, prompts, ours, timed["generate"][0])
-    for peer in PEERS:
-        if peer in result:
-            result[peer]["ratio"] = round(result["kvchain"]["tokens_per_second"]
-                                          / result[peer]["tokens_per_second"], 4)
     if refused:
         result["refused"] = refused
     return result
 
 
-def _peer(tokens: int, theirs: Outputs, runs: list[float], info: dict, ours: Outputs) -> dict[str, Any]:
+def _peer(tokens: int, theirs: Outputs, runs: list[float], cpu: list[float], info: dict,
+          ours: Outputs) -> dict[str, Any]:
     peer_tokens = sum(len(o) for o in theirs)
-    return {**_throughput(peer_tokens, runs), "output_tokens": peer_tokens, "mismatches": mismatches(ours, theirs),
-            **info}
+    return {**_throughput(peer_tokens, runs, cpu), "output_tokens": peer_tokens,
+            "mismatches": mismatches(ours, theirs), **info}
 
 
 def _mismatches_alone(model: torch.nn.Module, prompts: Sequence[BenchPrompt], ours: Outputs,
@@ -321,12 +358,7 @@ def run_engine_bench(*, families: Sequence[str] = FAMILIES, requests: int = 64, 
                                                   workdir=Path(tmp), tick=tick)
     finally:
         torch.set_num_threads(threads_before)
-    headline = {
-        family: {"seconds": r["kvchain"]["seconds"], "tokens_per_second": r["kvchain"]["tokens_per_second"],
-                 **{f"ratio_vs_{peer}": r[peer]["ratio"] for peer in PEERS if peer in r},
-                 **{f"mismatches_vs_{peer}": r[peer]["mismatches"] for peer in PEERS if peer in r}}
-        for family, r in per_family.items()
-    }
+    headline = {family: _headline(r) for family, r in per_family.items()}
     return {
         "headline": headline,
         "workload": {"requests": requests, "seed": seed, "prompt_tokens": sum(len(p.token_ids) for p in prompts),
@@ -338,14 +370,38 @@ def run_engine_bench(*, families: Sequence[str] = FAMILIES, requests: int = 64, 
     }
 
 
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    """One family's headline: kvchain's seconds and tokens/s on each way to run its streams, its
+    ratio to each peer (of the medians) and the worst repeat's, and the peers' mismatches."""
+    out: dict[str, Any] = {}
+    for name, prefix in (("kvchain", ""), ("kvchain_inline", "inline_")):
+        out[f"{prefix}seconds"] = r[name]["seconds"]
+        out[f"{prefix}tokens_per_second"] = r[name]["tokens_per_second"]
+        for peer in PEERS:
+            if peer in r:
+                out[f"{prefix}ratio_vs_{peer}"] = r[peer][f"{prefix}ratio"]
+                out[f"{prefix}worst_vs_{peer}"] = r[peer][f"{prefix}paired"]["min"]
+    for peer in PEERS:
+        if peer in r:
+            out[f"mismatches_vs_{peer}"] = r[peer]["mismatches"]
+    out["mismatches_inline"] = r["kvchain_inline"]["mismatches"]
+    return out
+
+
 def progress_total(families: Sequence[str], repeats: int) -> int:
-    """Timed runs the bench reports through `progress`: three engines per family."""
-    return len(families) * (1 + len(PEERS)) * repeats
+    """Timed runs the bench reports through `progress`: kvchain twice and each peer, per family."""
+    return len(families) * (len(KVCHAIN) + len(PEERS)) * repeats
+
+
+def _ratio_cell(peer: dict[str, Any], prefix: str) -> str:
+    paired = peer[f"{prefix}paired"]
+    return f"[bold]{peer[f'{prefix}ratio']:.3f}[/] ({paired['min']:.2f}-{paired['max']:.2f})"
 
 
 def render_engine_bench(result: dict[str, Any], console: Any) -> None:
-    """The headline table (every family: kvchain's whole-run seconds and tokens/s, its ratio to each
-    peer), then one table per family with every engine's numbers."""
+    """The headline table (every family: kvchain's whole-run seconds and tokens/s on each way to run
+    its streams, its ratio to each peer with the repeats' spread), then one table per family with
+    every engine's numbers."""
     from rich.table import Table
 
     from ..units import format_bytes
@@ -353,29 +409,38 @@ def render_engine_bench(result: dict[str, Any], console: Any) -> None:
     cfg, work = result["config"], result["workload"]
     head = Table(title=f"kvchain bench engine: {work['requests']} requests, seed {work['seed']}, median of "
                        f"{cfg['repeats']}, budget {format_bytes(cfg['budget_bytes'])}", title_justify="left",
-                 caption="ratio: kvchain tok/s / peer tok/s; mismatch: requests whose tokens differ, per peer",
-                 caption_justify="left")
+                 caption="ratio: kvchain tok/s / peer tok/s, of the medians (in brackets the worst and best "
+                         "repeat, each against its neighbouring run); threads: kvchain's streams on worker "
+                         "threads (the cpu default), inline: on the host thread; mismatch: requests whose "
+                         "tokens differ, per peer", caption_justify="left")
     head.add_column("family", no_wrap=True)
-    for name in ("kvchain s", "tok/s", *(f"/{p}" for p in PEERS), "mismatch"):
+    head.add_column("kvchain", no_wrap=True)
+    for name in ("s", "tok/s", *(f"/{p}" for p in PEERS)):
         head.add_column(name, justify="right", no_wrap=True)
-    for family, h in result["headline"].items():
-        ratios = [f"[bold]{h[f'ratio_vs_{p}']:.3f}[/]" if f"ratio_vs_{p}" in h else "refused" for p in PEERS]
-        miss = "/".join(str(h.get(f"mismatches_vs_{p}", "-")) for p in PEERS)
-        head.add_row(family, f"{h['seconds']:.3f}", f"[bold]{h['tokens_per_second']:.1f}[/]", *ratios, miss)
+    head.add_column("mismatch", justify="right", no_wrap=True)
+    for family, r in result["families"].items():
+        miss = "/".join(str(r[p]["mismatches"]) if p in r else "-" for p in PEERS)
+        for name, prefix, label in (("kvchain", "", "threads"), ("kvchain_inline", "inline_", "inline")):
+            ratios = [_ratio_cell(r[p], prefix) if p in r else "refused" for p in PEERS]
+            k = r[name]
+            head.add_row(family if not prefix else "", label, f"{k['seconds']:.3f}",
+                         f"[bold]{k['tokens_per_second']:.1f}[/]", *ratios, miss if not prefix else "")
     console.print(head)
     for family, r in result["families"].items():
         table = Table(title=f"{family}: {r['output_tokens']} output tokens", title_justify="left")
         table.add_column("engine", no_wrap=True)
-        for name in ("s", "tok/s", "ratio", "mismatch", "KV"):
+        for name in ("s", "tok/s", "cpu s", "ratio", "inline ratio", "mismatch", "KV"):
             table.add_column(name, justify="right", no_wrap=True)
         table.add_column("notes")
-        k = r["kvchain"]
-        table.add_row("kvchain", f"{k['seconds']:.3f}", f"{k['tokens_per_second']:.1f}", "", "",
-                      format_bytes(k["kv_bytes"]), f"peak running {k['peak_running']}, "
-                      f"prefix hits {k['prefix_hit_rate']:.0%}")
+        for name in KVCHAIN:
+            k = r[name]
+            table.add_row(name, f"{k['seconds']:.3f}", f"{k['tokens_per_second']:.1f}", f"{k['cpu_seconds']:.3f}",
+                          "", "", str(k.get("mismatches", "")), format_bytes(k["kv_bytes"]),
+                          f"streams {k['streams']}, peak running {k['peak_running']}, "
+                          f"prefix hits {k['prefix_hit_rate']:.0%}")
         for peer in PEERS:
             if peer not in r:
-                table.add_row(peer, "", "", "", "", "", f"refused: {r.get('refused', {}).get(peer, '?')}")
+                table.add_row(peer, "", "", "", "", "", "", "", f"refused: {r.get('refused', {}).get(peer, '?')}")
                 continue
             p = r[peer]
             if peer == "generate_batch":
@@ -385,6 +450,7 @@ def render_engine_bench(result: dict[str, Any], console: Any) -> None:
                 notes = f"batches of {p['batch']}, {p['padding']} padded"
             if p.get("mismatches_alone") is not None:
                 notes += f"; {p['mismatches_alone']} differ unpadded"
-            table.add_row(peer, f"{p['seconds']:.3f}", f"{p['tokens_per_second']:.1f}", f"{p['ratio']:.3f}",
-                          str(p["mismatches"]), format_bytes(p["kv_bytes"]) if "kv_bytes" in p else "", notes)
+            table.add_row(peer, f"{p['seconds']:.3f}", f"{p['tokens_per_second']:.1f}", f"{p['cpu_seconds']:.3f}",
+                          _ratio_cell(p, ""), _ratio_cell(p, "inline_"), str(p["mismatches"]),
+                          format_bytes(p["kv_bytes"]) if "kv_bytes" in p else "", notes)
         console.print(table)

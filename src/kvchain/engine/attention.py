@@ -8,8 +8,9 @@ conventions (GQA head sharing, scaling, Gemma 2 logit softcap, sliding window, g
 The pool is the only KV the model sees, so one forward serves several requests at different lengths:
 the decode requests share one batched computation (keys padded to the longest and masked), and each
 prefill chunk gets its own. Keys are selected by position, never by multiplying with a mask, so the
-bytes of pages a request does not own (a retired window row reads its sub-pool's sink page, and a
-padded page-table column any page) cannot leak into the result even when they hold NaN or inf."""
+bytes of pages a request does not own (a retired window row reads its sub-pool's sink page) cannot
+leak into the result even when they hold NaN or inf; a request whose keys are padded to the longest
+reads its own last page again there, masked."""
 
 from __future__ import annotations
 
@@ -31,17 +32,19 @@ class _Group:
     (sub-pool, window) and shared by all its layers, so per-layer work is only gathers and the kernel.
 
     - `rows`: their query rows in the packed sequence, request-major (a slice when contiguous);
-    - `pages` (`[b*C]`): the physical pages read for each request, flattened request-major (its
-      page-table columns from the first one the window needs; columns past its last page read page
-      0 and are zeroed);
-    - `pad` (`[k]` or None): the flat page columns that are padding, zeroed after the gather. Slots
-      of a request's own pages past its length are read as the pool left them: hand-out zeroing
-      (ALLOC-20) keeps them zero, so a stale NaN there would reach the output, as in any paged
-      kernel that reads whole pages;
+    - `pages` (`[b*C]`): the physical pages read for each request, flattened request-major: its
+      page-table columns from the first one the window needs. A request with fewer columns than the
+      group's widest pads with its own last page again: its keys there are masked by position, and a
+      page the request holds is finite (hand-out zeroing, ALLOC-20, keeps the slots past its length
+      zero), so a pad reads no page the request does not own and nothing is zeroed per layer. A stale
+      NaN in a request's own page would reach its output, as in any paged kernel that reads whole
+      pages;
+    - `zero` (`[b]` or None): with `sink_col`, the flat columns of the sink column, zeroed after the
+      gather;
     - `bias` (`[b, 1, n, C*page_size]`): 0 where query i may attend key slot j (causal, window,
       live), -inf elsewhere: the additive mask the kernel takes as is. With `sink_col` set, the
-      last column's first slot is the sink slot (its key and value are the zeroed padding, so its
-      score is exactly the layer's sink logit, added per head) and its other slots are masked;
+      last column's first slot is the sink slot (its key and value are zeroed, so its score is
+      exactly the layer's sink logit, added per head) and its other slots are masked;
     - `visible` (host, `[b, n, C*page_size]`): the same as a boolean, for the explicit path."""
 
     rows: slice | torch.Tensor
@@ -49,7 +52,7 @@ class _Group:
     n: int
     cols: int
     pages: torch.Tensor
-    pad: torch.Tensor | None
+    zero: torch.Tensor | None
     bias: torch.Tensor
     visible: np.ndarray
     sink_col: bool
@@ -69,53 +72,55 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
     device = table.device
     ps = batch.page_size
     b = len(reqs)
-    prefix = batch.prefix_lens[reqs].astype(np.int64)
-    seq = batch.seq_lens[reqs].astype(np.int64)
-    starts = batch.q_starts[reqs].astype(np.int64)
+    prefix = batch.prefix_lens[reqs]
+    last_col = (batch.seq_lens[reqs] - 1) // ps
     # the lowest position any of the request's queries sees: its first query's window start
-    lo = np.maximum(prefix - window + 1, 0) if window is not None else np.zeros_like(prefix)
-    first_col = lo // ps
-    last_col = (seq - 1) // ps
+    first_col = np.maximum(prefix - window + 1, 0) // ps if window is not None else np.zeros_like(prefix)
     n_cols = int((last_col - first_col).max()) + 1 + sinks  # a sink reads one more (zeroed) column
-    cols = first_col[:, None] + np.arange(n_cols)[None, :]  # [b, C]
-    col_ok = cols <= last_col[:, None]
-    key_pos = (cols[:, :, None] * ps + np.arange(ps)[None, None, :]).reshape(b, -1)  # [b, L]
-    key_ok = (key_pos >= lo[:, None]) & (key_pos < seq[:, None])
-    q_pos = prefix[:, None] + np.arange(n)[None, :]  # [b, n]
-    visible = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+    span = n_cols * ps
+    cols = np.minimum(first_col[:, None] + np.arange(n_cols), last_col[:, None])  # [b, C]; pads: own last page
+    flat = (reqs[:, None] * table.shape[1] + cols).reshape(-1)
+    # key slot j of a request sits at position first_col*ps + j; query i at prefix + i
+    q_pos = prefix[:, None] + np.arange(n)  # [b, n]
+    rel = (first_col * ps)[:, None, None] + np.arange(span) - q_pos[:, :, None]  # key - query, [b, n, L]
+    visible = rel <= 0  # causal; positions past the request's length are past every query
     if window is not None:
-        visible &= q_pos[:, :, None] - key_pos[:, None, :] < window  # HF: kv_idx > q_idx - window
+        visible &= rel > -window  # HF: kv_idx > q_idx - window
     bias = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+    zero = None
     if sinks:
         bias[:, :, (n_cols - 1) * ps] = 0.0
-    rows = (starts[:, None] + np.arange(n)[None, :]).reshape(-1)
-
-    req_t = torch.from_numpy(reqs.astype(np.int64)[:, None]).to(device)
-    pages = table[req_t, torch.from_numpy(np.minimum(cols, table.shape[1] - 1)).to(device)].reshape(-1)
-    pad_cols = np.flatnonzero(~col_ok.reshape(-1))
-    pad = torch.from_numpy(pad_cols).to(device) if len(pad_cols) else None
-    if pad is not None:
-        pages = pages.index_fill_(0, pad, 0)
-    return _Group(rows=_rows(rows, device), b=b, n=n, cols=n_cols, pages=pages, pad=pad,
+        zero = torch.from_numpy(np.arange(b, dtype=np.int64) * n_cols + n_cols - 1).to(device)
+    rows = (batch.q_starts[reqs][:, None] + np.arange(n)).reshape(-1)
+    pages = torch.take(table, torch.from_numpy(flat).to(device))  # the page table's [req, col] entries
+    return _Group(rows=_rows(rows, device), b=b, n=n, cols=n_cols, pages=pages, zero=zero,
                   bias=torch.from_numpy(bias[:, None]).to(device), visible=visible, sink_col=sinks)
 
 
-def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> list[_Group]:
-    """This step's groups for one (sub-pool, window, sinks): computed once per forward and shared by
-    every layer that reads the same sub-pool, since they see the same page tables and positions."""
-    cache: dict[tuple, list[_Group]] = batch.__dict__.setdefault("_attention_groups", {})
+def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> tuple[list[_Group], bool]:
+    """This step's groups for one (sub-pool, window, sinks), and whether their rows are slices that
+    tile the packed sequence in order (their outputs then concatenate): computed once per forward
+    and shared by every layer that reads the same sub-pool, since they see the same page tables and
+    positions."""
+    cache: dict[tuple, tuple[list[_Group], bool]] = batch.__dict__.setdefault("_attention_groups", {})
     key = (pool, window, sinks)
-    groups = cache.get(key)
-    if groups is None:
-        new = batch.new_lens
+    found = cache.get(key)
+    if found is None:
+        new = batch.seq_lens - batch.prefix_lens
         groups = []
         decode = np.flatnonzero(new == 1)
         if len(decode):
             groups.append(_group(batch, pool, window, decode, 1, sinks))
         for b in np.flatnonzero(new > 1):
             groups.append(_group(batch, pool, window, np.array([b]), int(new[b]), sinks))
-        cache[key] = groups
-    return groups
+        end = 0
+        for g in groups:
+            if not isinstance(g.rows, slice) or g.rows.start != end:
+                end = -1
+                break
+            end = g.rows.stop
+        found = cache[key] = (groups, end == int(batch.q_starts[-1]))
+    return found
 
 
 def _write_index(batch: ForwardBatch, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +141,10 @@ def _write(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor, to
 
 
 def _gather(cache: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
-    """The group's pages of one layer's K or V as `[b, KVH, C*page_size, D]`, padding columns zeroed."""
+    """The group's pages of one layer's K or V as `[b, KVH, C*page_size, D]`, a sink column zeroed."""
     pages = cache.index_select(0, g.pages)  # [b*C, page_size, KVH, D], a copy
-    if g.pad is not None:
-        pages.index_fill_(0, g.pad, 0.0)
+    if g.zero is not None:
+        pages.index_fill_(0, g.zero, 0.0)
     if pages.dtype != dtype:
         pages = pages.to(dtype)
     return pages.view(g.b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
@@ -147,8 +152,7 @@ def _gather(cache: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
 
 def _queries(query: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
     """The group's queries `[b, H, n, D]` from HF's `[1, H, T, D]`."""
-    q = query[0]
-    q = q[:, g.rows] if isinstance(g.rows, slice) else q.index_select(1, g.rows)
+    q = query[0, :, g.rows] if isinstance(g.rows, slice) else query[0].index_select(1, g.rows)
     if q.dtype != dtype:
         q = q.to(dtype)
     return q.view(q.shape[0], g.b, g.n, q.shape[2]).transpose(0, 1)
@@ -239,15 +243,14 @@ def paged_attention(
 
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    groups = _groups(batch, pool, sliding_window, s_aux is not None)
-    whole = len(groups) == 1 and isinstance(groups[0].rows, slice) and groups[0].rows == slice(0, n_tokens)
-    if whole:  # one computation serves the whole sequence, in order
-        out = _attend(query, k_cache, v_cache, groups[0], scaling, softcap, s_aux)
+    groups, tiled = _groups(batch, pool, sliding_window, s_aux is not None)
+    parts = [_attend(query, k_cache, v_cache, g, scaling, softcap, s_aux) for g in groups]  # [b, n, H, Dv]
+    if tiled:  # the groups' rows follow each other from the first: their outputs concatenate in order
+        out = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1, n_heads, p.shape[-1]) for p in parts])
         return out.reshape(1, n_tokens, n_heads, -1).to(query.dtype), None
     dtype = torch.promote_types(query.dtype, torch.float32)
     out = query.new_empty((n_tokens, n_heads, value.shape[-1]), dtype=dtype)
-    for g in groups:
-        part = _attend(query, k_cache, v_cache, g, scaling, softcap, s_aux)
+    for g, part in zip(groups, parts, strict=True):
         if isinstance(g.rows, slice):
             out[g.rows].view(part.shape).copy_(part)
         else:

@@ -21,6 +21,7 @@ from ..build import build_kv_storage
 from ..cache.radix import CheckpointStrategy
 from ..device.base import Device
 from ..device.cuda import CudaDevice
+from ..device.immediate import ImmediateDevice
 from ..device.threads import ThreadDevice
 from ..errors import InputError
 from ..plan import plan_kv_storage
@@ -43,7 +44,12 @@ class EngineConfig:
     `overlap`: launch forward N+1 before processing N; `device`: `cpu` (forwards on worker-thread
     streams) or `cuda`; `prefix_cache`: reuse cached prefixes (attention, window rows, state
     checkpoints); `checkpoint_interval`: tokens between state checkpoints (models with recurrent
-    state; default: the plan's); `ignore_eos`: run every request to its max_new_tokens."""
+    state; default: the plan's); `ignore_eos`: run every request to its max_new_tokens; `inline`
+    (cpu only): run every stream's work on the host thread as it is launched (`ImmediateDevice`)
+    instead of on worker-thread streams. On a CPU the forward and the scheduler share one
+    interpreter lock, so the worker threads hide no host work and each step pays their wake-ups
+    (the schedule worker's upload, then the forward worker); inline runs the same loop and hooks
+    with nothing in flight."""
 
     budget_bytes: int = 64 * 2**20
     page_size: int = 16
@@ -55,6 +61,7 @@ class EngineConfig:
     prefix_cache: bool = True
     checkpoint_interval: int | None = None
     ignore_eos: bool = False
+    inline: bool = False
     war_barrier: bool = True
     keep_logits: bool = False
     #: cpu only: seconds each forward starts late on its stream (tests that show a missing wait)
@@ -149,9 +156,13 @@ class GenerateResult:
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
-def _backend(device: str, forward_delay: float) -> tuple[Device, torch.device]:
+def _backend(device: str, forward_delay: float, inline: bool = False) -> tuple[Device, torch.device]:
+    if inline and device != "cpu":
+        raise InputError(f"inline runs a cpu engine's streams on the host thread; device {device!r} has its own")
+    if inline and forward_delay:
+        raise InputError("a forward delay needs worker-thread streams (inline runs each forward at launch)")
     if device == "cpu":
-        return ThreadDevice(forward_delay), torch.device("cpu")
+        return (ImmediateDevice() if inline else ThreadDevice(forward_delay)), torch.device("cpu")
     if device == "cuda":
         return CudaDevice("cuda"), torch.device("cuda")
     raise InputError(f"device must be cpu or cuda, not {device!r}")
@@ -162,7 +173,7 @@ class Engine:
 
     def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        backend, torch_device = _backend(config.device, config.forward_delay)
+        backend, torch_device = _backend(config.device, config.forward_delay, config.inline)
         if not isinstance(checkpoint, LoadedCheckpoint):
             checkpoint = load_checkpoint(checkpoint, device=torch_device)
         self.checkpoint = checkpoint

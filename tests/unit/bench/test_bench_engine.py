@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvchain.bench.engine import PEERS, cb_bytes_per_block, run_engine_bench, shared_prefix_workload
+from kvchain.bench.engine import KVCHAIN, PEERS, cb_bytes_per_block, run_engine_bench, shared_prefix_workload
 from kvchain.cli import main
 from kvchain.engine.tiny import tiny_config
 from kvchain.errors import InputError
@@ -19,31 +19,53 @@ from kvchain.errors import InputError
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    return run_engine_bench(families=["gemma3"], requests=4, repeats=1, seed=0)
+    return run_engine_bench(families=["gemma3"], requests=4, repeats=3, seed=0)
 
 
 def test_every_engine_has_a_finite_positive_throughput(result: dict) -> None:
     family = result["families"]["gemma3"]
-    for engine in ("kvchain", *PEERS):
+    for engine in (*KVCHAIN, *PEERS):
         tps = family[engine]["tokens_per_second"]
         assert math.isfinite(tps) and tps > 0, engine
         assert family[engine]["seconds"] > 0
+        assert len(family[engine]["runs"]) == len(family[engine]["cpu_runs"]) == 3
+        assert all(c > 0 for c in family[engine]["cpu_runs"]), engine
 
 
 def test_ratios_are_the_quotients_of_the_printed_throughputs(result: dict) -> None:
     family = result["families"]["gemma3"]
-    ours = family["kvchain"]["tokens_per_second"]
-    for peer in PEERS:
-        assert family[peer]["ratio"] == pytest.approx(ours / family[peer]["tokens_per_second"], rel=1e-3)
-        assert result["headline"]["gemma3"][f"ratio_vs_{peer}"] == family[peer]["ratio"]
-    assert result["headline"]["gemma3"]["tokens_per_second"] == ours
+    head = result["headline"]["gemma3"]
+    for name, prefix in (("kvchain", ""), ("kvchain_inline", "inline_")):
+        ours = family[name]["tokens_per_second"]
+        for peer in PEERS:
+            assert family[peer][f"{prefix}ratio"] == pytest.approx(ours / family[peer]["tokens_per_second"], rel=1e-3)
+            assert head[f"{prefix}ratio_vs_{peer}"] == family[peer][f"{prefix}ratio"]
+        assert head[f"{prefix}tokens_per_second"] == ours
     assert next(iter(result)) == "headline"
+
+
+def test_paired_ratios_come_from_neighbouring_runs(result: dict) -> None:
+    """Each repeat's ratio divides the peer's run by kvchain's run of the same round."""
+    family = result["families"]["gemma3"]
+    tokens = family["output_tokens"]
+    for name, prefix in (("kvchain", ""), ("kvchain_inline", "inline_")):
+        for peer in PEERS:
+            theirs = family[peer]
+            ratios = sorted((tokens / a) / (theirs["output_tokens"] / b)
+                            for a, b in zip(family[name]["runs"], theirs["runs"], strict=True))
+            paired = theirs[f"{prefix}paired"]
+            assert paired["min"] == pytest.approx(ratios[0], rel=1e-3)
+            assert paired["median"] == pytest.approx(ratios[1], rel=1e-3)
+            assert paired["max"] == pytest.approx(ratios[2], rel=1e-3)
+            assert result["headline"]["gemma3"][f"{prefix}worst_vs_{peer}"] == paired["min"]
 
 
 def test_greedy_outputs_agree_with_generate_batch(result: dict) -> None:
     family = result["families"]["gemma3"]
     assert family["generate_batch"]["mismatches"] == 0
+    assert family["kvchain_inline"]["mismatches"] == 0
     assert family["generate_batch"]["output_tokens"] == family["output_tokens"] > 0
+    assert family["kvchain_inline"]["streams"] == "inline" and family["kvchain"]["streams"] == "threads"
 
 
 def test_generate_batch_gets_kvchains_kv_bytes(result: dict) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from kvchain import faults
 from kvchain.engine.checkpoint import load_checkpoint
+from kvchain.errors import InputError
 from kvchain.plan import plan_kv_storage
 from support.engine import (
     FAMILIES,
@@ -65,6 +66,21 @@ def test_prefix_reuse_changes_nothing(family):
 
 def test_no_overlap_gives_the_same_tokens():
     assert mismatches(serve("gpt_oss", 12, overlap=False), "gpt_oss", 12) == []
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+def test_inline_streams_give_the_same_tokens(family):
+    """`inline`: the same loop with every stream's work run on the host thread at launch."""
+    result = serve(family, 12, inline=True, poison=True)
+    assert mismatches(result, family, 12) == []
+    assert logit_error(result, family, 12) < LOGIT_TOL[family]
+    assert result.stats.compaction_moves > 0 and result.stats.cached_tokens > 0
+
+
+@pytest.mark.parametrize("bad", [dict(device="cuda"), dict(forward_delay=0.001)])
+def test_inline_is_refused_where_streams_are_needed(bad):
+    with pytest.raises(InputError, match="inline"):
+        serve("gemma3", 1, inline=True, **bad)
 
 
 @pytest.mark.xfail(strict=True, reason="LIFE-4/5: without the write-after-read barrier the next step's "
