@@ -175,8 +175,8 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
 
 
 def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
-    """`--pp N`: one process per stage (`engine/pp.py`); every stage samples the same tokens."""
-    from .engine.pp import check_stage_split, generate_in_stages
+    """`--pp N`: one process per stage (`dist/pp_engine.py`); every stage samples the same tokens."""
+    from .dist.pp_engine import check_stage_split, generate_in_stages
 
     if args.device != "cpu":
         raise InputError(f"--pp {args.pp}: pipeline stages run on --device cpu (one process per stage over gloo)")
@@ -198,8 +198,8 @@ def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
 
 
 def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
-    """`--tp N`: one process per rank (`engine/tp.py`); every rank samples the same tokens."""
-    from .engine.tp import check_tp_split, generate_in_ranks
+    """`--tp N`: one process per rank (`dist/tp_engine.py`); every rank samples the same tokens."""
+    from .dist.tp_engine import check_tp_split, generate_in_ranks
 
     if args.device != "cpu":
         raise InputError(f"--tp {args.tp}: tensor-parallel ranks run on --device cpu (one process per rank over gloo)")

@@ -24,18 +24,18 @@ import torch.nn.functional as F
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
 from ..cache.radix import CheckpointStrategy
-from ..dist.pp import run_stage_processes
-from ..dist.tp import RankLink, check_rank_agreement, check_same_layout, digest
+from .pp import run_stage_processes
+from .tp import RankLink, check_rank_agreement, check_same_layout, digest
 from ..errors import InputError
 from ..models.registry import model_from_config
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from ..units import dtype_name
-from .checkpoint import LoadedCheckpoint, load_checkpoint
-from .model_pool import ModelPool
-from .pp import _as_tensors, _by_value, _stage_error
-from .runner import ModelRunner
-from .serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
+from ..engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from ..engine.model_pool import ModelPool
+from .pp_engine import _as_tensors, _by_value, _stage_error
+from ..engine.runner import ModelRunner
+from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
 
 #: the families whose layers are attention (q/k/v/o projections) and a dense gated MLP only
 TP_FAMILIES = ("llama", "gemma3")

@@ -23,15 +23,15 @@ import torch
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..cache.radix import CheckpointStrategy
-from ..dist.pp import StageLink, run_stage_processes
+from .pp import StageLink, run_stage_processes
 from ..errors import InputError, InvariantError
 from ..plan import plan_stages, stage_layer_ranges
 from ..sizing import size_stages
-from .batch import ForwardBatch
-from .checkpoint import LoadedCheckpoint, load_checkpoint
-from .model_pool import ModelPool
-from .runner import ModelRunner
-from .serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
+from ..engine.batch import ForwardBatch
+from ..engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from ..engine.model_pool import ModelPool
+from ..engine.runner import ModelRunner
+from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
 
 
 class PassThroughLayer(torch.nn.Module):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvchain.cli import main
-from kvchain.engine.pp import generate_in_stages
+from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.tiny import make_checkpoint
 from support.engine import checkpoint_dir, workload
