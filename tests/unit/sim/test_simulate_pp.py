@@ -15,7 +15,7 @@ BASE = ["simulate", "--model", "gemma-3-12b", "--budget", "3GiB", "--workload", 
 
 
 def test_stages_with_different_bytes_per_token_serve_the_workload(capsys):
-    """PP-1, PP-3: a 26/22 split of Gemma 3 gives the stages different bytes per token and
+    """A 26/22 split of Gemma 3 gives the stages different bytes per token and
     concurrencies; the run serves the least, every iteration's digests agree, every request ends."""
     assert main([*BASE, "--pp", "2", "--pp-partition", "26,22", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -15,7 +15,7 @@ from kvchain.testing.stress_processes import run_case_processes
 
 
 def test_two_rank_processes_agree_after_every_operation():
-    """HARN-4, HARN-10, LIFE-40, LEDG-8: rank 0 and rank 1 of seed 0 run in two processes, each
+    """Rank 0 and rank 1 of seed 0 run in two processes, each
     its own arena and a modeled device with its own completion timing; after each of 400
     operations and the final quiescence their digests (decisions, outcome, units held) agree."""
     case = seed_case(0, 400)
