@@ -133,3 +133,33 @@ def test_mutant_catch_rate_on_threads(name):
     row = mutant_row(name, range(20), 300, device="threads")
     floor = int(GOAL_RATE * 20) // 2
     assert len(row.caught) >= floor, f"{name}: {row.target} caught {len(row.caught)} of 20 seeds: {row.caught}"
+
+
+#: scenario families and a fault each puts in reach, with seeds (chains without the write-after-read
+#: barrier, where nothing else orders the schedule stream after a running forward's reads) whose
+#: family run alone reaches it
+FAMILY_HAZARDS = [("frees_under_queued_forward", "free_to_holes", (1, 3, 7)),
+                  ("frees_under_queued_forward", "skip_settle_wait", (1, 3, 7)),
+                  ("moves_under_queued_forward", "reuse_vacated", (1, 3, 7)),
+                  ("state_then_growth", "skip_zeroing", (4, 7, 9))]
+
+
+@pytest.mark.parametrize(("family", "name", "seeds"), FAMILY_HAZARDS, ids=[f"{f}-{n}" for f, n, _ in FAMILY_HAZARDS])
+def test_a_family_run_alone_reaches_its_hazard(family, name, seeds):
+    """HARN-3, HARN-6..11: one run of a scenario family, from a fresh pool, passes every check on
+    the sound pool and fails the target check of the fault it puts in reach: the family builds
+    the hazard from ordinary operations, not from knowledge of the fault."""
+    import random
+
+    from kvchain.testing.harness_config import config_for_seed
+    from kvchain.testing.harness_profiles import FAMILIES
+
+    target = MUTANTS[name].target
+    for seed in seeds:
+        config = config_for_seed(seed)
+        ops = FAMILIES[family](random.Random(seed), config)
+        clean = run_case(Case(config, ops))
+        assert clean.failure is None, f"seed {seed}: {clean.failure.describe()}"
+        with applied(name):
+            result = run_case(Case(config, ops, name), until=target)
+        assert result.failure is not None and target in result.failure.checks, f"seed {seed}: {name} not caught"
