@@ -35,7 +35,9 @@ class _Worker:
                 return
             try:
                 if kind == "run":
-                    before, during, on_start, fn = payload
+                    gate, before, during, on_start, fn = payload
+                    if gate is not None:
+                        gate.wait()
                     if before:
                         time.sleep(before)
                     if on_start is not None:
@@ -67,13 +69,23 @@ class ThreadDevice(Device):
     (`on_start`) and its body (`fn`), as a kernel runs a while between its first and its last
     reads; `u` is uniform in [0, 1), drawn at launch on the host from `random.Random(seed)`, so a
     seed gives the same delays to the same launches (the threads still interleave as they will).
-    The stress harness sets it, so a missing wait meets the work it should have waited."""
+    The stress harness sets it, so a missing wait meets the work it should have waited.
+
+    `gate_ops` (0: off): each item launched on a stream other than the schedule stream (forwards,
+    host-tier copies, network transfers) is held, before it starts, until the host has reached `u`
+    more operations (`host_op`), `u` drawn uniform in [0, gate_ops] from the same seeded generator;
+    a host wait on unfinished work, `synchronize` and `close` open every gate first (the host never
+    waits work it holds). Delays of microseconds do not outlast a host that spends milliseconds
+    per operation; a gate does, so schedule-stream work queued a few operations later without the
+    waits it needs meets a forward or a transfer before it has read."""
 
     name = "threads"
 
     def __init__(self, forward_delay: float = 0.0, *, launch_delay: float = 0.0, seed: int = 0,
-                 stream_scale: Mapping[str, float] | None = None) -> None:
+                 stream_scale: Mapping[str, float] | None = None, gate_ops: int = 0) -> None:
         super().__init__()
+        if gate_ops < 0:
+            raise InputError(f"a forward gate holds 0 or more host operations, not {gate_ops}")
         if forward_delay < 0:
             raise InputError(f"a forward delay is 0 or more seconds, not {forward_delay}")
         if launch_delay < 0:
@@ -87,6 +99,36 @@ class ThreadDevice(Device):
         self._rng = random.Random(seed)
         self._workers: dict[str, _Worker] = {}
         self._lock = threading.Lock()
+        self.gate_ops = gate_ops
+        self._host_ops = 0
+        self._gates: list[tuple[int, threading.Event]] = []  # (host operation it opens at, gate)
+
+    def host_op(self) -> None:
+        """The host reached its next operation: open the gates held until it (`gate_ops`)."""
+        self._host_ops += 1
+        if self._gates:
+            keep = []
+            for at, gate in self._gates:
+                if at <= self._host_ops:
+                    gate.set()
+                else:
+                    keep.append((at, gate))
+            self._gates = keep
+
+    def _open_gates(self) -> None:
+        for _at, gate in self._gates:
+            gate.set()
+        self._gates = []
+
+    def _gate(self, stream: Stream) -> threading.Event | None:
+        if not self.gate_ops or stream.name == self.SCHEDULE:
+            return None
+        hold = self._rng.randint(0, self.gate_ops)
+        if not hold:
+            return None
+        gate = threading.Event()
+        self._gates.append((self._host_ops + hold, gate))
+        return gate
 
     def _worker(self, stream: Stream) -> _Worker:
         worker = self._workers.get(stream.name)
@@ -120,8 +162,9 @@ class ThreadDevice(Device):
         on_start: Callable[[], None] | None = None,
     ) -> None:
         self.counters.launches += 1
+        gate = self._gate(stream)
         before, during = self._delays(stream)
-        self._worker(stream).queue.put(("run", (before, during, on_start, fn)))
+        self._worker(stream).queue.put(("run", (gate, before, during, on_start, fn)))
 
     def record(self, stream: Stream, label: str = "") -> ThreadEvent:
         self.counters.records += 1
@@ -139,6 +182,7 @@ class ThreadDevice(Device):
         self.counters.host_waits += 1
         assert isinstance(event, ThreadEvent)
         if not event.flag.is_set():
+            self._open_gates()
             self.counters.host_waits_blocked += 1
             if not event.flag.wait(timeout):
                 raise TransferTimeoutError(f"host wait for {event.label or 'an event'} ran past {timeout} s")
@@ -149,11 +193,13 @@ class ThreadDevice(Device):
         return event.flag.is_set()
 
     def synchronize(self) -> None:
+        self._open_gates()
         for name in list(self._workers):
             self.host_wait(self.record(self.stream(name), "synchronize"))
         self._raise_worker_errors()
 
     def close(self) -> None:
+        self._open_gates()
         for worker in self._workers.values():
             worker.queue.put(("stop", None))
         for worker in self._workers.values():

@@ -56,6 +56,10 @@ class HarnessDevice(ModeledDevice):
 #: mean 8 waits up to 0.4 ms before it starts and 0.2 ms more before its body, while the host, a few
 #: operations on, queues the work a missing wait would not hold back
 THREAD_LAUNCH_DELAY = 50e-6
+#: the threads device holds each forward, copy and network item until the host is up to this many
+#: operations on (seeded per item, `ThreadDevice(gate_ops=)`), so work a missing wait lets through
+#: meets it
+THREAD_GATE_OPS = 6
 #: real time one unit of a `tick`'s simulated time takes on the threads device (seconds)
 THREAD_TICK = 20e-6
 
@@ -65,7 +69,8 @@ class HarnessThreadDevice(ThreadDevice):
 
     def __init__(self, timing: RankTiming) -> None:
         super().__init__(launch_delay=THREAD_LAUNCH_DELAY, seed=timing.seed, stream_scale={
-            "forward": timing.forward, "copy": timing.copy, "network": timing.network, "schedule": timing.schedule})
+            "forward": timing.forward, "copy": timing.copy, "network": timing.network, "schedule": timing.schedule},
+            gate_ops=THREAD_GATE_OPS)
 
     def advance(self, dt: float) -> None:
         time.sleep(dt * THREAD_TICK)

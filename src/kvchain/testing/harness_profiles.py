@@ -77,6 +77,58 @@ def frees_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]
             {"op": "forward"}, {"op": "decode", "k": 8, "start": -1}, {"op": "forward"}]
 
 
+def _after_a_while(rng: random.Random, config: HarnessConfig) -> list[dict]:
+    """Device time passes with forwards in flight (on one rank a forward may be done, on the other
+    not), the newest request is freed and a short one admitted, and the oldest forward processed."""
+    return [{"op": "tick", "dt": round(rng.uniform(3.0, 30.0), 1)}, {"op": "free", "pick": -1},
+            {"op": "admit", "len": rng.randint(1, 2 * config.page_size)}, {"op": "process", "advance": 0}]
+
+
+def frees_under_queued_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
+    """A request's whole pages read by a forward queued behind another, then the request freed
+    and its pages wanted again before that forward starts. The forwards in flight processed;
+    state slots taken and let go (clean state holes, so the takes below need not wait the
+    freed request's slot); a request admitted in whole pages and written, its forward
+    processed (nothing in flight uses those pages now); a short request admitted and its forward
+    launched (it runs); the first request decoded by one token (a start of -2 puts the second
+    newest ready request first) and its forward launched behind the running one; the first
+    request freed (the second newest); then a request admitted in fewer pages than the first
+    one's whole pages, which takes holes first, then settled pending batches (its last page,
+    which the queued forward writes, is waited by every take), and device time passes before
+    a free and a take (`_after_a_while`)."""
+    ps = config.page_size
+    n = rng.randint(2, 4)
+    ops = [{"op": "process", "advance": 0}, {"op": "process", "advance": 0},
+           {"op": "slots", "n": rng.randint(3, 4)}, {"op": "free_slots", "pick": -1},
+           {"op": "admit", "len": n * ps}, {"op": "forward"}, {"op": "process", "advance": 0},
+           {"op": "admit", "len": rng.randint(1, ps)}, {"op": "forward"},
+           {"op": "decode", "k": 1, "start": -2}, {"op": "forward"}, {"op": "free", "pick": -2},
+           {"op": "admit", "len": rng.randint(1, (n - 1) * ps)}, *_after_a_while(rng, config)]
+    return ops
+
+
+def moves_under_queued_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
+    """A request's whole pages read by a forward queued behind another, moved while it waits,
+    and their old places wanted again before it starts. The forwards in flight processed; state
+    slots taken and let go (clean state holes, so no take below waits a slot); a long request
+    and then one of whole pages admitted and written, their forward processed; the long one
+    freed (the second newest), leaving holes beside the other's pages; a short request admitted
+    and its forward launched (it runs); the whole-page request decoded by one token (its new
+    page comes from the holes) and its forward launched behind the running one; an end
+    compacted (its frontier pages, the queued forward's reads, move into the holes; the forward
+    may still read their old places); then a short request admitted, and device time passes before
+    a free and a take (`_after_a_while`)."""
+    ps = config.page_size
+    n = rng.randint(2, 3)
+    return [{"op": "process", "advance": 0}, {"op": "process", "advance": 0},
+            {"op": "admit", "len": rng.randint(3 * ps, 4 * ps)}, {"op": "admit", "len": n * ps}, {"op": "forward"},
+            {"op": "process", "advance": 0}, {"op": "free", "pick": -2},
+            {"op": "admit", "len": rng.randint(1, ps)}, {"op": "forward"},
+            {"op": "decode", "k": 1, "start": -2}, {"op": "forward"},
+            {"op": "flush"},
+            {"op": "admit", "len": rng.randint(1, (n - 1) * ps)}, *_after_a_while(rng, config)]
+
+
 def settles_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """Frees under a running forward, then a relief or relocation that settles the pending pages
     early, then takes."""
@@ -107,6 +159,26 @@ def state_churn(rng: random.Random, config: HarnessConfig) -> list[dict]:
     return ops
 
 
+def state_then_growth(rng: random.Random, config: HarnessConfig) -> list[dict]:
+    """The state band at its high-water mark, let go, and the attention bands grown over the
+    bytes it held: requests admitted (each takes a state slot) and written (their forward writes
+    every slot), state slots copied, the forwards processed, most of them freed (negative picks
+    count from the newest), flushes and an end compaction that pack the state band and retreat
+    its frontier (a relief may relocate a float over the freed space), then long requests
+    admitted, written, decoded and written again: the forward after the first reads every page
+    they hold."""
+    ps = config.page_size
+    n = rng.randint(6, config.rows)
+    ops = [{"op": "admit", "len": rng.randint(1, ps)} for _ in range(n)]
+    ops += [{"op": "forward"}, *_ops(rng, config, _some(rng, ("copy_state",), 1, 3)),
+            {"op": "process", "advance": 0}, {"op": "process", "advance": 0}]
+    ops += [{"op": "free", "pick": -1} for _ in range(n - rng.randint(0, 2))]
+    ops += [{"op": "flush"}, {"op": "compact", "end": 0, "fr": round(rng.uniform(0.5, 1.0), 2)}, {"op": "flush"}]
+    ops += [{"op": "admit", "len": rng.randint(8 * ps, config.context // 3)} for _ in range(rng.randint(2, 4))]
+    ops += [{"op": "forward"}, {"op": "decode", "k": 8, "start": 0}, {"op": "forward"}, {"op": "forward"}]
+    return ops
+
+
 def timing_races(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """Tokens to write and a forward launched, then device time passes in steps (its event fires
     on one rank before the other) with frees and takes between them, whose decisions must not
@@ -119,7 +191,8 @@ def timing_races(rng: random.Random, config: HarnessConfig) -> list[dict]:
 
 
 FAMILIES: dict[str, Family] = {f.__name__: f for f in (
-    compaction_under_decode, moves_under_forward, frees_under_forward, settles_under_forward, state_churn, timing_races)}
+    frees_under_queued_forward, moves_under_queued_forward, compaction_under_decode, moves_under_forward, frees_under_forward, settles_under_forward, state_churn,
+    state_then_growth, timing_races)}
 
 
 def _weights(**changes: int) -> dict[str, int]:
@@ -166,12 +239,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("mixed"),
     # compaction and moves with forwards in flight
     Profile("moves", _weights(flush=14, compact=6, relief=5, relayout=4, free=10),
-            _families("compaction_under_decode", 0.12, moves_under_forward=0.04)),
+            _families("compaction_under_decode", 0.12, moves_under_forward=0.04, moves_under_queued_forward=0.08,
+                      frees_under_queued_forward=0.03)),
     # frees under running forwards, and the takes that follow
     Profile("frees", _weights(free=14, admit=14, process=7, tick=5),
-            _families("frees_under_forward", 0.10, settles_under_forward=0.04)),
+            _families("frees_under_forward", 0.10, settles_under_forward=0.04, frees_under_queued_forward=0.06,
+                      moves_under_queued_forward=0.05)),
     # state slots written and let go, so the state band shrinks and grows against its neighbour
-    Profile("state", _weights(slots=6, free_slots=6, copy_state=6, compact=6, free=12), _families("state_churn")),
+    Profile("state", _weights(slots=6, free_slots=6, copy_state=6, compact=6, free=12),
+            _families("state_churn", state_then_growth=0.05, frees_under_queued_forward=0.03,
+                      moves_under_queued_forward=0.05)),
     # device time between a forward and the frees and takes after it
     Profile("timing", _weights(tick=10, free=12), _families("timing_races")),
 )}

@@ -161,6 +161,9 @@ class Rank(ForwardOps, MaintenanceOps, HostTierOps, HostPoolOps, PDOps):
     def step(self, op: dict) -> str:
         """Run one operation; exceptions the pool should not raise become `error` findings."""
         self.reads.begin_step()
+        host_op = getattr(self.device, "host_op", None)
+        if host_op is not None:
+            host_op()  # the threads device opens the forwards it held until this operation
         handler = getattr(self, f"op_{op.get('op')}", None)
         if handler is None:
             raise InputError(f"unknown harness operation {op!r}")

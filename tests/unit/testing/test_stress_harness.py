@@ -164,3 +164,34 @@ def test_fixed_bug_relief_recovers_after_its_transfer_wait():
     empty float, and a refused admission changed the pool."""
     result = _replay_saved("stress_relief_second_pass_unrecovered")
     assert result.failure is None, result.failure.describe()
+
+
+def test_threads_gate_holds_work_until_the_host_is_operations_on():
+    """HARN-14: with `gate_ops`, work launched on the forward stream waits until the host has
+    reached the seeded number of operations (schedule-stream work does not), and a host wait opens
+    every gate, so the host never waits work it holds."""
+    import threading
+    import time
+
+    from kvchain.device.threads import ThreadDevice
+
+    device = ThreadDevice(seed=0, gate_ops=3)  # random.Random(0).randint(0, 3) draws 3 first
+    ran, scheduled = threading.Event(), threading.Event()
+    try:
+        device.launch(device.forward_stream, ran.set, label="forward")
+        device.launch(device.schedule_stream, scheduled.set, label="zero")
+        assert scheduled.wait(5)
+        for _ in range(2):
+            device.host_op()
+        time.sleep(0.05)
+        assert not ran.is_set()
+        device.host_op()
+        assert ran.wait(5)
+        held = threading.Event()
+        device.launch(device.forward_stream, held.set, label="forward")  # the next draw holds it too
+        time.sleep(0.05)
+        assert not held.is_set()
+        device.host_wait(device.record(device.forward_stream, "done"), timeout=5)
+        assert held.is_set()
+    finally:
+        device.close()
