@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .decl import FullLifetime, Geometry, KVLayerDecl, Lifetime, StateLifetime, Unit, WindowLifetime
+from .decl import MHA, FullLifetime, Geometry, KVLayerDecl, Lifetime, StateLifetime, Unit, WindowLifetime
 from .errors import InputError, PlanError
 from .layout.entry import ENVELOPE_ALIGN, PageEnvelope, page_envelope
 
@@ -169,6 +169,18 @@ class KVStoragePlan:
             "down_end": self.down_end.name,
             "tree_slots": [self.sub_pools[i].name for i in self.tree_slots],
         }
+
+
+def page_envelope_pair(plan: KVStoragePlan) -> tuple[SubPool, SubPool] | None:
+    """The two end sub-pools when both hold MHA pages: they share one page-envelope host backing
+    (of the larger envelope, HIC-11). A float always keeps a host pool of its own (HIC-12). Here,
+    below both host layouts (`layout/host.py`) and the host pools (`memory/host.py`), so they pair alike."""
+    up, down = plan.up_end, plan.down_end
+    if up is None or up.placement is not Placement.UP_END or up.kind is PoolKind.STATE:
+        return None
+    if not (isinstance(up.geometry, MHA) and isinstance(down.geometry, MHA)):
+        return None
+    return up, down
 
 
 def _kind(lifetime: Lifetime) -> PoolKind:

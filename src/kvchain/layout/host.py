@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..plan import KVStoragePlan, Placement, PoolKind, SubPool
+from ..plan import SubPool
 from .entry import PageEnvelope
 
 
@@ -40,16 +40,3 @@ def host_layout(pool: SubPool, n_pages: int) -> HostLayout:
         raise InputError(f"host pages for sub-pool {pool.name!r} must be >= 0, got {n_pages}")
     return HostLayout((pool.name,), pool.envelope, n_pages)
 
-
-def page_envelope_pair(plan: KVStoragePlan) -> tuple[SubPool, SubPool] | None:
-    """The two end sub-pools when both hold MHA pages: they share one page-envelope host backing
-    (the larger envelope). A float always keeps a host pool of its own."""
-    up = plan.up_end
-    down = plan.down_end
-    if up is None or up.placement is not Placement.UP_END:
-        return None
-    from ..decl import MHA
-
-    if up.kind is PoolKind.STATE or not (isinstance(up.geometry, MHA) and isinstance(down.geometry, MHA)):
-        return None
-    return up, down

@@ -14,23 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..decl import MHA
 from ..errors import CapacityError, InputError
 from ..layout.entry import PageEnvelope
-from ..plan import KVStoragePlan, Placement, PoolKind, SubPool
+from ..plan import KVStoragePlan, PoolKind, SubPool, page_envelope_pair
 
 __all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair"]
 
-
-def page_envelope_pair(plan: KVStoragePlan) -> tuple[SubPool, SubPool] | None:
-    """The two end sub-pools when both hold MHA pages: they share one page-envelope host backing
-    (of the larger envelope, HIC-11). A float always keeps a host pool of its own (HIC-12)."""
-    up, down = plan.up_end, plan.down_end
-    if up is None or up.placement is not Placement.UP_END or up.kind is PoolKind.STATE:
-        return None
-    if not (isinstance(up.geometry, MHA) and isinstance(down.geometry, MHA)):
-        return None
-    return up, down
 
 
 @dataclass(frozen=True)

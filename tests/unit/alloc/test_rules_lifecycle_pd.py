@@ -14,8 +14,8 @@ from kvchain.alloc.band import PENDING, SnapshotMode
 from kvchain.cache.radix import CheckpointStrategy, UnifiedRadixCache
 from kvchain.device.modeled import clock_leq
 from kvchain.errors import CapacityError, InvariantError
-from kvchain.layout.host import host_layout, page_envelope_pair
-from kvchain.plan import Placement, plan_kv_storage
+from kvchain.layout.host import host_layout
+from kvchain.plan import Placement, page_envelope_pair, plan_kv_storage
 from support.chains import hybrid_decls, small_storage
 from support.modeled import launch_forward, modeled_storage, process, request
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvchain.decl import MHA, MLA, FullLifetime, KVPart, State, StateTensor, WindowLifetime, kv_layer_decls
-from kvchain.layout.host import host_layout, page_envelope_pair
+from kvchain.layout.host import host_layout
 from kvchain.layout.views import SubPoolView
 from kvchain.memory.arena import KVArena, arena_layout
 from kvchain.models.small import small_hybrid
-from kvchain.plan import plan_kv_storage
+from kvchain.plan import page_envelope_pair, plan_kv_storage
 
 SSM = State((StateTensor("conv", (6, 3)), StateTensor("ssm", (2, 4), "float32")))
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from kvchain.errors import CapacityError, InputError
-from kvchain.layout import host as host_layouts
 from kvchain.layout.views import SubPoolView
-from kvchain.memory.host import HostPools, host_sizing, page_envelope_pair
+from kvchain.memory.host import HostPools, host_sizing
 from kvchain.plan import PoolKind
 from support.chains import small_storage
 
@@ -108,9 +107,3 @@ def test_host_pages_are_freed_and_taken_again():
     pool.free(ids[:3])
     assert sorted(pool.alloc(3).tolist()) == sorted(ids[:3].tolist())
 
-
-def test_the_pairing_agrees_with_the_host_layouts():
-    for kwargs in (dict(windows=(8,), state=False), dict(windows=(32, 8), state=True), dict(windows=(8,), mla=True,
-                   state=False), dict(windows=(32, 8), state=False)):
-        plan = small_storage(**kwargs).plan
-        assert page_envelope_pair(plan) == host_layouts.page_envelope_pair(plan)
