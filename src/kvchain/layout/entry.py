@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..decl import MHA, MLA, Geometry, State
 from ..errors import DeclarationError, LayoutError
 from ..units import dtype_size
@@ -89,3 +91,28 @@ def page_envelope(geometry: Geometry, layer_ids: Sequence[int], page_size: int) 
             offset += comp.nbytes
             payload += comp.nbytes
     return PageEnvelope(tuple(components), _align(offset), payload)
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A host backing: `n_pages` envelopes of one size, for one sub-pool or, when the two end
+    sub-pools share an envelope backing, both. Here beside `PageEnvelope`, below the host layouts
+    (`layout/host.py`) and the host pools (`memory/host.py`), which both build it."""
+
+    sub_pools: tuple[str, ...]
+    envelope: PageEnvelope
+    n_pages: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.envelope.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.envelope.page_bytes
+
+    def allocate(self, pin: bool | None = None) -> torch.Tensor:
+        """A `[n_pages, page_bytes]` uint8 host tensor, pinned when CUDA is present."""
+        if pin is None:
+            pin = torch.cuda.is_available()
+        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=bool(pin and self.n_pages))

@@ -3,36 +3,9 @@ moves whole page envelopes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from ..errors import InputError
 from ..plan import SubPool
-from .entry import PageEnvelope
-
-
-@dataclass(frozen=True)
-class HostLayout:
-    """A host pool for one sub-pool (or, for a shared envelope backing, both end sub-pools)."""
-
-    sub_pools: tuple[str, ...]
-    envelope: PageEnvelope
-    n_pages: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.envelope.page_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_pages * self.envelope.page_bytes
-
-    def allocate(self, pin: bool | None = None) -> torch.Tensor:
-        """A [n_pages, page_bytes] uint8 host tensor, pinned when CUDA is present."""
-        if pin is None:
-            pin = torch.cuda.is_available()
-        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
+from .entry import HostLayout
 
 
 def host_layout(pool: SubPool, n_pages: int) -> HostLayout:

@@ -15,34 +15,13 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, InputError
-from ..layout.entry import PageEnvelope
+from ..layout.entry import HostLayout
 from ..plan import KVStoragePlan, PoolKind, SubPool, page_envelope_pair
 
 __all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair"]
 
 
 
-@dataclass(frozen=True)
-class HostLayout:
-    """A host backing: `n_pages` envelopes of one size, for one sub-pool or the paired ends."""
-
-    sub_pools: tuple[str, ...]
-    envelope: PageEnvelope
-    n_pages: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.envelope.page_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_pages * self.envelope.page_bytes
-
-    def allocate(self, pin: bool | None = None) -> torch.Tensor:
-        """A `[n_pages, page_bytes]` uint8 host tensor, pinned when CUDA is present."""
-        if pin is None:
-            pin = torch.cuda.is_available()
-        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=bool(pin and self.n_pages))
 
 
 class HostPool:
