@@ -22,16 +22,15 @@ import torch
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
-from ..cache.radix import CheckpointStrategy
 from .pp import StageLink, run_stage_processes
 from ..errors import InputError, InvariantError
 from ..plan import plan_stages, stage_layer_ranges
 from ..sizing import size_stages
 from ..engine.batch import ForwardBatch
-from ..engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
-from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
+from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, open_checkpoint, pool_options
 
 
 class PassThroughLayer(torch.nn.Module):
@@ -129,9 +128,7 @@ class StageEngine(Engine):
                  partition: Sequence[int] | None = None) -> None:
         config = replace(config, overlap=False)
         self.config = config
-        backend, torch_device = _backend(config.device, config.forward_delay)
-        if not isinstance(checkpoint, LoadedCheckpoint):
-            checkpoint = load_checkpoint(checkpoint, device=torch_device)
+        backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         self.link = link
         stage, n_stages = link.stage, link.n_stages
@@ -146,12 +143,8 @@ class StageEngine(Engine):
         self.layers = ranges[stage]
         self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
         self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link)
-        interval = config.checkpoint_interval if self.plan.state is not None else None
-        self.pool = ModelPool(self.storage, self.runner, overlap=False, war_barrier=config.war_barrier,
-                              eos=() if config.ignore_eos else checkpoint.eos_token_ids,
-                              keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
-                              strategy=CheckpointStrategy.EXTRA_BUFFER, checkpoint_interval=interval,
-                              max_tokens=config.max_batched_tokens + config.max_running)
+        self.pool = ModelPool(self.storage, self.runner,
+                              **pool_options(config, checkpoint, self.plan, overlap=False))
         self._rid = 0
         self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
         self.storage.allocator.install_stage_capacity(self.geometries, stage)

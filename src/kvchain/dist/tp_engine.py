@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
-from ..cache.radix import CheckpointStrategy
 from .pp import run_stage_processes
 from .tp import RankLink, check_rank_agreement, check_same_layout, digest
 from ..errors import InputError
@@ -31,11 +30,11 @@ from ..models.registry import model_from_config
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from ..units import dtype_name
-from ..engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
 from .pp_engine import _as_tensors, _by_value, _stage_error
 from ..engine.runner import ModelRunner
-from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, _backend
+from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, open_checkpoint, pool_options
 
 #: the families whose layers are attention (q/k/v/o projections) and a dense gated MLP only
 TP_FAMILIES = ("llama", "gemma3")
@@ -118,9 +117,7 @@ class RankEngine(Engine):
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: RankLink) -> None:
         config = replace(config, overlap=False)
         self.config = config
-        backend, torch_device = _backend(config.device, config.forward_delay)
-        if not isinstance(checkpoint, LoadedCheckpoint):
-            checkpoint = load_checkpoint(checkpoint, device=torch_device)
+        backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         self.link = link
         shard_model(checkpoint.model, link.rank, link.n_ranks)
@@ -133,12 +130,8 @@ class RankEngine(Engine):
         self.layout = StageGeometry.of_chain(self.storage.allocator, 0)
         check_same_layout(link.all_gather(self.layout.to_dict()))
         self.runner = ModelRunner(checkpoint.model, self.plan)
-        interval = config.checkpoint_interval if self.plan.state is not None else None
-        self.pool = ModelPool(self.storage, self.runner, overlap=False, war_barrier=config.war_barrier,
-                              eos=() if config.ignore_eos else checkpoint.eos_token_ids,
-                              keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
-                              strategy=CheckpointStrategy.EXTRA_BUFFER, checkpoint_interval=interval,
-                              max_tokens=config.max_batched_tokens + config.max_running)
+        self.pool = ModelPool(self.storage, self.runner,
+                              **pool_options(config, checkpoint, self.plan, overlap=False))
         self._rid = 0
         self.storage.allocator.decisions = []
         self.digests: list[str] = []

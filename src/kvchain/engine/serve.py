@@ -155,6 +155,29 @@ class GenerateResult:
     #: (request index, output number) -> logits of that sampled token, when `keep_logits`
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
+def open_checkpoint(checkpoint: LoadedCheckpoint | str | Path,
+                    config: EngineConfig) -> tuple[Device, torch.device, LoadedCheckpoint]:
+    """The device backend `config` asks for and the checkpoint on it (a path is loaded there): the
+    opening every engine shares, one process or a stage or rank of several."""
+    backend, torch_device = _backend(config.device, config.forward_delay, config.inline)
+    if not isinstance(checkpoint, LoadedCheckpoint):
+        checkpoint = load_checkpoint(checkpoint, device=torch_device)
+    return backend, torch_device, checkpoint
+
+
+def pool_options(config: EngineConfig, checkpoint: LoadedCheckpoint, plan, *, overlap: bool,
+                 interval: int | None = None) -> dict:
+    """`ModelPool`'s keyword arguments from an engine's config; `interval` defaults to the config's
+    checkpoint interval where the plan holds state."""
+    if interval is None and plan.state is not None:
+        interval = config.checkpoint_interval
+    return dict(overlap=overlap, war_barrier=config.war_barrier,
+                eos=() if config.ignore_eos else checkpoint.eos_token_ids,
+                keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
+                strategy=CheckpointStrategy.EXTRA_BUFFER, checkpoint_interval=interval,
+                max_tokens=config.max_batched_tokens + config.max_running)
+
+
 
 def _backend(device: str, forward_delay: float, inline: bool = False) -> tuple[Device, torch.device]:
     if inline and device != "cpu":
@@ -173,9 +196,7 @@ class Engine:
 
     def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        backend, torch_device = _backend(config.device, config.forward_delay, config.inline)
-        if not isinstance(checkpoint, LoadedCheckpoint):
-            checkpoint = load_checkpoint(checkpoint, device=torch_device)
+        backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         spec = checkpoint.model_spec()
         context = config.context_len or min(spec.max_context or 4096, 4096)
@@ -188,15 +209,8 @@ class Engine:
         sizing = size_plan(self.plan, config.budget_bytes, context_len=context, max_running_requests=config.max_running)
         self.storage = build_kv_storage(self.plan, sizing, torch_device, backend=backend)
         self.runner = ModelRunner(checkpoint.model, self.plan)
-        strategy = CheckpointStrategy.EXTRA_BUFFER
-        interval = config.checkpoint_interval if self.plan.state is not None else None
-        if draft is not None and draft.checkpoint_interval is not None:
-            interval = draft.checkpoint_interval
-        pool_kwargs = dict(overlap=config.overlap, war_barrier=config.war_barrier,
-                           eos=() if config.ignore_eos else checkpoint.eos_token_ids,
-                           keep_logits=config.keep_logits, prefix_cache=config.prefix_cache,
-                           strategy=strategy, checkpoint_interval=interval,
-                           max_tokens=config.max_batched_tokens + config.max_running)
+        pool_kwargs = pool_options(config, checkpoint, self.plan, overlap=config.overlap,
+                                   interval=None if draft is None else draft.checkpoint_interval)
         if draft is not None:
             self.pool = speculative_pool(self.storage, self.runner, draft, config, pool_kwargs)
         else:
