@@ -106,7 +106,6 @@ class ModelPool(KVChainPool):
         """Translate the step once: packed token ids and positions, page tables, write locations,
         state slots; the requests that sample and where their logits are."""
         storage = self.storage
-        table = storage.table
         ps = self.page_size
         n = len(reqs)
         rows = np.fromiter((r.row for r in reqs), np.int64, n)
@@ -152,18 +151,7 @@ class ModelPool(KVChainPool):
         outputs = StepOutputs(sample_reqs, sample_index)
         for k, req in enumerate(sample_reqs):
             self._future[req.rid] = (outputs, sample_index[k], k)
-        rows_of_tokens = np.repeat(rows, counts)
-        vtokens = table.page_table[rows_of_tokens, positions // ps] * ps + positions % ps
-        written = storage.iteration_ids(vtokens, rows)
-        read = storage.runner_ids(rows)
-        storage.reset_new_rows()  # fresh rows start from zero state: `state_fresh` below
-        meta = StepMetadata(
-            input_ids=ids, positions=positions,
-            page_tables={name: read.page_tables[name] for name in self._attention},
-            write_locs={name: written.locs[name] for name in self._attention},
-            state_slots=written.state_slots, state_fresh=starts == 0,
-            sample_at=np.asarray(sample_at, dtype=np.int64))
-        views = self.buffers.views(meta)
+        meta, views, written = self._step_metadata(rows, counts, positions, ids, starts, sample_at)
         batch = ForwardBatch(
             q_starts=q_starts, prefix_lens=starts, seq_lens=ends, page_size=ps, views=storage.views,
             layer_pool=self.layer_pool, page_tables=views.page_tables, write_locs=views.write_locs,
@@ -190,6 +178,24 @@ class ModelPool(KVChainPool):
         return Forward(launch, None, written, upload), outputs
 
     # -- processing ----------------------------------------------------------------------------------
+
+    def _step_metadata(self, rows, counts, positions, ids, starts, sample_at) -> tuple[StepMetadata, object, object]:
+        """One step's translated ids (`iteration_ids` for its writes, `runner_ids` for its reads),
+        the reset of rows handed out since the last step, and the metadata uploaded into the step's
+        buffers (with the write ids, which the step records); every forward of this pool and of its subclasses prepares its metadata here."""
+        storage, ps = self.storage, self.page_size
+        rows_of_tokens = np.repeat(rows, counts)
+        vtokens = storage.table.page_table[rows_of_tokens, positions // ps] * ps + positions % ps
+        written = storage.iteration_ids(vtokens, rows)
+        read = storage.runner_ids(rows)
+        storage.reset_new_rows()  # fresh rows start from zero state: `state_fresh`
+        meta = StepMetadata(
+            input_ids=ids, positions=positions,
+            page_tables={name: read.page_tables[name] for name in self._attention},
+            write_locs={name: written.locs[name] for name in self._attention},
+            state_slots=written.state_slots, state_fresh=starts == 0,
+            sample_at=np.asarray(sample_at, dtype=np.int64))
+        return meta, self.buffers.views(meta), written
 
     def _record_outputs(self, launched: Launched[StepOutputs]) -> None:
         outputs = launched.payload

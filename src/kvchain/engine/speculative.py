@@ -35,7 +35,7 @@ from ..errors import CapacityError, InputError
 from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
 from ..storage import KVStorage
 from .batch import ForwardBatch
-from .metadata import MetadataBuffers, StepMetadata
+from .metadata import MetadataBuffers
 from .model_pool import ModelPool, StepOutputs, _group_futures
 from .pool import PoolFull
 from .request import ScheduledRequest
@@ -311,18 +311,7 @@ class SpeculativePool(ModelPool):
             rd.req.pool_state["spec_round"] = round_no
             self._held.add(id(rd.req))
 
-        rows_of_tokens = np.repeat(rows, counts)
-        vtokens = table.page_table[rows_of_tokens, positions // ps] * ps + positions % ps
-        written = storage.iteration_ids(vtokens, rows)
-        read = storage.runner_ids(rows)
-        storage.reset_new_rows()
-        meta = StepMetadata(
-            input_ids=ids, positions=positions,
-            page_tables={name: read.page_tables[name] for name in self._attention},
-            write_locs={name: written.locs[name] for name in self._attention},
-            state_slots=written.state_slots, state_fresh=starts == 0,
-            sample_at=np.asarray(sample_at, dtype=np.int64))
-        views = self.buffers.views(meta)
+        meta, views, written = self._step_metadata(rows, counts, positions, ids, starts, sample_at)
         device = self.runner.device
 
         slots = None
