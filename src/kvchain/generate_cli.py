@@ -57,7 +57,7 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: split the heads and the MLP across this many processes over gloo, "
-                        "each rank a pool of its shard of the KV heads (cpu; llama and gemma3 families; default 1)")
+                        "each rank a pool of its shard of the KV and state heads (cpu; default 1)")
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:

@@ -2,14 +2,13 @@
 serving its shard of every layer from its own pool, outputs identical to one process.
 
 Each rank process loads the checkpoint and keeps its shard of the weights, as engines split them
-(`shard_model`): the query, key and value projections by heads and the MLP's gate and up
-projections by rows (column-parallel), the attention output and the MLP's down projection by
-columns (row-parallel), whose partial outputs are summed over the ranks by an all-reduce
-(`RowParallelLinear`). So each rank computes its own heads' attention and writes only their keys and
-values into its own pool, planned at `tp_size` (`model_from_config(..., tp_size=N)`: its KV heads
-split). The ranks size for the least budget of any of them and check their layouts agree; after
-every step each rank digests its allocator's decisions and the units it holds, and the ranks
-compare their digests (`tp.rank_agreement`). A rank runs each forward to its end before it
+(`tp_shard.shard_model`: attention, MLPs, MoE experts, Mamba2 and gated DeltaNet mixers by heads or
+inner rows, each layer's output projection by columns with an all-reduce after it). So each rank
+computes its own heads and writes only their keys, values and state into its own pool, planned at
+`tp_size` (`model_from_config(..., tp_size=N)`: its KV and state heads split). The ranks size
+for the least budget of any of them and check their layouts agree; after every step each rank
+digests its allocator's decisions and the units it holds, and the ranks compare their digests
+(`tp.rank_agreement`). A rank runs each forward to its end before it
 schedules the next (no collective overlaps another)."""
 
 from __future__ import annotations
@@ -17,14 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
 from .pp import run_stage_processes
 from .tp import RankLink, check_rank_agreement, check_same_layout, digest
+from .tp_shard import check_split, shard_model
 from ..errors import InputError
 from ..models.registry import model_from_config
 from ..plan import plan_kv_storage
@@ -36,78 +32,14 @@ from .pp_engine import _as_tensors, _by_value, _stage_error
 from ..engine.runner import ModelRunner
 from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, open_checkpoint, pool_options
 
-#: the families whose layers are attention (q/k/v/o projections) and a dense gated MLP only
-TP_FAMILIES = ("llama", "gemma3")
-
-
-class RowParallelLinear(torch.nn.Module):
-    """A linear layer's column shard: this rank's partial output, summed over the ranks. The bias
-    is added on rank 0 only, so the sum holds it once."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        dist.all_reduce(out)
-        return out
-
-
-def _column_shard(linear: torch.nn.Linear, lo: int, hi: int) -> torch.nn.Linear:
-    """Output rows lo..hi of `linear` (a column-parallel shard)."""
-    out = torch.nn.Linear(linear.in_features, hi - lo, bias=linear.bias is not None,
-                          device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[lo:hi])
-        if linear.bias is not None:
-            out.bias.copy_(linear.bias[lo:hi])
-    return out.requires_grad_(False)
-
-
-def _row_shard(linear: torch.nn.Linear, lo: int, hi: int, rank: int) -> RowParallelLinear:
-    bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
-    return RowParallelLinear(linear.weight.detach()[:, lo:hi].clone(), bias)
-
-
-def _split(total: int, n: int, what: str) -> int:
-    if total % n:
-        raise InputError(f"--tp {n}: {what} ({total}) do not split evenly over {n} ranks")
-    return total // n
-
-
-def shard_model(model: torch.nn.Module, rank: int, n: int) -> None:
-    """Keep rank `rank`'s shard of every attention layer and every dense MLP of `model`."""
-    for module in list(model.modules()):
-        if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            head_dim = int(module.head_dim)
-            heads = _split(module.q_proj.out_features // head_dim, n, "attention heads")
-            kv_heads = _split(module.k_proj.out_features // head_dim, n, "key-value heads")
-            q, kv = heads * head_dim, kv_heads * head_dim
-            module.q_proj = _column_shard(module.q_proj, rank * q, (rank + 1) * q)
-            module.k_proj = _column_shard(module.k_proj, rank * kv, (rank + 1) * kv)
-            module.v_proj = _column_shard(module.v_proj, rank * kv, (rank + 1) * kv)
-            module.o_proj = _row_shard(module.o_proj, rank * q, (rank + 1) * q, rank)
-        elif all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
-            inner = _split(module.gate_proj.out_features, n, "MLP intermediate rows")
-            module.gate_proj = _column_shard(module.gate_proj, rank * inner, (rank + 1) * inner)
-            module.up_proj = _column_shard(module.up_proj, rank * inner, (rank + 1) * inner)
-            module.down_proj = _row_shard(module.down_proj, rank * inner, (rank + 1) * inner, rank)
-
 
 def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int) -> None:
-    """Refuse, in one line and before any rank starts, what the ranks cannot split."""
+    """Refuse, in one line and before any rank starts, what the ranks cannot split: the KV and
+    state heads the pool plans per rank, and every layer's heads and inner rows."""
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks run on --device cpu (one process per rank over gloo)")
-    spec = checkpoint.model_spec()
-    if spec.family not in TP_FAMILIES:
-        raise InputError(f"--tp {n}: the {spec.family} family is not split over ranks here (tensor-parallel "
-                         f"generate serves {', '.join(TP_FAMILIES)}: attention and a dense MLP)")
-    text = checkpoint.model.config.get_text_config()
-    _split(int(text.num_attention_heads), n, "attention heads")
-    _split(int(getattr(text, "num_key_value_heads", text.num_attention_heads)), n, "key-value heads")
-    _split(int(text.intermediate_size), n, "MLP intermediate rows")
+    spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=n)
+    check_split(checkpoint.model, n, (d.layer_id for d in spec.decls if d.parts))
 
 
 class RankEngine(Engine):
@@ -120,8 +52,9 @@ class RankEngine(Engine):
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         self.link = link
-        shard_model(checkpoint.model, link.rank, link.n_ranks)
         spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=link.n_ranks)
+        check_split(checkpoint.model, link.n_ranks, (d.layer_id for d in spec.decls if d.parts))
+        shard_model(checkpoint.model, link.rank, link.n_ranks)
         context = config.context_len or min(spec.max_context or 4096, 4096)
         budget = link.min_reduce(config.budget_bytes)
         self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)

@@ -42,6 +42,39 @@ def test_two_ranks_generate_what_one_process_does():
     assert not mp.active_children()
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "nemotron_h", "lfm3"])
+def test_every_family_on_two_ranks_generates_what_one_process_does(family):
+    """The other tiny families, each split its own way (`tp_shard`): GPT-OSS's sinks and fused
+    experts, Qwen3-Next's gated query, DeltaNet heads and experts beside a shared expert,
+    Nemotron-H's Mamba2 groups, LFM's short convolutions and gated attention. Each rank holds half
+    the pool's bytes per token, the ranks' digests agree every step, and both sample the tokens
+    one process samples, their logits within the family's tolerance."""
+    path, reqs = str(checkpoint_dir(family)), workload(4)
+    with Engine(path, _config()) as engine:
+        one = engine.generate(reqs)
+        whole = StageGeometry.of_chain(engine.storage.allocator, 0).bytes_per_token()
+    runs = generate_in_ranks(path, _config(), reqs, 2)
+    for run in runs:
+        assert run.bytes_per_token * 2 == whole
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
+        assert max(float((run.result.logits[k] - one.logits[k]).abs().max()) for k in one.logits) < LOGIT_TOL[family]
+    assert runs[0].digests == runs[1].digests and len(runs[0].digests) == runs[0].result.stats.steps
+    assert not mp.active_children()
+
+
+def test_a_layer_left_whole_is_refused_before_any_rank_starts(monkeypatch):
+    """A pool layer whose kind the shard does not recognise would keep its whole heads against the
+    pool's shard of them: `check_tp_split` names it before any rank process starts."""
+    from kvchain.dist import tp_shard
+    from kvchain.engine.checkpoint import load_checkpoint
+
+    real = tp_shard._kind
+    monkeypatch.setattr(tp_shard, "_kind", lambda m: None if real(m) == "deltanet" else real(m))
+    checkpoint = load_checkpoint(checkpoint_dir("qwen3_next"))
+    with pytest.raises(KVChainError, match=r"--tp 2: layers \[0, 1, 2\] hold KV or state in a form not split"):
+        tp.check_tp_split(checkpoint, _config(), 2)
+
+
 def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
     """Rank 1 reports one more live page than it holds: the first step's digests differ and both
     ranks fail `tp.rank_agreement`, naming the differing decision."""
@@ -74,8 +107,9 @@ def test_generate_cli_with_tp_prints_what_one_process_does(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("family", "argv", "needle"), [
-    ("gpt_oss", ["--tp", "2"], "the gpt_oss family is not split over ranks"),
-    ("llama", ["--tp", "3"], "attention heads (4) do not split evenly over 3 ranks"),
+    ("nemotron_h", ["--tp", "4"], "Mamba groups (2) do not split evenly over 4 ranks"),
+    ("qwen3_next", ["--tp", "4"], "linear_num_key_heads"),
+    ("llama", ["--tp", "3"], "'num_key_value_heads' = 2 cannot be split over tp_size 3"),
     ("llama", ["--tp", "2", "--pp", "2"], "give one of them"),
     ("llama", ["--tp", "2", "--device", "cuda"], "--device"),
 ])

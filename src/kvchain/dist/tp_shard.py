@@ -1,0 +1,282 @@
+"""A rank's shard of a checkpoint's weights, split as tensor-parallel engines split them.
+
+Every layer is split by heads or by inner rows, so a rank computes its own heads end to end and
+writes only their keys, values and state into its own pool; the one layer that mixes the heads
+back (an attention's or a mixer's output projection, an MLP's down projection, the experts'
+down projections) keeps this rank's columns and sums its partial output over the ranks with an
+all-reduce. What stays whole on every rank: embeddings, norms over the hidden size, routers, the
+shared expert's gate, the head. The kinds of layer split here:
+
+- attention (q/k/v/o projections): by query and key-value heads; a gated query (`q_proj` twice as
+  wide, each head's query followed by its gate), a per-head output gate and attention sinks split
+  with their heads;
+- dense MLPs: gate/up (or up alone) by rows, down by columns;
+- MoE experts (fused 3-D weights): every expert's inner rows, the summed output reduced;
+- Mamba2 mixers (Nemotron-H): by groups of heads, with their z, x, B, C and dt projections, conv
+  channels, per-head decay, skip and norm weights;
+- gated DeltaNet mixers (Qwen3-Next): by key heads, with their value heads, conv channels and decay;
+- short convolutions (LFM): by hidden channels, with their B, C and x projections.
+
+Each rank's state shapes are then those `model_from_config(..., tp_size=N)` plans for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..errors import InputError
+
+
+class RowParallelLinear(torch.nn.Module):
+    """A linear layer's column shard: this rank's partial output, summed over the ranks. The bias
+    is added on rank 0 only, so the sum holds it once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        dist.all_reduce(out)
+        return out
+
+
+def split(total: int, n: int, what: str) -> int:
+    """`total` over `n` ranks, refused in one line when it does not split evenly."""
+    if total % n:
+        raise InputError(f"--tp {n}: {what} ({total}) do not split evenly over {n} ranks")
+    return total // n
+
+
+def _rows(index: torch.Tensor, linear: torch.nn.Linear) -> torch.nn.Linear:
+    """The output rows `index` of `linear` (a column-parallel shard)."""
+    out = torch.nn.Linear(linear.in_features, len(index), bias=linear.bias is not None,
+                          device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(linear.weight[index])
+        if linear.bias is not None:
+            out.bias.copy_(linear.bias[index])
+    return out.requires_grad_(False)
+
+
+def _columns(index: torch.Tensor, linear: torch.nn.Linear, rank: int) -> RowParallelLinear:
+    bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
+    return RowParallelLinear(linear.weight.detach()[:, index].clone(), bias)
+
+
+def _blocks(rank: int, per_rank: int, width: int, offset: int = 0) -> torch.Tensor:
+    """The indices of this rank's `per_rank` blocks of `width` each, after `offset`."""
+    lo = offset + rank * per_rank * width
+    return torch.arange(lo, lo + per_rank * width)
+
+
+def _parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor.detach().clone(), requires_grad=False)
+
+
+def _conv(conv: torch.nn.Conv1d, index: torch.Tensor) -> torch.nn.Conv1d:
+    """The depthwise convolution's channels `index`."""
+    out = torch.nn.Conv1d(len(index), len(index), conv.kernel_size[0], groups=len(index), padding=conv.padding[0],
+                          bias=conv.bias is not None, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(conv.weight[index])
+        if conv.bias is not None:
+            out.bias.copy_(conv.bias[index])
+    return out.requires_grad_(False)
+
+
+def _reduced(module: torch.nn.Module) -> None:
+    """Sum `module`'s output over the ranks after its own forward (its inner rows are split)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        dist.all_reduce(out)
+        return out
+
+    module.forward = forward
+
+
+def _attention(module: torch.nn.Module, rank: int, n: int) -> None:
+    head_dim = int(module.head_dim)
+    kv_heads = module.k_proj.out_features // head_dim
+    heads = module.o_proj.in_features // head_dim
+    per_head = module.q_proj.out_features // heads  # head_dim, or twice it for a gated query
+    h, kvh = split(heads, n, "attention heads"), split(kv_heads, n, "key-value heads")
+    module.q_proj = _rows(_blocks(rank, h, per_head), module.q_proj)
+    module.k_proj = _rows(_blocks(rank, kvh, head_dim), module.k_proj)
+    module.v_proj = _rows(_blocks(rank, kvh, head_dim), module.v_proj)
+    module.o_proj = _columns(_blocks(rank, h, head_dim), module.o_proj, rank)
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        module.sinks = _parameter(module.sinks[rank * h:(rank + 1) * h])
+    if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # LFM's per-head output gate
+        module.g_proj = _rows(_blocks(rank, h, 1), module.g_proj)
+
+
+#: a dense MLP's (gate, up, down) projection names: HF's usual ones and LFM's
+_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _mlp_names(module: torch.nn.Module) -> tuple[str | None, str, str] | None:
+    for gate, up, down in _MLP_NAMES:
+        if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in (up, down)):
+            return (gate if isinstance(getattr(module, gate, None), torch.nn.Linear) else None), up, down
+    return None
+
+
+def _mlp(module: torch.nn.Module, rank: int, n: int) -> None:
+    gate, up, down = _mlp_names(module)
+    index = _blocks(rank, split(getattr(module, up).out_features, n, "MLP intermediate rows"), 1)
+    for name in (gate, up) if gate else (up,):
+        setattr(module, name, _rows(index, getattr(module, name)))
+    setattr(module, down, _columns(index, getattr(module, down), rank))
+
+
+def _shortconv(module: torch.nn.Module, rank: int, n: int) -> None:
+    """LFM's short convolution: `in_proj` is [B | C | x], each of the hidden size, gated around a
+    depthwise convolution over the hidden channels."""
+    hidden = module.out_proj.in_features
+    per_rank = split(hidden, n, "short-conv channels")
+    channels = _blocks(rank, per_rank, 1)
+    module.in_proj = _rows(torch.cat([channels, channels + hidden, channels + 2 * hidden]), module.in_proj)
+    module.conv = _conv(module.conv, channels)
+    module.out_proj = _columns(channels, module.out_proj, rank)
+
+
+def _experts(module: torch.nn.Module, rank: int, n: int) -> None:
+    """Fused experts: GPT-OSS stores `[E, hidden, 2I]` with gate and up interleaved and biases;
+    Qwen3-Next stores `[E, 2I, hidden]` with the gates first, then the ups."""
+    with torch.no_grad():
+        if hasattr(module, "gate_up_proj_bias"):  # gpt-oss
+            inner = split(module.gate_up_proj.shape[-1] // 2, n, "expert intermediate rows")
+            pairs = _blocks(rank, inner, 2)
+            module.gate_up_proj = _parameter(module.gate_up_proj[:, :, pairs])
+            module.gate_up_proj_bias = _parameter(module.gate_up_proj_bias[:, pairs])
+            rows = _blocks(rank, inner, 1)
+            module.down_proj = _parameter(module.down_proj[:, rows])
+            if rank:
+                module.down_proj_bias = _parameter(torch.zeros_like(module.down_proj_bias))
+            module.intermediate_size = inner
+        else:
+            full = module.gate_up_proj.shape[1] // 2
+            inner = split(full, n, "expert intermediate rows")
+            rows = torch.cat([_blocks(rank, inner, 1), _blocks(rank, inner, 1, full)])
+            module.gate_up_proj = _parameter(module.gate_up_proj[:, rows])
+            module.down_proj = _parameter(module.down_proj[:, :, _blocks(rank, inner, 1)])
+            module.intermediate_dim = inner
+    _reduced(module)
+
+
+def _mamba2(module: torch.nn.Module, rank: int, n: int) -> None:
+    heads, groups = split(module.num_heads, n, "Mamba heads"), split(module.n_groups, n, "Mamba groups")
+    inner, d_state, hd = heads * module.head_dim, module.ssm_state_size, module.head_dim
+    full_inner, full_groups = module.intermediate_size, module.n_groups
+    x_lo = full_inner  # in_proj: [z | x | B | C | dt]; conv: [x | B | C]
+    b_lo, c_lo = 2 * full_inner, 2 * full_inner + full_groups * d_state
+    dt_lo = full_inner + module.conv_dim
+    z = _blocks(rank, heads, hd)
+    xbc = [_blocks(rank, heads, hd), _blocks(rank, groups, d_state, full_inner),
+           _blocks(rank, groups, d_state, full_inner + full_groups * d_state)]
+    module.in_proj = _rows(torch.cat([z, _blocks(rank, heads, hd, x_lo), _blocks(rank, groups, d_state, b_lo),
+                                      _blocks(rank, groups, d_state, c_lo), _blocks(rank, heads, 1, dt_lo)]),
+                           module.in_proj)
+    module.conv1d = _conv(module.conv1d, torch.cat(xbc))
+    per_head = _blocks(rank, heads, 1)
+    for name in ("A_log", "D", "dt_bias"):
+        setattr(module, name, _parameter(getattr(module, name)[per_head]))
+    module.norm.weight = _parameter(module.norm.weight[z])
+    module.out_proj = _columns(z, module.out_proj, rank)
+    module.num_heads, module.n_groups, module.intermediate_size = heads, groups, inner
+    module.conv_dim = inner + 2 * groups * d_state
+
+
+def _deltanet(module: torch.nn.Module, rank: int, n: int) -> None:
+    nk, nv = split(module.num_k_heads, n, "linear key heads"), split(module.num_v_heads, n, "linear value heads")
+    dk, dv, rep = module.head_k_dim, module.head_v_dim, module.num_v_heads // module.num_k_heads
+    key_dim = module.key_dim
+    module.in_proj_qkvz = _rows(_blocks(rank, nk, 2 * dk + 2 * rep * dv), module.in_proj_qkvz)
+    module.in_proj_ba = _rows(_blocks(rank, nk, 2 * rep), module.in_proj_ba)
+    module.conv1d = _conv(module.conv1d, torch.cat([_blocks(rank, nk, dk), _blocks(rank, nk, dk, key_dim),
+                                                    _blocks(rank, nv, dv, 2 * key_dim)]))
+    per_head = _blocks(rank, nv, 1)
+    module.A_log = _parameter(module.A_log[per_head])
+    module.dt_bias = _parameter(module.dt_bias[per_head])
+    module.out_proj = _columns(_blocks(rank, nv, dv), module.out_proj, rank)
+    module.num_k_heads, module.num_v_heads = nk, nv
+    module.key_dim, module.value_dim = nk * dk, nv * dv
+    module.conv_dim = 2 * module.key_dim + module.value_dim
+
+
+def _kind(module: torch.nn.Module) -> str | None:
+    """Which split `module` takes, read from the weights it holds."""
+    if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention"
+    if isinstance(getattr(module, "in_proj_qkvz", None), torch.nn.Linear):
+        return "deltanet"
+    if isinstance(getattr(module, "in_proj", None), torch.nn.Linear) and hasattr(module, "A_log"):
+        return "mamba2"
+    if isinstance(getattr(module, "in_proj", None), torch.nn.Linear) and isinstance(
+            getattr(module, "conv", None), torch.nn.Conv1d):
+        return "shortconv"
+    if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+        return "experts"
+    if _mlp_names(module) is not None:
+        return "mlp"
+    return None
+
+
+_SHARD = {"attention": _attention, "deltanet": _deltanet, "mamba2": _mamba2, "shortconv": _shortconv,
+          "experts": _experts, "mlp": _mlp}
+
+
+def _experts_inner(module: torch.nn.Module) -> int:
+    width = module.gate_up_proj.shape[-1] if hasattr(module, "gate_up_proj_bias") else module.gate_up_proj.shape[1]
+    return width // 2
+
+
+#: what each kind of layer splits by: (its count, what it is called in a refusal)
+_TOTALS = {
+    "attention": lambda m: [(m.o_proj.in_features // int(m.head_dim), "attention heads"),
+                            (m.k_proj.out_features // int(m.head_dim), "key-value heads")],
+    "mlp": lambda m: [(getattr(m, _mlp_names(m)[1]).out_features, "MLP intermediate rows")],
+    "shortconv": lambda m: [(m.out_proj.in_features, "short-conv channels")],
+    "experts": lambda m: [(_experts_inner(m), "expert intermediate rows")],
+    "mamba2": lambda m: [(m.num_heads, "Mamba heads"), (m.n_groups, "Mamba groups")],
+    "deltanet": lambda m: [(m.num_k_heads, "linear key heads"), (m.num_v_heads, "linear value heads")],
+}
+
+
+#: the kinds of layer that write KV or state into the pool
+_POOL_KINDS = ("attention", "deltanet", "mamba2", "shortconv")
+
+
+def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ()) -> int:
+    """Refuse, in one line and before any rank starts, a layer whose heads or rows do not split
+    over `n` ranks, or a layer in `pool_layers` (those the pool gives KV or state) of a kind not
+    split here, whose whole heads would meet the pool's shard of them; the number of layers that
+    split."""
+    layers = [(module, kind) for module in model.modules() if (kind := _kind(module)) is not None]
+    for module, kind in layers:
+        for total, what in _TOTALS[kind](module):
+            split(total, n, what)
+    split_ids = {int(m.layer_idx) for m, kind in layers if kind in _POOL_KINDS and hasattr(m, "layer_idx")}
+    whole = sorted(set(pool_layers) - split_ids)
+    if whole:
+        raise InputError(f"--tp {n}: layers {whole} hold KV or state in a form not split over ranks here "
+                         "(attention, Mamba2, gated DeltaNet and short-conv layers are)")
+    return len(layers)
+
+
+def shard_model(model: torch.nn.Module, rank: int, n: int) -> int:
+    """Keep rank `rank`'s shard of every layer of `model` that splits; the number of layers split."""
+    split_layers = 0
+    for module in list(model.modules()):
+        kind = _kind(module)
+        if kind is not None:
+            _SHARD[kind](module, rank, n)
+            split_layers += 1
+    return split_layers
