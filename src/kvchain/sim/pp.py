@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..decl import KVLayerDecl
+from ..device.base import Device
 from ..engine.pool import KVChainPool
 from ..engine.request import ScheduledRequest
 from ..engine.scheduler import Scheduler
@@ -44,10 +45,11 @@ class StageSpec:
                                   max_running_requests=self.max_running_requests)
 
 
-def build_stage(spec: StageSpec, stage: int, device: str = "cpu") -> KVChainPool:
-    """Stage `stage`'s pool over its own arena (no stage capacity installed yet)."""
+def build_stage(spec: StageSpec, stage: int, device: str = "cpu", backend: Device | None = None) -> KVChainPool:
+    """Stage `stage`'s pool over its own arena (no stage capacity installed yet), on `backend`
+    (None: the device string's own)."""
     plans, sizing = spec.sizing()
-    storage = build_kv_storage(plans[stage], sizing.stages[stage], device)
+    storage = build_kv_storage(plans[stage], sizing.stages[stage], device, backend=backend)
     return KVChainPool(storage, prefix_cache=True)
 
 
