@@ -70,3 +70,49 @@ def test_a_load_every_stage_serves_takes_every_sub_pool_under_a_reservation():
         assert [b.n_fixed for b in pool.chain.bands] == LOAD
     digests = [p.chain.stage_capacity.take_digest() for p in pools]
     assert digests[0] == digests[1]
+
+
+def _host_tier_stages():
+    """Two stages with a host tier each, one 24-token prefix cached, backed up and evicted on both."""
+    pools = stage_pools(16)
+    tokens = np.arange(1, 25, dtype=np.int32)
+    for pool in pools:
+        pool.enable_host_tier(256 * 1024)
+        storage, tree = pool.storage, pool.tree
+        row = storage.alloc_row()
+        storage.alloc_extend(np.array([row]), np.array([len(tokens)]))
+        n = len(tokens) // storage.page_size
+        result = tree.insert(tokens, storage.table.page_table[row, :n].copy(), storage.table.window_lo[row])
+        storage.release_to_tree(row, n, result.duplicates)
+        storage.free_rows(np.array([row]))
+        tree.evict_all()
+        pool.hicache.collect(wait=True)
+    return pools, tokens
+
+
+def _live(pool) -> list[int]:
+    return [b.n_live for b in pool.chain.bands]
+
+
+def test_a_match_whose_load_one_stage_cannot_serve_loads_nothing_anywhere():
+    """PP-13 through a match: the host holds a prefix both stages evicted; the device is filled, the
+    same on both, until one stage's snapshot refuses the load while both could take its window rows
+    alone. The match loads nothing on either stage (the whole load is asked before any take), both
+    count the skip, the pools are as they were and the digests agree."""
+    probe, tokens = _host_tier_stages()
+    loads = []
+    for pool in probe:  # the load's pages per sub-pool, as a match on an emptied device takes them
+        before = _live(pool)
+        assert pool.tree.match_prefix(tokens).length == len(tokens)
+        loads.append([a - b for a, b in zip(_live(pool), before)])
+    assert loads[0] == loads[1] and all(loads[0])
+    pools, tokens = _host_tier_stages()
+    _fill_until_one_stage_refuses(pools, loads[0])
+    before = [_counts(p) for p in pools]
+    for pool in pools:
+        pool.chain.stage_capacity.take_digest()
+    assert [p.tree.match_prefix(tokens).length for p in pools] == [0, 0]
+    assert [p.hicache.stats["load_skips"] for p in pools] == [1, 1]
+    assert [_counts(p) for p in pools] == before
+    digests = [p.chain.stage_capacity.take_digest() for p in pools]
+    assert digests[0] == digests[1]
