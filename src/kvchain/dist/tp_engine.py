@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,14 +45,16 @@ class RowParallelLinear(torch.nn.Module):
     """A linear layer's column shard: this rank's partial output, summed over the ranks. The bias
     is added on rank 0 only, so the sum holds it once."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        #: the ranks that sum their shards (None: the whole process group)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out
 
 
@@ -66,9 +69,9 @@ def _column_shard(linear: torch.nn.Linear, lo: int, hi: int) -> torch.nn.Linear:
     return out.requires_grad_(False)
 
 
-def _row_shard(linear: torch.nn.Linear, lo: int, hi: int, rank: int) -> RowParallelLinear:
+def _row_shard(linear: torch.nn.Linear, lo: int, hi: int, rank: int, group: Any = None) -> RowParallelLinear:
     bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
-    return RowParallelLinear(linear.weight.detach()[:, lo:hi].clone(), bias)
+    return RowParallelLinear(linear.weight.detach()[:, lo:hi].clone(), bias, group)
 
 
 def _split(total: int, n: int, what: str) -> int:
@@ -77,8 +80,9 @@ def _split(total: int, n: int, what: str) -> int:
     return total // n
 
 
-def shard_model(model: torch.nn.Module, rank: int, n: int) -> None:
-    """Keep rank `rank`'s shard of every attention layer and every dense MLP of `model`."""
+def shard_model(model: torch.nn.Module, rank: int, n: int, group: Any = None) -> None:
+    """Keep rank `rank`'s shard of every attention layer and every dense MLP of `model`; the
+    row-parallel sums run over `group` (None: the whole process group)."""
     for module in list(model.modules()):
         if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
             head_dim = int(module.head_dim)
@@ -88,12 +92,12 @@ def shard_model(model: torch.nn.Module, rank: int, n: int) -> None:
             module.q_proj = _column_shard(module.q_proj, rank * q, (rank + 1) * q)
             module.k_proj = _column_shard(module.k_proj, rank * kv, (rank + 1) * kv)
             module.v_proj = _column_shard(module.v_proj, rank * kv, (rank + 1) * kv)
-            module.o_proj = _row_shard(module.o_proj, rank * q, (rank + 1) * q, rank)
+            module.o_proj = _row_shard(module.o_proj, rank * q, (rank + 1) * q, rank, group)
         elif all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
             inner = _split(module.gate_proj.out_features, n, "MLP intermediate rows")
             module.gate_proj = _column_shard(module.gate_proj, rank * inner, (rank + 1) * inner)
             module.up_proj = _column_shard(module.up_proj, rank * inner, (rank + 1) * inner)
-            module.down_proj = _row_shard(module.down_proj, rank * inner, (rank + 1) * inner, rank)
+            module.down_proj = _row_shard(module.down_proj, rank * inner, (rank + 1) * inner, rank, group)
 
 
 def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int) -> None:
