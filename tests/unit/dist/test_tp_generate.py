@@ -76,7 +76,8 @@ def test_generate_cli_with_tp_prints_what_one_process_does(tmp_path, capsys):
 @pytest.mark.parametrize(("family", "argv", "needle"), [
     ("gpt_oss", ["--tp", "2"], "the gpt_oss family is not split over ranks"),
     ("llama", ["--tp", "3"], "attention heads (4) do not split evenly over 3 ranks"),
-    ("llama", ["--tp", "2", "--pp", "2"], "give one of them"),
+    ("gpt_oss", ["--tp", "2", "--pp", "2"], "the gpt_oss family is not split over ranks"),
+    ("llama", ["--tp", "2", "--pp-partition", "1,1"], "give --pp 2 or more"),
     ("llama", ["--tp", "2", "--device", "cuda"], "--device"),
 ])
 def test_bad_tp_input_is_one_line_and_exit_2(family, argv, needle, capsys):
