@@ -304,3 +304,35 @@ class MicroBatchStageLoop:
         """Process every micro-batch in flight, let the device finish, then the idle checks."""
         self.steps.drain()
         self.device.synchronize()
+
+
+def microbatch_stage_process(stage: int, n_stages: int, port: int, spec, pp_size: int, iterations: int,
+                             seed: int = 0, war_barrier: bool = True, timeout_s: float = 20.0) -> dict:
+    """One stage of a pipeline in its own process, `pp_size` micro-batches in flight on its own
+    modeled device (its completion timing seeded by the stage): build the stage, all-gather and
+    install every stage's geometry (PP-6), then `iterations` iterations of the micro-batch loop,
+    receiving the previous stage's digest and sending this stage's to the next after each
+    (PP-15, PP-16)."""
+    from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
+    from ..device.modeled import ModeledDevice
+    from ..dist.pp import StageLink
+    from .pp import build_stage
+
+    link = StageLink.join(stage, n_stages, port, timeout_s)
+    device = ModeledDevice(seed=100 + stage, durations={"forward": 6.0 + 2.0 * stage})
+    storage = build_stage(spec, stage, backend=device).storage
+    geometries = link.all_gather(StageGeometry.of_chain(storage.allocator, stage))
+    storage.allocator.install_stage_capacity(geometries, stage)
+    loop = MicroBatchStageLoop(storage, pp_size, seed=seed, war_barrier=war_barrier)
+    for it in range(iterations):
+        digest = loop.iterate()
+        previous = link.recv_previous()
+        if previous is not None:
+            check_stage_agreement(digest, previous, stage, it)
+        link.send_next(digest)
+    loop.drain()
+    storage.check_idle()
+    link.close()
+    st = loop.stats
+    return {"digests": loop.digests, "launched": st.launched, "aborted_in_flight": st.aborted_in_flight,
+            "finished": st.finished, "moves": st.moves, "mismatches": list(st.mismatches)}
