@@ -123,8 +123,8 @@ class MicroBatchStageLoop:
         return self.storage.alloc_extend(np.array(rows, dtype=np.int64), np.array(lens, dtype=np.int64))
 
     def _decodes(self, m: int) -> tuple[list[_Request], list[np.ndarray]]:
-        """One token for each of micro-batch `m`'s running requests whose last result is in,
-        retracting the newest when the pool is full."""
+        """One token for each of micro-batch `m`'s running requests whose last result is in; when
+        the pool is full the newest gives way (its row is freed: it is in no micro-batch in flight)."""
         decodes = [r for r in self.requests.values()
                    if r.micro_batch == m and not r.in_flight and r.computed < self.storage.table.context_len]
         while decodes:
@@ -295,10 +295,6 @@ class MicroBatchStageLoop:
         digest = capacity.take_digest() if capacity is not None else ""
         self.digests.append(digest)
         return digest
-
-    @property
-    def done(self) -> bool:
-        return not self.requests and not self.steps.in_flight
 
     def drain(self) -> None:
         """Process every micro-batch in flight, let the device finish, then the idle checks."""
