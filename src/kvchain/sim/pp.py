@@ -5,7 +5,9 @@ stage the same logical operations, every capacity question asked of every stage'
 geometry to its chain (PP-6); `StageLoop` drives one stage's scheduler one iteration at a time and
 returns the iteration's capacity digest (PP-15), which `run_stages_in_process` (one process, the
 stages side by side) or `dist/pp.py` (one process per stage) compares against the previous stage's
-(PP-16)."""
+(PP-16). `StageLoop` processes each step at once; `sim/pp_microbatch.py` keeps `pp_size`
+micro-batches in flight on a stage's device, with the barrier after each iteration's result
+processing (LIFE-7)."""
 
 from __future__ import annotations
 
