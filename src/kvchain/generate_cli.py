@@ -131,14 +131,14 @@ def run_generate(args: argparse.Namespace) -> int:
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
                           host_budget=args.host_budget, **_speculative(args))
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
-    if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):
-        raise InputError(f"--tp {args.tp} and --pp {args.pp}: give one of them (ranks within stages are not built)")
     if split and (args.pd or args.host_budget is not None or args.draft_model_path is not None):
         raise InputError("--pd, --host-budget and --draft-model-path do not combine with --tp/--pp")
     if args.pd and args.draft_model_path is not None:
         raise InputError("--pd with --draft-model-path: speculative decoding on PD nodes is not built")
     if args.pd:
         return _run_pd(args, config, requests, tokenizer)
+    if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):
+        return _run_grid(args, checkpoint, config, requests)
     if args.tp > 1:
         return _run_ranks(args, checkpoint, config, requests)
     if args.pp > 1 or args.pp_partition is not None:
@@ -194,6 +194,33 @@ def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
     for s in stages:
         print(f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
               f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps")
+    return 0
+
+
+def _run_grid(args: argparse.Namespace, checkpoint, config, requests) -> int:
+    """`--tp N --pp M`: one process per stage and rank (`dist/tp_pp_engine.py`); all sample the same."""
+    from .dist.tp_pp_engine import check_grid_split, generate_in_grid
+
+    if args.device != "cpu":
+        raise InputError(f"--tp {args.tp} --pp {args.pp}: ranks and stages run on --device cpu (one process each "
+                         "over gloo)")
+    if args.pp < 2:
+        raise InputError(f"--pp-partition with --tp {args.tp}: give --pp 2 or more")
+    check_grid_split(checkpoint, config, args.tp, args.pp, args.pp_partition)
+    runs = generate_in_grid(args.model_path, config, requests, args.tp, args.pp, args.pp_partition)
+    result = runs[0].result
+    grid = [{"stage": r.stage, "rank": r.rank, "first_layer": r.first_layer, "last_layer": r.last_layer,
+             "arena_bytes": r.arena_bytes, "bytes_per_token": r.bytes_per_token,
+             "steps_checked": len(r.stage_digests)} for r in runs]
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                          "processes": grid}))
+        return 0
+    _render(result, checkpoint.tokenizer, config.budget_bytes)
+    for g in grid:
+        print(f"stage {g['stage']} rank {g['rank']}: layers {g['first_layer']}..{g['last_layer']}, arena "
+              f"{g['arena_bytes']:,} B, {g['bytes_per_token']:,} B/token, capacity and decision digests compared "
+              f"after {g['steps_checked']} steps")
     return 0
 
 

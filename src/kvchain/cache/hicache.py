@@ -35,11 +35,42 @@ from ..alloc.page_usage import PageUse
 from ..alloc.signals import HostTransfer
 from ..capacity import evict_until_fits
 from ..device.base import Event, PageAccess
-from ..errors import CapacityError, InputError
+from ..errors import CapacityError, InputError, InvariantError
 from ..memory.host import HostPool, HostPools
 from ..plan import PoolKind
 from ..storage import KVStorage
 from .radix import CheckpointStrategy, Evicted, InsertResult, MatchResult, TreeNode, UnifiedRadixCache
+
+
+def load_ids_short(storage: KVStorage, n_pages: int, n_slots: int) -> bool:
+    """Whether some stage lacks the owner virtual ids or state slot ids a load binds: asked of
+    every stage under pipeline parallelism (PP-7), of this chain's free ids otherwise."""
+    chain = storage.allocator
+    if chain.stage_capacity is not None:
+        return chain.stage_capacity.ids_fit(n_pages, n_slots) is not None
+    return n_pages > len(chain.virtual_free) or n_slots > len(chain.slot_free)
+
+
+def take_load_pages(storage: KVStorage, demand: list[int]) -> dict[str, tuple[np.ndarray, PageUse]] | None:
+    """The load-back's physical-take scope (PP-12, PP-13): every sub-pool's pages of the load
+    (`demand`, per sub-pool in chain order) are asked of every stage's snapshot as one demand, and
+    the real layout is made to serve them all (`ensure_capacity`, a relief at most), before any of
+    them is taken; then each sub-pool's pages are taken under a load reservation (HIC-4/5), in
+    place. None, with nothing taken on any stage, when some stage cannot serve the whole load: a
+    sub-pool taken on its own first would stay fixed on every stage while a later one is refused.
+    The owner's pages are always taken (an empty array for a state-only load)."""
+    chain = storage.allocator
+    if not chain.ensure_capacity(demand):
+        return None
+    taken: dict[str, tuple[np.ndarray, PageUse]] = {}
+    for pool, k in zip(storage.plan.sub_pools, demand):
+        if k or pool is storage.plan.owner:
+            try:
+                taken[pool.name] = storage.alloc_load(pool.name, k)
+            except CapacityError as e:  # a yes from ensure_capacity is followed by a take (CAP-11)
+                raise InvariantError("hicache.load_take_scope",
+                                     f"{pool.name}: the load's layout did not serve its take: {e}") from e
+    return taken
 
 
 class WritePolicy(enum.Enum):
@@ -396,7 +427,6 @@ class HiCacheController:
 
     def _take_and_bind(self, tokens, path, d: int, end: int, run: list[HostRecord], lows: list[int]) -> PendingLoad | None:
         tree, storage, ps = self.tree, self.storage, self.ps
-        chain = storage.allocator
         n = end - d
         with_state = self.state is not None
         demand = []
@@ -407,7 +437,7 @@ class HiCacheController:
                 demand.append(end - lows[self.windows.index(pool)])
             else:
                 demand.append(n)
-        if n > len(chain.virtual_free) or (with_state and len(chain.slot_free) < 1):
+        if load_ids_short(storage, n, int(with_state)):
             self.stats["load_skips"] += 1
             return None
         anchor = path[-1][0] if path else None
@@ -416,19 +446,15 @@ class HiCacheController:
         for rec in run:
             rec.pins += 1
         try:
-            room = evict_until_fits(storage, tree, demand) and chain.ensure_capacity(demand)
+            taken = take_load_pages(storage, demand) if evict_until_fits(storage, tree, demand) else None
         finally:
             if anchor is not None:
                 tree.unlock(anchor)
-        if not room:
+        if taken is None:
             for rec in run:
                 rec.pins -= 1
             self.stats["load_skips"] += 1
             return None
-        taken: dict[str, tuple[np.ndarray, PageUse]] = {}
-        for pool, k in zip(self.plan.sub_pools, demand):
-            if k or pool is self.plan.owner:
-                taken[pool.name] = storage.alloc_load(pool.name, k)  # HIC-4/5
         vpages = storage.bind_loaded(self.owner, taken[self.owner][0])
         slot = int(storage.bind_loaded(self.state.name, taken[self.state.name][0])[0]) if with_state else -1
         prefix = np.concatenate([node.vpages[:k] for node, k in path]) if path else np.empty(0, dtype=np.int64)

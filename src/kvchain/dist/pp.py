@@ -16,7 +16,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,12 +41,17 @@ def loopback_env(port: int) -> dict[str, str]:
 
 
 class StageLink:
-    """One stage's link to the other stages of its process group."""
+    """One stage's link to the other stages of its process group. `ranks` names each stage's
+    process in the group and `group` is the stages' own group, where stages are one dimension of a
+    larger group (tensor-parallel ranks within stages); by default stage i is process i."""
 
-    def __init__(self, stage: int, n_stages: int, timeout_s: float) -> None:
+    def __init__(self, stage: int, n_stages: int, timeout_s: float, ranks: Sequence[int] | None = None,
+                 group: Any = None) -> None:
         self.stage = stage
         self.n_stages = n_stages
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(n_stages))
+        self.group = group
 
     @classmethod
     def join(cls, stage: int, n_stages: int, port: int, timeout_s: float = 30.0) -> StageLink:
@@ -59,7 +64,7 @@ class StageLink:
     def all_gather(self, obj: Any) -> list[Any]:
         """Every stage's `obj`, in stage order (the geometries when the loop starts, PP-6)."""
         out: list[Any] = [None] * self.n_stages
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def send_next(self, digest: str) -> None:
@@ -69,7 +74,7 @@ class StageLink:
         data = digest.encode()
         if len(data) != DIGEST_BYTES:
             raise KVChainError(f"a stage digest is {DIGEST_BYTES} bytes, got {len(data)}")
-        work = dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.stage + 1)
+        work = dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.ranks[self.stage + 1])
         self._wait(work, "send to", self.stage + 1)
 
     def recv_previous(self) -> str | None:
@@ -77,18 +82,18 @@ class StageLink:
         if self.stage == 0:
             return None
         buf = torch.zeros(DIGEST_BYTES, dtype=torch.uint8)
-        self._wait(dist.irecv(buf, self.stage - 1), "receive from", self.stage - 1)
+        self._wait(dist.irecv(buf, self.ranks[self.stage - 1]), "receive from", self.stage - 1)
         return bytes(buf.tolist()).decode()
 
     def send_tensor(self, tensor: torch.Tensor, peer: int) -> None:
         """Send `tensor` (a stage's hidden states, the last stage's logits) to stage `peer`."""
         data = tensor.detach().contiguous().cpu()  # referenced until the send is done
-        self._wait(dist.isend(data, peer), "send to", peer, "tensor")
+        self._wait(dist.isend(data, self.ranks[peer]), "send to", peer, "tensor")
 
     def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
         """A tensor of `shape` and `dtype` from stage `peer` (both stages know its shape)."""
         buf = torch.empty(shape, dtype=dtype)
-        self._wait(dist.irecv(buf, peer), "receive from", peer, "tensor")
+        self._wait(dist.irecv(buf, self.ranks[peer]), "receive from", peer, "tensor")
         return buf
 
     def _wait(self, work, what: str, peer: int, payload: str = "digest") -> None:

@@ -22,6 +22,7 @@ Each rank's state shapes are then those `model_from_config(..., tp_size=N)` plan
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,14 +35,16 @@ class RowParallelLinear(torch.nn.Module):
     """A linear layer's column shard: this rank's partial output, summed over the ranks. The bias
     is added on rank 0 only, so the sum holds it once."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        #: the ranks that sum their shards (None: the whole process group)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out
 
 
@@ -63,9 +66,9 @@ def _rows(index: torch.Tensor, linear: torch.nn.Linear) -> torch.nn.Linear:
     return out.requires_grad_(False)
 
 
-def _columns(index: torch.Tensor, linear: torch.nn.Linear, rank: int) -> RowParallelLinear:
+def _columns(index: torch.Tensor, linear: torch.nn.Linear, rank: int, group: Any) -> RowParallelLinear:
     bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
-    return RowParallelLinear(linear.weight.detach()[:, index].clone(), bias)
+    return RowParallelLinear(linear.weight.detach()[:, index].clone(), bias, group)
 
 
 def _blocks(rank: int, per_rank: int, width: int, offset: int = 0) -> torch.Tensor:
@@ -89,19 +92,19 @@ def _conv(conv: torch.nn.Conv1d, index: torch.Tensor) -> torch.nn.Conv1d:
     return out.requires_grad_(False)
 
 
-def _reduced(module: torch.nn.Module) -> None:
+def _reduced(module: torch.nn.Module, group: Any) -> None:
     """Sum `module`'s output over the ranks after its own forward (its inner rows are split)."""
     inner = module.forward
 
     def forward(*args, **kwargs):
         out = inner(*args, **kwargs)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
 
     module.forward = forward
 
 
-def _attention(module: torch.nn.Module, rank: int, n: int) -> None:
+def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     head_dim = int(module.head_dim)
     kv_heads = module.k_proj.out_features // head_dim
     heads = module.o_proj.in_features // head_dim
@@ -110,7 +113,7 @@ def _attention(module: torch.nn.Module, rank: int, n: int) -> None:
     module.q_proj = _rows(_blocks(rank, h, per_head), module.q_proj)
     module.k_proj = _rows(_blocks(rank, kvh, head_dim), module.k_proj)
     module.v_proj = _rows(_blocks(rank, kvh, head_dim), module.v_proj)
-    module.o_proj = _columns(_blocks(rank, h, head_dim), module.o_proj, rank)
+    module.o_proj = _columns(_blocks(rank, h, head_dim), module.o_proj, rank, group)
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
         module.sinks = _parameter(module.sinks[rank * h:(rank + 1) * h])
     if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # LFM's per-head output gate
@@ -128,15 +131,15 @@ def _mlp_names(module: torch.nn.Module) -> tuple[str | None, str, str] | None:
     return None
 
 
-def _mlp(module: torch.nn.Module, rank: int, n: int) -> None:
+def _mlp(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     gate, up, down = _mlp_names(module)
     index = _blocks(rank, split(getattr(module, up).out_features, n, "MLP intermediate rows"), 1)
     for name in (gate, up) if gate else (up,):
         setattr(module, name, _rows(index, getattr(module, name)))
-    setattr(module, down, _columns(index, getattr(module, down), rank))
+    setattr(module, down, _columns(index, getattr(module, down), rank, group))
 
 
-def _shortconv(module: torch.nn.Module, rank: int, n: int) -> None:
+def _shortconv(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     """LFM's short convolution: `in_proj` is [B | C | x], each of the hidden size, gated around a
     depthwise convolution over the hidden channels."""
     hidden = module.out_proj.in_features
@@ -144,10 +147,10 @@ def _shortconv(module: torch.nn.Module, rank: int, n: int) -> None:
     channels = _blocks(rank, per_rank, 1)
     module.in_proj = _rows(torch.cat([channels, channels + hidden, channels + 2 * hidden]), module.in_proj)
     module.conv = _conv(module.conv, channels)
-    module.out_proj = _columns(channels, module.out_proj, rank)
+    module.out_proj = _columns(channels, module.out_proj, rank, group)
 
 
-def _experts(module: torch.nn.Module, rank: int, n: int) -> None:
+def _experts(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     """Fused experts: GPT-OSS stores `[E, hidden, 2I]` with gate and up interleaved and biases;
     Qwen3-Next stores `[E, 2I, hidden]` with the gates first, then the ups."""
     with torch.no_grad():
@@ -168,10 +171,10 @@ def _experts(module: torch.nn.Module, rank: int, n: int) -> None:
             module.gate_up_proj = _parameter(module.gate_up_proj[:, rows])
             module.down_proj = _parameter(module.down_proj[:, :, _blocks(rank, inner, 1)])
             module.intermediate_dim = inner
-    _reduced(module)
+    _reduced(module, group)
 
 
-def _mamba2(module: torch.nn.Module, rank: int, n: int) -> None:
+def _mamba2(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     heads, groups = split(module.num_heads, n, "Mamba heads"), split(module.n_groups, n, "Mamba groups")
     inner, d_state, hd = heads * module.head_dim, module.ssm_state_size, module.head_dim
     full_inner, full_groups = module.intermediate_size, module.n_groups
@@ -189,12 +192,12 @@ def _mamba2(module: torch.nn.Module, rank: int, n: int) -> None:
     for name in ("A_log", "D", "dt_bias"):
         setattr(module, name, _parameter(getattr(module, name)[per_head]))
     module.norm.weight = _parameter(module.norm.weight[z])
-    module.out_proj = _columns(z, module.out_proj, rank)
+    module.out_proj = _columns(z, module.out_proj, rank, group)
     module.num_heads, module.n_groups, module.intermediate_size = heads, groups, inner
     module.conv_dim = inner + 2 * groups * d_state
 
 
-def _deltanet(module: torch.nn.Module, rank: int, n: int) -> None:
+def _deltanet(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     nk, nv = split(module.num_k_heads, n, "linear key heads"), split(module.num_v_heads, n, "linear value heads")
     dk, dv, rep = module.head_k_dim, module.head_v_dim, module.num_v_heads // module.num_k_heads
     key_dim = module.key_dim
@@ -205,7 +208,7 @@ def _deltanet(module: torch.nn.Module, rank: int, n: int) -> None:
     per_head = _blocks(rank, nv, 1)
     module.A_log = _parameter(module.A_log[per_head])
     module.dt_bias = _parameter(module.dt_bias[per_head])
-    module.out_proj = _columns(_blocks(rank, nv, dv), module.out_proj, rank)
+    module.out_proj = _columns(_blocks(rank, nv, dv), module.out_proj, rank, group)
     module.num_k_heads, module.num_v_heads = nk, nv
     module.key_dim, module.value_dim = nk * dk, nv * dv
     module.conv_dim = 2 * module.key_dim + module.value_dim
@@ -271,12 +274,13 @@ def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ())
     return len(layers)
 
 
-def shard_model(model: torch.nn.Module, rank: int, n: int) -> int:
-    """Keep rank `rank`'s shard of every layer of `model` that splits; the number of layers split."""
+def shard_model(model: torch.nn.Module, rank: int, n: int, group: Any = None) -> int:
+    """Keep rank `rank`'s shard of every layer of `model` that splits; the number of layers split.
+    The row-parallel sums run over `group` (None: the whole process group)."""
     split_layers = 0
     for module in list(model.modules()):
         kind = _kind(module)
         if kind is not None:
-            _SHARD[kind](module, rank, n)
+            _SHARD[kind](module, rank, n, group)
             split_layers += 1
     return split_layers

@@ -5,7 +5,9 @@ stage the same logical operations, every capacity question asked of every stage'
 geometry to its chain (PP-6); `StageLoop` drives one stage's scheduler one iteration at a time and
 returns the iteration's capacity digest (PP-15), which `run_stages_in_process` (one process, the
 stages side by side) or `dist/pp.py` (one process per stage) compares against the previous stage's
-(PP-16)."""
+(PP-16). `StageLoop` processes each step at once; `sim/pp_microbatch.py` keeps `pp_size`
+micro-batches in flight on a stage's device, with the barrier after each iteration's result
+processing (LIFE-7)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..decl import KVLayerDecl
+from ..device.base import Device
 from ..engine.pool import KVChainPool
 from ..engine.request import ScheduledRequest
 from ..engine.scheduler import Scheduler
@@ -44,10 +47,11 @@ class StageSpec:
                                   max_running_requests=self.max_running_requests)
 
 
-def build_stage(spec: StageSpec, stage: int, device: str = "cpu") -> KVChainPool:
-    """Stage `stage`'s pool over its own arena (no stage capacity installed yet)."""
+def build_stage(spec: StageSpec, stage: int, device: str = "cpu", backend: Device | None = None) -> KVChainPool:
+    """Stage `stage`'s pool over its own arena (no stage capacity installed yet), on `backend`
+    (None: the device string's own)."""
     plans, sizing = spec.sizing()
-    storage = build_kv_storage(plans[stage], sizing.stages[stage], device)
+    storage = build_kv_storage(plans[stage], sizing.stages[stage], device, backend=backend)
     return KVChainPool(storage, prefix_cache=True)
 
 

@@ -52,3 +52,19 @@ def test_a_silent_previous_stage_makes_the_wait_raise():
     out = run_stage_processes(_silent_stage, 2, timeout_s=30)
     assert out[1][0] == "error" and "did not finish within 2 s" in out[1][1], out
     assert not mp.active_children()
+
+
+def test_two_stage_processes_keep_micro_batches_in_flight_and_agree():
+    """LIFE-7, PP-15/16 across processes: each stage process keeps two micro-batches in flight on
+    its own modeled device (other completion timing), with the barrier after each iteration's
+    result processing: no forward reads another row's page table, and every iteration's digest
+    agrees across the processes."""
+    from kvchain.sim.pp_microbatch import microbatch_stage_process
+
+    out = run_stage_processes(microbatch_stage_process, 2, (spec(16), 2, 200, 3), timeout_s=120, env=CHECKS)
+    assert {s: status for s, (status, _v) in out.items()} == {0: "ok", 1: "ok"}, out
+    first, second = out[0][1], out[1][1]
+    assert len(first["digests"]) == 200 and first["digests"] == second["digests"]
+    assert first["mismatches"] == second["mismatches"] == []
+    assert first["aborted_in_flight"] > 5 and first["finished"] > 10
+    assert not mp.active_children()

@@ -110,7 +110,7 @@ def test_generate_cli_with_tp_prints_what_one_process_does(tmp_path, capsys):
     ("nemotron_h", ["--tp", "4"], "Mamba groups (2) do not split evenly over 4 ranks"),
     ("qwen3_next", ["--tp", "4"], "linear_num_key_heads"),
     ("llama", ["--tp", "3"], "'num_key_value_heads' = 2 cannot be split over tp_size 3"),
-    ("llama", ["--tp", "2", "--pp", "2"], "give one of them"),
+    ("llama", ["--tp", "2", "--pp-partition", "1,1"], "give --pp 2 or more"),
     ("llama", ["--tp", "2", "--device", "cuda"], "--device"),
 ])
 def test_bad_tp_input_is_one_line_and_exit_2(family, argv, needle, capsys):
