@@ -26,8 +26,8 @@ ENGINES = ["gloo", NIXL]
 SEQ = 37
 
 
-def make_storage(chain_kib: int):
-    return small_storage(page_size=4, chain_kib=chain_kib, windows=(8,), context=128, rows=8)
+def make_storage(chain_kib: int, backend=None):
+    return small_storage(page_size=4, chain_kib=chain_kib, windows=(8,), context=128, rows=8, backend=backend)
 
 
 def _band(storage, name):
@@ -63,8 +63,8 @@ def prefill_node(port: int, kind: str, chain_kib: int = 24, **kw):
     return PrefillNode(storage, link, engine, **kw)
 
 
-def decode_node(port: int, kind: str, chain_kib: int = 32, **kw):
-    storage = make_storage(chain_kib)
+def decode_node(port: int, kind: str, chain_kib: int = 32, backend=None, **kw):
+    storage = make_storage(chain_kib, backend)
     engine = make_engine(kind, "decode")
     engine.register(storage.arena.data)
     link = PDLink.connect(SECRET, "127.0.0.1", port, hello(engine.descriptor(), layout_digest(storage)),
@@ -111,6 +111,42 @@ def test_every_sub_pool_of_a_hybrid_request_lands_byte_exact(kind):
     pre, dec = out[0][1], out[1][1]
     counts = pre["counts"]
     assert counts["full"] == 10 and 0 < counts["window"] < 10 and counts["state"] == 1, counts
+    assert dec["got"] == pre["sent"] and dec["seq"] == SEQ and dec["extra"] == {"output_len": 4}
+    assert dec["idle"] is True
+    assert not mp.active_children()
+
+
+def _deferred_hand_off(stage: int, n: int, port: int, kind: str) -> dict:
+    if stage == 0:
+        return _hand_off(stage, n, port, kind)
+    import os
+
+    from kvchain.device import ThreadDevice
+    from kvchain.dist.pd import PendingPublication
+
+    os.environ["KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH"] = "1"
+    node = decode_node(port, kind, backend=ThreadDevice(), overlap=True)
+    pending = node.receive()  # this iteration: the take; the prefill node waits its answer
+    got = node.publish_pending()  # the next: the ids go out, the transfer is waited
+    node.storage.device.synchronize()  # the state slot's copy ran on the forward stream (PD-16)
+    out = {"pending": isinstance(pending, PendingPublication), "deferred": node.deferred_publication,
+           "n": len(got), "got": digests(node.storage, got[0].row), "seq": node.storage.seq_len(got[0].row),
+           "extra": got[0].extra}
+    node.finish(got[0])
+    out["idle"] = node.check_idle()
+    node.close()
+    node.storage.device.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_deferred_publication_lands_every_sub_pool_byte_exact(kind):
+    """PD-13 across processes: the decode node (ThreadDevice, overlap) takes the offer's pages in one
+    iteration and publishes their ids in the next; the request lands byte for byte."""
+    out = run_stage_processes(_deferred_hand_off, 2, (kind,), timeout_s=60, env=ENV)
+    assert {s: st for s, (st, _v) in out.items()} == {0: "ok", 1: "ok"}, out
+    pre, dec = out[0][1], out[1][1]
+    assert dec["pending"] and dec["deferred"] and dec["n"] == 1
     assert dec["got"] == pre["sent"] and dec["seq"] == SEQ and dec["extra"] == {"output_len": 4}
     assert dec["idle"] is True
     assert not mp.active_children()
