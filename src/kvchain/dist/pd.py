@@ -328,6 +328,7 @@ class PrefillNode(PDNode):
         pages = request_pages(storage, row)
         msg = {"op": "offer", "rid": rid, "seq_len": storage.seq_len(row), "window_lo": window_los(storage, row),
                "counts": {k: len(v) for k, v in pages.items()}, "extra": extra or {}}
+        self.link.post("offers")  # a decode node between its iterations learns an offer waits
         self.link.exchange(msg)
         answer = self.link.exchange({"op": "wait", "rid": rid})
         if answer.get("rid") != rid or answer.get("op") not in ("accept", "refuse"):
@@ -359,6 +360,7 @@ class PrefillNode(PDNode):
 
     def end(self) -> None:
         """No more offers: the decode node's `receive` returns None."""
+        self.link.post("offers")
         self.link.exchange({"op": "end"})
         self.link.exchange({"op": "end"})
 
@@ -518,6 +520,17 @@ class DecodeNode(PDNode):
         self.queue = DecodePreallocQueue(storage, deferred=deferred)
         #: after a receive's take, before its ids go out (tests move pages here: PD-17)
         self.before_publish = None
+        #: offers (and the end) this node took from the current link
+        self.offers_taken = 0
+
+    def offer_waiting(self) -> bool:
+        """Whether the prefill node posted an offer (or its end) this node has not taken: `receive`
+        would not block on it. No collective: a node serving requests asks between iterations."""
+        return self.link.posted("offers") > self.offers_taken
+
+    def rejoin(self, link: PDLink) -> None:
+        super().rejoin(link)
+        self.offers_taken = 0
 
     @property
     def deferred_publication(self) -> bool:
@@ -546,6 +559,7 @@ class DecodeNode(PDNode):
             raise TransferError(f"{self.queue.unpublished[0].rid} waits its publication: publish_pending first "
                                 "(the prefill node waits its answer)")
         offer = self.link.exchange({"op": "listen"})
+        self.offers_taken += 1
         if offer.get("op") == "end":
             self.link.exchange({"op": "end"})
             return None

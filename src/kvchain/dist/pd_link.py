@@ -43,8 +43,9 @@ def _process_gone(pid: int) -> bool:
 class PDLink:
     """One node's end of the control plane. Rank 0 is the prefill node, rank 1 the decode node."""
 
-    def __init__(self, rank: int, peer: dict, conn: socket.socket, timeout_s: float) -> None:
+    def __init__(self, rank: int, peer: dict, conn: socket.socket, timeout_s: float, store=None) -> None:
         self.rank = rank
+        self.store = store  # the group's store, under a prefix of its own: counters a node reads without a collective
         self.peer = peer  # the peer's handshake payload: pid, host, engine descriptor, layout
         self.conn = conn  # the handshake connection, kept open while the link lives
         self.timeout_s = timeout_s
@@ -61,7 +62,7 @@ class PDLink:
         store = dist.TCPStore(listener.host, reply["store_port"], 2, True, timeout,
                               wait_for_workers=False, master_listen_fd=store_sock.detach())
         dist.init_process_group("gloo", store=dist.PrefixStore(session, store), rank=0, world_size=2, timeout=timeout)
-        return cls(0, peer, conn, group_timeout_s)
+        return cls(0, peer, conn, group_timeout_s, dist.PrefixStore(f"{session}/posted", store))
 
     @classmethod
     def connect(cls, secret: bytes, host: str, port: int, hello: dict, timeout_s: float,
@@ -80,7 +81,7 @@ class PDLink:
         store = dist.TCPStore(host, int(peer["store_port"]), 2, False, timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(peer["session"], store), rank=1, world_size=2,
                                 timeout=timeout)
-        return cls(1, peer, conn, group_timeout_s)
+        return cls(1, peer, conn, group_timeout_s, dist.PrefixStore(f"{peer['session']}/posted", store))
 
     def exchange(self, msg: dict) -> dict:
         """Send `msg` to the peer and return the peer's message of the same round (JSON both ways)."""
@@ -97,6 +98,22 @@ class PDLink:
             raise PeerLost(f"the control plane to the peer failed: {e}") from None
         other = 1 - self.rank
         return json.loads(bytes(out[other][:int(sizes[other])].numpy()))
+
+    def post(self, key: str) -> None:
+        """Count one more `key` (a message this node is about to exchange), so the peer can learn it
+        waits without entering a collective (`posted`)."""
+        if self.store is not None:
+            self._store(lambda: self.store.add(key, 1))
+
+    def posted(self, key: str) -> int:
+        """How many `key` the peer posted so far: one store round trip, never a collective."""
+        return 0 if self.store is None else int(self._store(lambda: self.store.add(key, 0)))
+
+    def _store(self, op):
+        try:
+            return op()
+        except (RuntimeError, OSError) as e:  # the store lives in the prefill process
+            raise PeerLost(f"the control plane's store failed: {e}") from None
 
     def round(self, *flags: bool) -> tuple[bool, ...]:
         """A MIN-reduce of one boolean per flag across both nodes: each is True only where every
