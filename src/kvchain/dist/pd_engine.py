@@ -142,6 +142,20 @@ class _Decoding:
         return self.out
 
 
+#: how long a decode node looks for the prefill node's next offer before it steps (seconds): the
+#: requests one prefill step finishes are handed off back to back
+OFFER_GRACE_S = 0.002
+
+
+def _offer_soon(node: DecodeNode) -> bool:
+    deadline = time.monotonic() + OFFER_GRACE_S
+    while not node.offer_waiting():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return True
+
+
 def _serve(engine: Engine, node: DecodeNode) -> dict:
     """Decode while hand-offs still arrive: between two steps the node takes an offer that waits
     (`offer_waiting`, no collective) and the received request decodes from the next step, while
@@ -157,7 +171,9 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
         while True:
             for got in node.publish_pending() if node.deferred_publication else ():
                 decoding.admit(got)
-            if not ended and not node.queue.unpublished and (scheduler.idle or node.offer_waiting()):
+            # every offer that waits, and those the prefill node makes right after (the requests its
+            # step finished together), are taken before the next step
+            while not ended and not node.queue.unpublished and (scheduler.idle or _offer_soon(node)):
                 got = node.receive()
                 if got is None:
                     ended = True
