@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from dataclasses import replace
 
 import pytest
 
@@ -49,3 +50,19 @@ def test_generate_pd_on_the_command_line_matches_generate(tmp_path, capsys):
         outputs.append([o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]])
     single, pd = outputs
     assert pd == single and all(len(o) == r.max_new_tokens for o, r in zip(pd, requests))
+
+
+def test_the_decode_node_decodes_while_other_prefills_are_in_flight():
+    """Gemma 3 over gloo, prompts prefilled a chunk per step: the decode node starts each request's
+    decode as soon as its hand-off arrives, so it has stepped before the last hand-off; outputs
+    are still the single-process engine's."""
+    config = replace(CONFIG, max_batched_tokens=48)
+    requests = workload(6, seed=5)
+    path = checkpoint_dir("gemma3")
+    with Engine(path, config) as engine:
+        single = engine.generate(requests)
+    report: dict = {}
+    pd = generate_pd(path, config, requests, kind="gloo", timeout_s=120, report=report)
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert 0 < report["overlapped_steps"] < report["decode_steps"], report
+    assert not mp.active_children()
