@@ -195,7 +195,8 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     storage.device.synchronize()
     pool.check_idle()
     return {"outputs": decoding.outputs(), "steps": scheduler.stats.steps, "seconds": time.perf_counter() - t0,
-            "peak_running": scheduler.stats.peak_running, "overlapped_steps": overlapped}
+            "peak_running": scheduler.stats.peak_running, "overlapped_steps": overlapped,
+            "deferred_publication": node.deferred_publication}
 
 
 def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, requests: list[GenerateRequest],
@@ -209,8 +210,9 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
                 timeout_s: float = 600.0, report: dict | None = None) -> GenerateResult:
     """Serve `requests` with a prefill process and a decode process on this machine (loopback);
     outputs in input order, as `Engine.generate` gives them. `report`, when given, receives what
-    each node measured: `prefill_seconds`, `decode_seconds`, `decode_steps` and `overlapped_steps`
-    (decode steps run while the prefill node still had hand-offs to make)."""
+    each node measured: `prefill_seconds`, `decode_seconds`, `decode_steps`, `overlapped_steps`
+    (decode steps run while the prefill node still had hand-offs to make) and whether the decode
+    node deferred publication (`deferred_publication`)."""
     requests = list(requests)
     secret = os.urandom(32)
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -222,7 +224,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     pre, dec = out[0][1], out[1][1]
     if report is not None:
         report.update(prefill_seconds=pre["seconds"], decode_seconds=dec["seconds"], decode_steps=dec["steps"],
-                      overlapped_steps=dec["overlapped_steps"])
+                      overlapped_steps=dec["overlapped_steps"], deferred_publication=dec["deferred_publication"])
     outputs = []
     for i in range(len(requests)):
         first = GenerateOutput(**{k: v for k, v in pre["outputs"][i].items()})

@@ -143,7 +143,7 @@ def test_a_page_moved_since_the_allocation_is_republished_after_the_schedule_str
     row = take(storage, 37)
     pages = request_pages(storage, row)
     hold = storage.hold_receive_rows("r1", pages)
-    p = queue.allocate("r1", row, pages, hold, seq_len=37)
+    queue.allocate("r1", row, pages, hold, seq_len=37)
     epoch = storage.move_epoch
     storage.published(hold)  # stands in for a relief that found no layout keeping the rows in place
     storage.free_rows(np.array([filler]))

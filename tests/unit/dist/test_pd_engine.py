@@ -58,6 +58,19 @@ def test_the_decode_node_decodes_while_other_prefills_are_in_flight():
     are still the single-process engine's."""
     config = replace(CONFIG, max_batched_tokens=48)
     requests = workload(6, seed=5)
+    assert _same_outputs_and_overlapped(config, requests)["deferred_publication"] is False
+
+
+def test_generate_pd_with_deferred_publication_matches_generate(monkeypatch):
+    """PD-13 in the engine: with `KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH` on, the decode
+    node (ThreadDevice, the overlap scheduler) publishes each take's ids in its next iteration;
+    outputs are the single-process engine's."""
+    monkeypatch.setenv("KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH", "1")
+    report = _same_outputs_and_overlapped(replace(CONFIG, max_batched_tokens=48), workload(6, seed=5))
+    assert report["deferred_publication"] is True
+
+
+def _same_outputs_and_overlapped(config, requests) -> dict:
     path = checkpoint_dir("gemma3")
     with Engine(path, config) as engine:
         single = engine.generate(requests)
@@ -66,3 +79,4 @@ def test_the_decode_node_decodes_while_other_prefills_are_in_flight():
     assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
     assert 0 < report["overlapped_steps"] < report["decode_steps"], report
     assert not mp.active_children()
+    return report
