@@ -20,11 +20,16 @@ NIXL_MISSING = nixl_available()
 CONFIG = EngineConfig(budget_bytes=8 * 2**20, page_size=PAGE, context_len=128, max_running=8, ignore_eos=True)
 
 
-@pytest.mark.nixl
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
-def test_pd_outputs_are_the_single_process_engines():
-    """Qwen3-Next over NIXL: without the state slot (or with a stale one) the decode diverges at once."""
-    family, kind = "qwen3_next", "nixl"
+NIXL = pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(NIXL_MISSING is not None,
+                                                                         reason=str(NIXL_MISSING))])
+
+
+@pytest.mark.parametrize("kind", [NIXL, "gloo"])
+def test_pd_outputs_are_the_single_process_engines(kind):
+    """Qwen3-Next: without the state slot (or with a stale one) the decode diverges at once. NIXL
+    writes the slot in place; gloo stages it, and the slot's copy runs on the forward stream that
+    reads it next (PD-16)."""
+    family = "qwen3_next"
     requests = workload(3, seed=3)
     path = checkpoint_dir(family)
     with Engine(path, CONFIG) as engine:
