@@ -41,7 +41,7 @@ from ..errors import CapacityError, InputError, InvariantError, KVChainError, Tr
 from ..plan import PoolKind
 from ..sizing import pages_for
 from ..storage import KVStorage
-from .pd_link import PDLink, PeerLost
+from .pd_link import PDLink, PeerLost, RankGroup
 from .transfer import (
     Place,
     Segments,
@@ -215,8 +215,13 @@ class PDNode(ABC):
 
     def __init__(self, storage: KVStorage, link: PDLink, engine: TransferEngine, *,
                  timeout_s: float = PROTOCOL_TIMEOUTS["transfer"], fence_timeout_s: float = PROTOCOL_TIMEOUTS["fence"],
-                 poll_s: float = 0.001) -> None:
+                 poll_s: float = 0.001, ranks: RankGroup | None = None) -> None:
         self.storage = storage
+        #: the node's other ranks that share its layout, if any: a wait's judgements are reduced
+        #: across them before the link (PD-3)
+        self.ranks = ranks
+        #: rounds the last transfer wait took (every rank of both nodes took as many)
+        self.last_rounds = 0
         self.link = link
         self.engine = engine
         self.timeout_s = timeout_s
@@ -232,15 +237,19 @@ class PDNode(ABC):
         self.fence_epoch = 0
 
     def _wait(self, rid: str, t: Transfer) -> None:
-        """Poll this node's engine; each round both nodes MIN-reduce (done, no error, in time), so
-        both leave, or both raise, in the same round."""
+        """Poll this node's engine; each round this rank's judgements (done, no error, in time) are
+        MIN-reduced across the node's ranks (`ranks`), then across the link, so every rank of both
+        nodes leaves, or raises, in the same round (PD-3, PD-4)."""
         deadline = time.monotonic() + self.timeout_s
         rounds = 0
         while True:
             state = self.engine.poll(t)
-            done, ok, in_time = self.link.round(state is TransferState.DONE, state is not TransferState.FAILED,
-                                                time.monotonic() < deadline)
+            flags = (state is TransferState.DONE, state is not TransferState.FAILED, time.monotonic() < deadline)
+            if self.ranks is not None:
+                flags = self.ranks.min(*flags)
+            done, ok, in_time = self.link.round(*flags)
             rounds += 1
+            self.last_rounds = rounds
             if done:
                 return
             if not ok:

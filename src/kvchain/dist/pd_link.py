@@ -151,3 +151,63 @@ def hello(engine_descriptor: bytes, layout: str, extra: dict | None = None) -> d
     """This node's handshake payload."""
     return {"pid": os.getpid(), "host": socket.gethostname(), "engine": engine_descriptor.hex(),
             "layout": layout, **(extra or {})}
+
+
+class RankGroup:
+    """The ranks of one PD node that share its layout (tensor-parallel ranks, each with its own arena
+    and transfer engine): a gloo group of their own beside the link's. A transfer wait MIN-reduces
+    each rank's judgements here first, then across the link, so every rank of both nodes leaves the
+    wait, or raises, in the same round (PD-3, PD-4). Rank 0 listens behind the same handshake as a
+    PD listener (one interface, the deployment's secret); the others connect to it."""
+
+    def __init__(self, group, rank: int, size: int, conns: list[socket.socket], store) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self._conns, self._store = conns, store  # kept open while the group lives
+
+    @classmethod
+    def listen(cls, listener: PDListener, size: int, timeout_s: float, group_timeout_s: float = 30.0) -> RankGroup:
+        """Rank 0: admit the other `size - 1` ranks through `listener`'s handshake, then form the group."""
+        store_sock = socket.create_server((listener.host, 0))
+        session = os.urandom(8).hex()
+        reply = {"store_port": int(store_sock.getsockname()[1]), "session": session}
+        conns = [listener.accept({**reply, "rank": r}, timeout_s)[1] for r in range(1, size)]
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        store = dist.TCPStore(listener.host, reply["store_port"], size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=store_sock.detach())
+        group = dist.ProcessGroupGloo(dist.PrefixStore(session, store), 0, size, timeout)
+        return cls(group, 0, size, conns, store)
+
+    @classmethod
+    def join(cls, secret: bytes, host: str, port: int, size: int, timeout_s: float,
+             group_timeout_s: float = 30.0) -> RankGroup:
+        """Any other rank: pass rank 0's handshake and join the group under the rank it was given."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                peer, conn = connect(secret, check_host(host), port, {"pid": os.getpid()}, timeout_s)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        store = dist.TCPStore(host, int(peer["store_port"]), size, False, timeout)
+        rank = int(peer["rank"])
+        group = dist.ProcessGroupGloo(dist.PrefixStore(peer["session"], store), rank, size, timeout)
+        return cls(group, rank, size, [conn], store)
+
+    def min(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag True only where every rank of the group said True."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        try:
+            self.group.allreduce([t], opts).wait()
+        except RuntimeError as e:
+            raise PeerLost(f"the node's rank group failed: {e}") from None
+        return tuple(bool(x) for x in t.tolist())
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
