@@ -142,8 +142,8 @@ class _Decoding:
         return self.out
 
 
-#: how long a decode node looks for the prefill node's next offer before it steps (seconds): the
-#: requests one prefill step finishes are handed off back to back
+#: how long a decode node that just took an offer looks for the prefill node's next one before it
+#: steps (seconds): the requests one prefill step finishes are handed off back to back
 OFFER_GRACE_S = 0.002
 
 
@@ -173,8 +173,10 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
                 decoding.admit(got)
             # every offer that waits, and those the prefill node makes right after (the requests its
             # step finished together), are taken before the next step
-            while not ended and not node.queue.unpublished and (scheduler.idle or _offer_soon(node)):
-                got = node.receive()
+            took = False
+            while not ended and not node.queue.unpublished and (
+                    scheduler.idle or (_offer_soon(node) if took else node.offer_waiting())):
+                got, took = node.receive(), True
                 if got is None:
                     ended = True
                     overlapped = scheduler.stats.steps
