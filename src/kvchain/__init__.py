@@ -33,10 +33,19 @@ from .decl import (
     kv_layer_decls,
 )
 from .device import Device, ImmediateDevice, ModeledDevice, ThreadDevice
-from .dist.pd import DecodeNode, DecodePreallocQueue, PrefillNode, Received, Refused, TransferFailed
+from .dist.pd import (
+    DecodeNode,
+    DecodePreallocQueue,
+    DeferredPublishError,
+    PendingPublication,
+    PrefillNode,
+    Received,
+    Refused,
+    TransferFailed,
+)
 from .dist.pd_auth import HandshakeRefused, PDListener
 from .dist.pd_engine import generate_pd
-from .dist.pd_link import PDLink, PeerLost
+from .dist.pd_link import PDLink, PeerLost, RankGroup
 from .dist.transfer import GlooEngine, NixlEngine, TransferEngine, TransferError, TransferState, make_engine
 from .engine import Forward, MetadataUpload, StepResult, StepSequence
 from .engine.batch import ForwardBatch
@@ -109,6 +118,7 @@ __all__ = [
     "DeclarationError",
     "DecodeNode",
     "DecodePreallocQueue",
+    "DeferredPublishError",
     "DemandPurpose",
     "Device",
     "Engine",
@@ -154,12 +164,14 @@ __all__ = [
     "PDListener",
     "PDTransfers",
     "PeerLost",
+    "PendingPublication",
     "PipelineSizing",
     "PlanError",
     "PlanSizing",
     "PoolConfig",
     "PrefillNode",
     "PrefixSharing",
+    "RankGroup",
     "Received",
     "Refused",
     "RowsAndTakes",

@@ -80,6 +80,14 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar("KVCHAIN_LOG_LAZY_COMPACTION_STATS", "0", _bool, "Log compaction counters per sub-pool."),
         EnvVar(
+            "KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH",
+            "0",
+            _bool,
+            "A PD decode node publishes destination ids in a later iteration, read back on a stream of "
+            "their own (PD-12, PD-13); only under the overlap scheduler, on a device with real stream "
+            "asynchrony, without pipeline parallelism.",
+        ),
+        EnvVar(
             "KVCHAIN_PAGE_MOVE_WAIT_TIMEOUT",
             "600",
             float,

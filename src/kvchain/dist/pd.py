@@ -29,15 +29,21 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from .. import env
 from ..alloc.demand import DemandPurpose, KVDemand, request_demand
 from ..alloc.signals import NetworkTransfer, ReceiveHold
-from ..errors import CapacityError, InvariantError, KVChainError, TransferTimeoutError
+from ..device.base import Device, Event, PageAccess, Stream
+from ..device.cuda import CudaDevice
+from ..device.threads import ThreadDevice
+from ..errors import CapacityError, InputError, InvariantError, KVChainError, TransferTimeoutError
 from ..plan import PoolKind
 from ..sizing import pages_for
 from ..storage import KVStorage
-from .pd_link import PDLink, PeerLost
+from .pd_link import PDLink, PeerLost, RankGroup
 from .transfer import (
+    Place,
     Segments,
     Transfer,
     TransferEngine,
@@ -45,6 +51,7 @@ from .transfer import (
     TransferState,
     coalesce,
     page_segments,
+    place_on_host,
 )
 
 log = logging.getLogger("kvchain.pd")
@@ -56,6 +63,39 @@ PROTOCOL_TIMEOUTS = {"handshake": 30.0, "transfer": 120.0, "fence": 60.0}
 
 class TransferFailed(KVChainError):
     """A transfer's engine reported an error on some node; every node raises in the same round."""
+
+
+class DeferredPublishError(InputError):
+    """Deferred publication was asked for where it is not allowed (PD-12): without the overlap
+    scheduler, on a device whose streams do not run apart from the host, or under pipeline
+    parallelism."""
+
+
+#: devices whose streams really run apart from the host: CUDA, and its CPU stand-in whose streams are
+#: worker threads. Only there can a readback on a stream of its own overlap anything (PD-12).
+ASYNC_DEVICES = (CudaDevice, ThreadDevice)
+
+#: the stream a deferred publication reads the destination ids back on (PD-13)
+PUBLISH_STREAM = "publish"
+
+
+def deferred_publication(device: Device, *, overlap: bool, pipeline_stages: int = 1) -> bool:
+    """Whether a decode node defers publication: `KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH` is
+    on. Then only under the overlap scheduler, on a device of `ASYNC_DEVICES`, without pipeline
+    parallelism (PD-12); anything else is refused, never silently served synchronously."""
+    if not env.get("KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH"):
+        return False
+    why = []
+    if not overlap:
+        why.append("the overlap scheduler is off")
+    if not isinstance(device, ASYNC_DEVICES):
+        why.append(f"the {type(device).__name__} runs no stream apart from the host")
+    if pipeline_stages > 1:
+        why.append(f"pipeline parallelism is on ({pipeline_stages} stages)")
+    if why:
+        raise DeferredPublishError("KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH needs the overlap scheduler, "
+                                   "CUDA (or ThreadDevice) and no pipeline parallelism: " + "; ".join(why))
+    return True
 
 
 def layout_digest(storage: KVStorage) -> str:
@@ -94,6 +134,43 @@ def segments_of(storage: KVStorage, pages: dict[str, np.ndarray]) -> Segments:
     grids = storage.arena.layout.grids
     ordered = {storage.plan.by_name(name).index: ids for name, ids in pages.items()}
     return coalesce(page_segments(grids, dict(sorted(ordered.items()))))
+
+
+def state_on_consumer_stream(storage: KVStorage, allocated: Event, consumer: Stream | None = None) -> Place:
+    """How a staged receive lands on a decode node (PD-16). Attention bytes are copied on the host
+    at once: they arrive only after publication, which followed every earlier use of their pages.
+    A state slot's bytes are copied on the stream of their consumer, the forward stream that reads
+    the slot next (`consumer`), after the allocation's event; the schedule stream then waits the
+    copy, so a later take or move of the slot follows it. Nothing blocks the host."""
+    pool = storage.plan.state
+    if pool is None:
+        return place_on_host
+    device = storage.device
+    stream = consumer or device.forward_stream
+    grid = storage.arena.layout.grids[pool.index]
+    lo, hi = grid.origin, grid.origin + grid.n_grid * grid.page_bytes
+
+    def place(data: torch.Tensor, staged: torch.Tensor, dst: Segments) -> None:
+        at, state = 0, []
+        for o, n in dst:
+            if lo <= o < hi:
+                state.append((o, at, n))
+            else:
+                data[o:o + n].copy_(staged[at:at + n])
+            at += n
+        if not state:
+            return
+        slots = np.array([(o - lo) // grid.page_bytes for o, _a, _n in state], dtype=np.int64)
+
+        def copy() -> None:
+            for o, a, n in state:
+                data[o:o + n].copy_(staged[a:a + n])
+
+        device.stream_wait(stream, allocated)
+        device.launch(stream, copy, writes=[PageAccess(pool.index, slots)], label="received state")
+        device.stream_wait(device.schedule_stream, device.record(stream, "received state copied"))
+
+    return place
 
 
 def _ids(pages: dict[str, np.ndarray]) -> dict[str, list[int]]:
@@ -138,8 +215,13 @@ class PDNode(ABC):
 
     def __init__(self, storage: KVStorage, link: PDLink, engine: TransferEngine, *,
                  timeout_s: float = PROTOCOL_TIMEOUTS["transfer"], fence_timeout_s: float = PROTOCOL_TIMEOUTS["fence"],
-                 poll_s: float = 0.001) -> None:
+                 poll_s: float = 0.001, ranks: RankGroup | None = None) -> None:
         self.storage = storage
+        #: the node's other ranks that share its layout, if any: a wait's judgements are reduced
+        #: across them before the link (PD-3)
+        self.ranks = ranks
+        #: rounds the last transfer wait took (every rank of both nodes took as many)
+        self.last_rounds = 0
         self.link = link
         self.engine = engine
         self.timeout_s = timeout_s
@@ -155,15 +237,19 @@ class PDNode(ABC):
         self.fence_epoch = 0
 
     def _wait(self, rid: str, t: Transfer) -> None:
-        """Poll this node's engine; each round both nodes MIN-reduce (done, no error, in time), so
-        both leave, or both raise, in the same round."""
+        """Poll this node's engine; each round this rank's judgements (done, no error, in time) are
+        MIN-reduced across the node's ranks (`ranks`), then across the link, so every rank of both
+        nodes leaves, or raises, in the same round (PD-3, PD-4)."""
         deadline = time.monotonic() + self.timeout_s
         rounds = 0
         while True:
             state = self.engine.poll(t)
-            done, ok, in_time = self.link.round(state is TransferState.DONE, state is not TransferState.FAILED,
-                                                time.monotonic() < deadline)
+            flags = (state is TransferState.DONE, state is not TransferState.FAILED, time.monotonic() < deadline)
+            if self.ranks is not None:
+                flags = self.ranks.min(*flags)
+            done, ok, in_time = self.link.round(*flags)
             rounds += 1
+            self.last_rounds = rounds
             if done:
                 return
             if not ok:
@@ -251,6 +337,7 @@ class PrefillNode(PDNode):
         pages = request_pages(storage, row)
         msg = {"op": "offer", "rid": rid, "seq_len": storage.seq_len(row), "window_lo": window_los(storage, row),
                "counts": {k: len(v) for k, v in pages.items()}, "extra": extra or {}}
+        self.link.post("offers")  # a decode node between its iterations learns an offer waits
         self.link.exchange(msg)
         answer = self.link.exchange({"op": "wait", "rid": rid})
         if answer.get("rid") != rid or answer.get("op") not in ("accept", "refuse"):
@@ -282,6 +369,7 @@ class PrefillNode(PDNode):
 
     def end(self) -> None:
         """No more offers: the decode node's `receive` returns None."""
+        self.link.post("offers")
         self.link.exchange({"op": "end"})
         self.link.exchange({"op": "end"})
 
@@ -312,15 +400,93 @@ class PrefillNode(PDNode):
         return self.settle()
 
 
+@dataclass(eq=False)
+class PendingPublication:
+    """Receive pages taken in one iteration whose ids go to the peer in a later one (PD-13)."""
+
+    rid: str
+    row: int
+    hold: ReceiveHold
+    #: the ids as the take left them (per sub-pool), and `move_epoch` then
+    pages: dict[str, np.ndarray]
+    epoch: int
+    #: the allocation's event: the schedule stream after the take's waits and its zeroing
+    allocated: Event
+    iteration: int
+    seq_len: int = 0
+    output_len: int = 0
+    extra: dict = field(default_factory=dict)
+    #: the readback's event on the publish stream, and the ids it read
+    read: Event | None = None
+    ids: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 class DecodePreallocQueue:
     """The decode node's preallocation check (ADM-13): a request is preallocated only if its own
     demand (`DECODE_PREALLOC`: its whole lifetime) fits together with what the node holds back for
-    pending work: the growth still to come of every request it already took."""
+    pending work: the growth still to come of every request it already took.
 
-    def __init__(self, storage: KVStorage) -> None:
+    Under deferred publication (`deferred`, PD-12) it also holds the allocations whose ids are not
+    published yet: `allocate` records the allocation's event and launches the ids' readback on the
+    publish stream gated on it; `publish_pending_destinations`, in a later iteration, publishes them
+    (PD-13), reading again after the schedule stream when a page moved since (PD-17)."""
+
+    def __init__(self, storage: KVStorage, deferred: bool = False) -> None:
         self.storage = storage
+        self.deferred = deferred
         #: per request id: (length now, output tokens still to come)
         self.pending: dict[str, tuple[int, int]] = {}
+        #: allocations whose ids are not published yet, oldest first
+        self.unpublished: list[PendingPublication] = []
+        #: one per `publish_pending_destinations` call: an allocation publishes in a later one
+        self.iteration = 0
+
+    def allocate(self, rid: str, row: int, pages: dict[str, np.ndarray], hold: ReceiveHold, *, seq_len: int = 0,
+                 output_len: int = 0, extra: dict | None = None) -> PendingPublication:
+        """The take of `row` is done (its waits and its zeroing are queued on the schedule stream):
+        record the allocation's event there and read the ids back on the publish stream behind it.
+        Nothing blocks the host; the ids go out in a later iteration."""
+        device = self.storage.device
+        allocated = device.record(device.schedule_stream, f"{rid} allocated")
+        p = PendingPublication(rid, row, hold, {k: v.copy() for k, v in pages.items()}, self.storage.move_epoch,
+                               allocated, self.iteration, seq_len, output_len, dict(extra or {}))
+        self._read_back(p, allocated)
+        self.unpublished.append(p)
+        return p
+
+    def _read_back(self, p: PendingPublication, gate: Event) -> None:
+        """Read `p`'s ids on the publish stream once `gate` fired: the peer may write them as soon as
+        it learns them, so the read is ordered after what `gate` closes (PD-10). The ids are host
+        arrays here; what the readback orders is the moment they may go out."""
+        device = self.storage.device
+        stream = device.stream(PUBLISH_STREAM)
+        device.stream_wait(stream, gate)
+        snapshot = {k: v.copy() for k, v in p.pages.items()}
+        ids: dict[str, np.ndarray] = {}
+        device.launch(stream, lambda: ids.update(snapshot), label=f"{p.rid} ids readback")
+        p.ids = ids
+        p.read = device.record(stream, f"{p.rid} ids read")
+
+    def publish_pending_destinations(self, publish, timeout: float | None = None) -> list[PendingPublication]:
+        """Publish every allocation of an earlier iteration, oldest first: `publish(p)` sends `p.ids`
+        to the peer, then the receive hold ends. If a page moved since the allocation (`move_epoch`
+        changed), the ids are read again now and the readback waits the schedule stream, which holds
+        the moves' copies, instead of the allocation's event (PD-17). Blocks the host only on a
+        readback not done yet (bounded by `KVCHAIN_PAGE_MOVE_WAIT_TIMEOUT`)."""
+        self.iteration += 1
+        storage, device = self.storage, self.storage.device
+        if timeout is None:
+            timeout = float(env.get("KVCHAIN_PAGE_MOVE_WAIT_TIMEOUT"))
+        ready = [p for p in self.unpublished if p.iteration < self.iteration]
+        for p in ready:
+            if storage.move_epoch != p.epoch:
+                p.pages, p.epoch = request_pages(storage, p.row), storage.move_epoch
+                self._read_back(p, device.record(device.schedule_stream, f"{p.rid} moved"))
+            device.host_wait(p.read, timeout)
+            self.unpublished.remove(p)
+            publish(p)
+            storage.published(p.hold)
+        return ready
 
     def held_back(self) -> KVDemand:
         plan = self.storage.plan
@@ -349,13 +515,35 @@ class DecodePreallocQueue:
 
 
 class DecodeNode(PDNode):
+    """`overlap` and `pipeline_stages` describe the scheduler the node serves; with
+    `KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH` on they decide whether it may defer publication
+    (PD-12). Deferred, `receive` takes an offer's pages and returns a `PendingPublication`; the
+    next iteration's `publish_pending` sends their ids and waits the transfer."""
+
     peer_name = "prefill"
 
-    def __init__(self, storage: KVStorage, link: PDLink, engine: TransferEngine, **kwargs) -> None:
+    def __init__(self, storage: KVStorage, link: PDLink, engine: TransferEngine, *, overlap: bool = False,
+                 pipeline_stages: int = 1, **kwargs) -> None:
+        deferred = deferred_publication(storage.device, overlap=overlap, pipeline_stages=pipeline_stages)
         super().__init__(storage, link, engine, **kwargs)
-        self.queue = DecodePreallocQueue(storage)
+        self.queue = DecodePreallocQueue(storage, deferred=deferred)
         #: after a receive's take, before its ids go out (tests move pages here: PD-17)
         self.before_publish = None
+        #: offers (and the end) this node took from the current link
+        self.offers_taken = 0
+
+    def offer_waiting(self) -> bool:
+        """Whether the prefill node posted an offer (or its end) this node has not taken: `receive`
+        would not block on it. No collective: a node serving requests asks between iterations."""
+        return self.link.posted("offers") > self.offers_taken
+
+    def rejoin(self, link: PDLink) -> None:
+        super().rejoin(link)
+        self.offers_taken = 0
+
+    @property
+    def deferred_publication(self) -> bool:
+        return self.queue.deferred
 
     def _take(self, offer: dict) -> tuple[int, dict[str, np.ndarray]]:
         """A row of the offered length, its windows retired past what decode needs."""
@@ -369,13 +557,18 @@ class DecodeNode(PDNode):
             raise
         return row, request_pages(storage, row)
 
-    def receive(self) -> Received | Refused | None:
+    def receive(self) -> Received | Refused | PendingPublication | None:
         """Take the next offer: the received request once its pages landed, `Refused` when there
-        was no room for it, None when the prefill node has no more (`PrefillNode.end`). Raises as
-        `PrefillNode.send` does, on both nodes in the same round; the receive is deferred then, its
-        pages held until proof (LIM-1)."""
+        was no room for it, None when the prefill node has no more (`PrefillNode.end`). Under
+        deferred publication, the `PendingPublication` of its taken pages: `publish_pending` in a
+        later iteration finishes it. Raises as `PrefillNode.send` does, on both nodes in the same
+        round; the receive is deferred then, its pages held until proof (LIM-1)."""
         storage = self.storage
+        if self.queue.unpublished:
+            raise TransferError(f"{self.queue.unpublished[0].rid} waits its publication: publish_pending first "
+                                "(the prefill node waits its answer)")
         offer = self.link.exchange({"op": "listen"})
+        self.offers_taken += 1
         if offer.get("op") == "end":
             self.link.exchange({"op": "end"})
             return None
@@ -400,26 +593,60 @@ class DecodeNode(PDNode):
             self.link.exchange({"op": "refuse", "rid": rid, "reason": reason})
             return Refused(rid, reason, dict(offer.get("extra", {})))
         hold = storage.hold_receive_rows(rid, dst)
+        extra = dict(offer.get("extra", {}))
+        if self.queue.deferred:
+            self.queue.took(rid, seq_len, output)
+            return self.queue.allocate(rid, row, dst, hold, seq_len=seq_len, output_len=output, extra=extra)
+        device = storage.device
+        allocated = device.record(device.schedule_stream, f"{rid} allocated")
         epoch = storage.move_epoch
         if self.before_publish is not None:
             self.before_publish(row, hold)
         dst = self._readback(row, dst, epoch)
-        network = NetworkTransfer(rid, sends=False)
-        storage.record_network_transfer(network, dst)  # before the peer may write: it learns the ids next
         self.queue.took(rid, seq_len, output)
+        return self._finish_receive(PendingPublication(rid, row, hold, dst, epoch, allocated, self.queue.iteration,
+                                                       seq_len, output, extra, ids=dst))
+
+    def publish_pending(self) -> list[Received]:
+        """This iteration's deferred publications (`DecodePreallocQueue.publish_pending_destinations`):
+        each taken in an earlier iteration has its ids sent now and its transfer waited."""
+        posted: list[tuple[PendingPublication, NetworkTransfer, Transfer]] = []
+        self.queue.publish_pending_destinations(lambda p: posted.append((p, *self._post(p))))
+        return [self._await(p, network, t) for p, network, t in posted]
+
+    def _finish_receive(self, p: PendingPublication) -> Received:
+        network, t = self._post(p)
+        self._publish(p.hold)
+        return self._await(p, network, t)
+
+    def _post(self, p: PendingPublication) -> tuple[NetworkTransfer, Transfer]:
+        """Record the receive (before the peer may write: it learns the ids next), post it to the
+        engine (a staged state slot lands on its consumer's stream, PD-16) and send the ids."""
+        storage = self.storage
+        network = NetworkTransfer(p.rid, sends=False)
+        storage.record_network_transfer(network, p.ids)
         t = None
+        segments = segments_of(storage, p.ids)
         try:
-            t = self.engine.expect(self.peer_name, segments_of(storage, dst), rid)
-            self.link.exchange({"op": "accept", "rid": rid, "dst": _ids(dst), "segments": segments_of(storage, dst)})
-            self._publish(hold)
-            self._wait(rid, t)
+            t = self.engine.expect(self.peer_name, segments, p.rid, state_on_consumer_stream(storage, p.allocated))
+            self.link.exchange({"op": "accept", "rid": p.rid, "dst": _ids(p.ids), "segments": segments})
+        except (TransferError, PeerLost) as e:
+            self._fail(p, network, t, e)
+        return network, t
+
+    def _await(self, p: PendingPublication, network: NetworkTransfer, t: Transfer) -> Received:
+        try:
+            self._wait(p.rid, t)
         except (TransferTimeoutError, TransferFailed, TransferError, PeerLost) as e:
-            self._publish(hold)
-            self.queue.done(rid)
-            self._defer(rid, row, network, t, str(e))
-            raise
-        storage.end_network_transfer(network)
-        return Received(rid, row, seq_len, dict(offer.get("extra", {})))
+            self._fail(p, network, t, e)
+        self.storage.end_network_transfer(network)
+        return Received(p.rid, p.row, p.seq_len, p.extra)
+
+    def _fail(self, p: PendingPublication, network: NetworkTransfer, t: Transfer | None, e: Exception) -> None:
+        self._publish(p.hold)
+        self.queue.done(p.rid)
+        self._defer(p.rid, p.row, network, t, str(e))
+        raise e
 
     def _readback(self, row: int, dst: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
         """The ids to publish: after the schedule stream, so every earlier use of the pages (a

@@ -4,9 +4,10 @@ Each process loads the checkpoint and builds its own `Engine` (its own arena, po
 The prefill process serves every request to its first output token (without overlap, so that
 token and the KV behind it are on the host when the request finishes) and, as each finishes,
 hands its row to the decode node (`PrefillNode.offer` / `send`): full-attention pages, the window
-rows decode keeps, the state slot, and the first token. The decode process takes each into a row
-of its own (`DecodeNode.receive`) and, once every request is in, decodes them all as running
-requests of its scheduler, from the token after the first. Outputs are the single-process
+rows decode keeps, the state slot, and the first token. The decode process decodes while hand-offs
+still arrive: between two of its steps it takes an offer that waits (`DecodeNode.offer_waiting`,
+`receive`) into a row of its own, and the request joins its scheduler as a running decode from
+the token after the first, while the prefill node goes on with the others. Outputs are the single-process
 engine's (tests/unit/dist/test_pd_engine.py). Both engines run without the prefix cache: a
 received row's windows are retired as a fresh row's are (`advance` with no checkpoint), which is
 how the prefill node's were retired only without a tree."""
@@ -88,43 +89,38 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
 
 def _decode(port: int, path: str, config: EngineConfig, kind: str, secret: bytes) -> dict:
     engine = Engine(path, replace(config, prefix_cache=False))
-    storage = engine.storage
-    data = make_engine(kind, "decode")
-    data.register(storage.arena.data)
-    link = PDLink.connect(secret, "127.0.0.1", port, hello(data.descriptor(), layout_digest(storage)), timeout_s=60)
-    node = DecodeNode(storage, link, data)
-    received: list[Received] = []
-    refused: list[Refused] = []
     try:
-        while True:
-            got = node.receive()
-            if got is None:
-                break
-            (refused if isinstance(got, Refused) else received).append(got)
-    finally:
-        node.close()
-    try:
-        return _decode_all(engine, node, received)
+        storage = engine.storage
+        data = make_engine(kind, "decode")
+        data.register(storage.arena.data)
+        link = PDLink.connect(secret, "127.0.0.1", port, hello(data.descriptor(), layout_digest(storage)),
+                              timeout_s=60)
+        node = DecodeNode(storage, link, data, overlap=engine.config.overlap)
+        return _serve(engine, node)
     finally:
         engine.close()
 
 
-def _decode_all(engine: Engine, node: DecodeNode, received: list[Received]) -> dict:
-    """Decode every received request from its second token; outputs by request index."""
-    pool, storage = engine.pool, engine.storage
-    cfg = engine.config
-    scheduler = _DecodeScheduler(pool, max_batched_tokens=cfg.max_batched_tokens, max_running=max(
-        cfg.max_running, len(received)))
-    eos = pool._eos_set
-    out: dict[int, dict] = {}
-    reqs: list[tuple[int, ScheduledRequest]] = []
-    t0 = time.perf_counter()
-    for got in received:
+class _Decoding:
+    """The decode node's requests: each received one joins the scheduler as a running decode from
+    its second token; outputs by request index."""
+
+    def __init__(self, engine: Engine, node: DecodeNode) -> None:
+        cfg = engine.config
+        self.engine, self.node, self.pool = engine, node, engine.pool
+        self.scheduler = _DecodeScheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens,
+                                          max_running=cfg.max_running)
+        self.out: dict[int, dict] = {}
+        self.reqs: list[tuple[int, ScheduledRequest]] = []
+
+    def admit(self, got: Received) -> None:
+        engine, pool = self.engine, self.pool
         i, first, max_new = int(got.extra["index"]), int(got.extra["first"]), int(got.extra["max_new"])
+        eos = pool._eos_set
         if max_new == 1 or first in eos:
-            node.finish(got)
-            out[i] = {"token_ids": [first], "finish_reason": "eos" if first in eos and max_new > 1 else "length"}
-            continue
+            self.node.finish(got)
+            self.out[i] = {"token_ids": [first], "finish_reason": "eos" if first in eos and max_new > 1 else "length"}
+            return
         rid = engine._rid
         engine._rid += 1
         prompt_len = got.seq_len
@@ -134,20 +130,75 @@ def _decode_all(engine: Engine, node: DecodeNode, received: list[Received]) -> d
         req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
         req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": prompt_len}
         pool._known[rid] = 1  # its first output came with it: the next forward reads it from the host
-        scheduler.inject(req)
-        reqs.append((i, req))
-    scheduler.run()
+        self.scheduler.max_running = max(self.scheduler.max_running, len(self.scheduler.running) + 1)
+        self.scheduler.inject(req)
+        self.reqs.append((i, req))
+
+    def outputs(self) -> dict[int, dict]:
+        for i, req in self.reqs:
+            n = min(req.generated, req.output_len)
+            self.out[i] = {"token_ids": [int(t) for t in req.output[:n]],
+                           "finish_reason": "eos" if req.output_len < req.max_new else "length"}
+        return self.out
+
+
+#: how long a decode node that just took an offer looks for the prefill node's next one before it
+#: steps (seconds): the requests one prefill step finishes are handed off back to back
+OFFER_GRACE_S = 0.002
+
+
+def _offer_soon(node: DecodeNode) -> bool:
+    deadline = time.monotonic() + OFFER_GRACE_S
+    while not node.offer_waiting():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return True
+
+
+def _serve(engine: Engine, node: DecodeNode) -> dict:
+    """Decode while hand-offs still arrive: between two steps the node takes an offer that waits
+    (`offer_waiting`, no collective) and the received request decodes from the next step, while
+    the prefill node goes on with the others. With nothing to decode it blocks on the next offer.
+    Under deferred publication an offer's ids go out in the iteration after its take (PD-13)."""
+    decoding = _Decoding(engine, node)
+    scheduler, pool, storage = decoding.scheduler, engine.pool, engine.storage
+    refused: list[Refused] = []
+    ended = False
+    overlapped = 0  # decode steps run before the prefill node's last hand-off
+    t0 = time.perf_counter()
+    try:
+        while True:
+            for got in node.publish_pending() if node.deferred_publication else ():
+                decoding.admit(got)
+            # every offer that waits, and those the prefill node makes right after (the requests its
+            # step finished together), are taken before the next step
+            took = False
+            while not ended and not node.queue.unpublished and (
+                    scheduler.idle or (_offer_soon(node) if took else node.offer_waiting())):
+                got, took = node.receive(), True
+                if got is None:
+                    ended = True
+                    overlapped = scheduler.stats.steps
+                    node.close()
+                elif isinstance(got, Refused):
+                    refused.append(got)
+                elif isinstance(got, Received):
+                    decoding.admit(got)
+            if not scheduler.idle:
+                scheduler.step()
+            elif ended and not node.queue.unpublished:
+                break
+    finally:
+        if not ended:
+            node.close()
     pool.drain()
     pool.steps.flush()
     storage.device.synchronize()
     pool.check_idle()
-    seconds = time.perf_counter() - t0
-    for i, req in reqs:
-        n = min(req.generated, req.output_len)
-        out[i] = {"token_ids": [int(t) for t in req.output[:n]],
-                  "finish_reason": "eos" if req.output_len < req.max_new else "length"}
-    return {"outputs": out, "steps": scheduler.stats.steps, "seconds": seconds,
-            "peak_running": scheduler.stats.peak_running}
+    return {"outputs": decoding.outputs(), "steps": scheduler.stats.steps, "seconds": time.perf_counter() - t0,
+            "peak_running": scheduler.stats.peak_running, "overlapped_steps": overlapped,
+            "deferred_publication": node.deferred_publication}
 
 
 def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, requests: list[GenerateRequest],
@@ -158,9 +209,12 @@ def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, reques
 
 
 def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequest], kind: str = "nixl",
-                timeout_s: float = 600.0) -> GenerateResult:
+                timeout_s: float = 600.0, report: dict | None = None) -> GenerateResult:
     """Serve `requests` with a prefill process and a decode process on this machine (loopback);
-    outputs in input order, as `Engine.generate` gives them."""
+    outputs in input order, as `Engine.generate` gives them. `report`, when given, receives what
+    each node measured: `prefill_seconds`, `decode_seconds`, `decode_steps`, `overlapped_steps`
+    (decode steps run while the prefill node still had hand-offs to make) and whether the decode
+    node deferred publication (`deferred_publication`)."""
     requests = list(requests)
     secret = os.urandom(32)
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -170,6 +224,9 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     if bad:
         raise KVChainError(f"generate --pd: {bad}")
     pre, dec = out[0][1], out[1][1]
+    if report is not None:
+        report.update(prefill_seconds=pre["seconds"], decode_seconds=dec["seconds"], decode_steps=dec["steps"],
+                      overlapped_steps=dec["overlapped_steps"], deferred_publication=dec["deferred_publication"])
     outputs = []
     for i in range(len(requests)):
         first = GenerateOutput(**{k: v for k, v in pre["outputs"][i].items()})

@@ -43,8 +43,9 @@ def _process_gone(pid: int) -> bool:
 class PDLink:
     """One node's end of the control plane. Rank 0 is the prefill node, rank 1 the decode node."""
 
-    def __init__(self, rank: int, peer: dict, conn: socket.socket, timeout_s: float) -> None:
+    def __init__(self, rank: int, peer: dict, conn: socket.socket, timeout_s: float, store=None) -> None:
         self.rank = rank
+        self.store = store  # the group's store, under a prefix of its own: counters a node reads without a collective
         self.peer = peer  # the peer's handshake payload: pid, host, engine descriptor, layout
         self.conn = conn  # the handshake connection, kept open while the link lives
         self.timeout_s = timeout_s
@@ -61,7 +62,7 @@ class PDLink:
         store = dist.TCPStore(listener.host, reply["store_port"], 2, True, timeout,
                               wait_for_workers=False, master_listen_fd=store_sock.detach())
         dist.init_process_group("gloo", store=dist.PrefixStore(session, store), rank=0, world_size=2, timeout=timeout)
-        return cls(0, peer, conn, group_timeout_s)
+        return cls(0, peer, conn, group_timeout_s, dist.PrefixStore(f"{session}/posted", store))
 
     @classmethod
     def connect(cls, secret: bytes, host: str, port: int, hello: dict, timeout_s: float,
@@ -80,7 +81,7 @@ class PDLink:
         store = dist.TCPStore(host, int(peer["store_port"]), 2, False, timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore(peer["session"], store), rank=1, world_size=2,
                                 timeout=timeout)
-        return cls(1, peer, conn, group_timeout_s)
+        return cls(1, peer, conn, group_timeout_s, dist.PrefixStore(f"{peer['session']}/posted", store))
 
     def exchange(self, msg: dict) -> dict:
         """Send `msg` to the peer and return the peer's message of the same round (JSON both ways)."""
@@ -97,6 +98,22 @@ class PDLink:
             raise PeerLost(f"the control plane to the peer failed: {e}") from None
         other = 1 - self.rank
         return json.loads(bytes(out[other][:int(sizes[other])].numpy()))
+
+    def post(self, key: str) -> None:
+        """Count one more `key` (a message this node is about to exchange), so the peer can learn it
+        waits without entering a collective (`posted`)."""
+        if self.store is not None:
+            self._store(lambda: self.store.add(key, 1))
+
+    def posted(self, key: str) -> int:
+        """How many `key` the peer posted so far: one store round trip, never a collective."""
+        return 0 if self.store is None else int(self._store(lambda: self.store.add(key, 0)))
+
+    def _store(self, op):
+        try:
+            return op()
+        except (RuntimeError, OSError) as e:  # the store lives in the prefill process
+            raise PeerLost(f"the control plane's store failed: {e}") from None
 
     def round(self, *flags: bool) -> tuple[bool, ...]:
         """A MIN-reduce of one boolean per flag across both nodes: each is True only where every
@@ -134,3 +151,63 @@ def hello(engine_descriptor: bytes, layout: str, extra: dict | None = None) -> d
     """This node's handshake payload."""
     return {"pid": os.getpid(), "host": socket.gethostname(), "engine": engine_descriptor.hex(),
             "layout": layout, **(extra or {})}
+
+
+class RankGroup:
+    """The ranks of one PD node that share its layout (tensor-parallel ranks, each with its own arena
+    and transfer engine): a gloo group of their own beside the link's. A transfer wait MIN-reduces
+    each rank's judgements here first, then across the link, so every rank of both nodes leaves the
+    wait, or raises, in the same round (PD-3, PD-4). Rank 0 listens behind the same handshake as a
+    PD listener (one interface, the deployment's secret); the others connect to it."""
+
+    def __init__(self, group, rank: int, size: int, conns: list[socket.socket], store) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self._conns, self._store = conns, store  # kept open while the group lives
+
+    @classmethod
+    def listen(cls, listener: PDListener, size: int, timeout_s: float, group_timeout_s: float = 30.0) -> RankGroup:
+        """Rank 0: admit the other `size - 1` ranks through `listener`'s handshake, then form the group."""
+        store_sock = socket.create_server((listener.host, 0))
+        session = os.urandom(8).hex()
+        reply = {"store_port": int(store_sock.getsockname()[1]), "session": session}
+        conns = [listener.accept({**reply, "rank": r}, timeout_s)[1] for r in range(1, size)]
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        store = dist.TCPStore(listener.host, reply["store_port"], size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=store_sock.detach())
+        group = dist.ProcessGroupGloo(dist.PrefixStore(session, store), 0, size, timeout)
+        return cls(group, 0, size, conns, store)
+
+    @classmethod
+    def join(cls, secret: bytes, host: str, port: int, size: int, timeout_s: float,
+             group_timeout_s: float = 30.0) -> RankGroup:
+        """Any other rank: pass rank 0's handshake and join the group under the rank it was given."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                peer, conn = connect(secret, check_host(host), port, {"pid": os.getpid()}, timeout_s)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        store = dist.TCPStore(host, int(peer["store_port"]), size, False, timeout)
+        rank = int(peer["rank"])
+        group = dist.ProcessGroupGloo(dist.PrefixStore(peer["session"], store), rank, size, timeout)
+        return cls(group, rank, size, [conn], store)
+
+    def min(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag True only where every rank of the group said True."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        try:
+            self.group.allreduce([t], opts).wait()
+        except RuntimeError as e:
+            raise PeerLost(f"the node's rank group failed: {e}") from None
+        return tuple(bool(x) for x in t.tolist())
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._conns = []

@@ -23,7 +23,7 @@ import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,10 @@ import torch.distributed as dist
 from ..errors import KVChainError
 
 Segments = list[tuple[int, int]]
+#: how a staged receive lands: `place(arena, staged, dst)` puts the staged bytes, in `dst`'s order,
+#: into the arena's `dst` segments (the default copies them on the host; a decode node runs its state
+#: slots' copies on their consumers' stream, PD-16)
+Place = Callable[[torch.Tensor, torch.Tensor, Segments], None]
 log = logging.getLogger("kvchain.pd")
 
 
@@ -153,8 +157,9 @@ class TransferEngine(ABC):
         """Post a write of local `src` bytes onto the peer's `dst` bytes (same total)."""
 
     @abstractmethod
-    def expect(self, peer: str, dst: Segments, tag: str) -> Transfer:
-        """Post the receive of the peer's write `tag` onto local `dst`."""
+    def expect(self, peer: str, dst: Segments, tag: str, place: Place | None = None) -> Transfer:
+        """Post the receive of the peer's write `tag` onto local `dst`. `place` lands staged bytes
+        (an engine that writes the arena in place, NIXL, stages nothing and never calls it)."""
 
     @abstractmethod
     def poll(self, t: Transfer) -> TransferState:
@@ -166,6 +171,14 @@ class TransferEngine(ABC):
 
     def close(self) -> None:
         return None
+
+
+def place_on_host(data: torch.Tensor, staged: torch.Tensor, dst: Segments) -> None:
+    """Staged bytes into the arena's `dst` segments, on the host, now."""
+    at = 0
+    for o, n in dst:
+        data[o:o + n].copy_(staged[at:at + n])
+        at += n
 
 
 # -- torch.distributed ------------------------------------------------------------------------------
@@ -223,11 +236,11 @@ class GlooEngine(TransferEngine):
         work = _Waited(dist.isend(staged, self._rank(peer), tag=_tag_int(tag)))
         return Transfer(tag, peer, True, staged.numel(), impl=(work, staged))
 
-    def expect(self, peer: str, dst: Segments, tag: str) -> Transfer:
+    def expect(self, peer: str, dst: Segments, tag: str, place: Place | None = None) -> Transfer:
         self._check(dst)
         buf = torch.empty(nbytes(dst), dtype=torch.uint8)
         work = _Waited(dist.irecv(buf, self._rank(peer), tag=_tag_int(tag)))
-        return Transfer(tag, peer, False, buf.numel(), impl=[work, buf, list(dst)])
+        return Transfer(tag, peer, False, buf.numel(), impl=[work, buf, list(dst), place or place_on_host])
 
     def poll(self, t: Transfer) -> TransferState:
         if t.state.quiescent:
@@ -239,10 +252,7 @@ class GlooEngine(TransferEngine):
             t.state = TransferState.FAILED
             return t.state
         if not t.sends:  # the bytes are here: only now does anything touch the arena
-            buf, at = t.impl[1], 0
-            for o, n in t.impl[2]:
-                self.data[o:o + n].copy_(buf[at:at + n])
-                at += n
+            t.impl[3](self.data, t.impl[1], t.impl[2])
         t.state = TransferState.DONE
         return t.state
 
@@ -326,7 +336,7 @@ class NixlEngine(TransferEngine):
             t.state = TransferState.FAILED
         return t
 
-    def expect(self, peer: str, dst: Segments, tag: str) -> Transfer:
+    def expect(self, peer: str, dst: Segments, tag: str, place: Place | None = None) -> Transfer:
         self._check(dst)
         self._peer(peer)
         return Transfer(tag, peer, False, nbytes(dst))

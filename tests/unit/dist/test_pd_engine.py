@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from dataclasses import replace
 
 import pytest
 
@@ -19,11 +20,16 @@ NIXL_MISSING = nixl_available()
 CONFIG = EngineConfig(budget_bytes=8 * 2**20, page_size=PAGE, context_len=128, max_running=8, ignore_eos=True)
 
 
-@pytest.mark.nixl
-@pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
-def test_pd_outputs_are_the_single_process_engines():
-    """Qwen3-Next over NIXL: without the state slot (or with a stale one) the decode diverges at once."""
-    family, kind = "qwen3_next", "nixl"
+NIXL = pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(NIXL_MISSING is not None,
+                                                                         reason=str(NIXL_MISSING))])
+
+
+@pytest.mark.parametrize("kind", [NIXL, "gloo"])
+def test_pd_outputs_are_the_single_process_engines(kind):
+    """Qwen3-Next: without the state slot (or with a stale one) the decode diverges at once. NIXL
+    writes the slot in place; gloo stages it, and the slot's copy runs on the forward stream that
+    reads it next (PD-16)."""
+    family = "qwen3_next"
     requests = workload(3, seed=3)
     path = checkpoint_dir(family)
     with Engine(path, CONFIG) as engine:
@@ -49,3 +55,33 @@ def test_generate_pd_on_the_command_line_matches_generate(tmp_path, capsys):
         outputs.append([o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]])
     single, pd = outputs
     assert pd == single and all(len(o) == r.max_new_tokens for o, r in zip(pd, requests))
+
+
+def test_the_decode_node_decodes_while_other_prefills_are_in_flight():
+    """Gemma 3 over gloo, prompts prefilled a chunk per step: the decode node starts each request's
+    decode as soon as its hand-off arrives, so it has stepped before the last hand-off; outputs
+    are still the single-process engine's."""
+    config = replace(CONFIG, max_batched_tokens=48)
+    requests = workload(6, seed=5)
+    assert _same_outputs_and_overlapped(config, requests)["deferred_publication"] is False
+
+
+def test_generate_pd_with_deferred_publication_matches_generate(monkeypatch):
+    """PD-13 in the engine: with `KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH` on, the decode
+    node (ThreadDevice, the overlap scheduler) publishes each take's ids in its next iteration;
+    outputs are the single-process engine's."""
+    monkeypatch.setenv("KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH", "1")
+    report = _same_outputs_and_overlapped(replace(CONFIG, max_batched_tokens=48), workload(6, seed=5))
+    assert report["deferred_publication"] is True
+
+
+def _same_outputs_and_overlapped(config, requests) -> dict:
+    path = checkpoint_dir("gemma3")
+    with Engine(path, config) as engine:
+        single = engine.generate(requests)
+    report: dict = {}
+    pd = generate_pd(path, config, requests, kind="gloo", timeout_s=120, report=report)
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert 0 < report["overlapped_steps"] < report["decode_steps"], report
+    assert not mp.active_children()
+    return report

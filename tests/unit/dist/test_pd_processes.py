@@ -26,8 +26,8 @@ ENGINES = ["gloo", NIXL]
 SEQ = 37
 
 
-def make_storage(chain_kib: int):
-    return small_storage(page_size=4, chain_kib=chain_kib, windows=(8,), context=128, rows=8)
+def make_storage(chain_kib: int, backend=None):
+    return small_storage(page_size=4, chain_kib=chain_kib, windows=(8,), context=128, rows=8, backend=backend)
 
 
 def _band(storage, name):
@@ -63,8 +63,8 @@ def prefill_node(port: int, kind: str, chain_kib: int = 24, **kw):
     return PrefillNode(storage, link, engine, **kw)
 
 
-def decode_node(port: int, kind: str, chain_kib: int = 32, **kw):
-    storage = make_storage(chain_kib)
+def decode_node(port: int, kind: str, chain_kib: int = 32, backend=None, **kw):
+    storage = make_storage(chain_kib, backend)
     engine = make_engine(kind, "decode")
     engine.register(storage.arena.data)
     link = PDLink.connect(SECRET, "127.0.0.1", port, hello(engine.descriptor(), layout_digest(storage)),
@@ -111,6 +111,42 @@ def test_every_sub_pool_of_a_hybrid_request_lands_byte_exact(kind):
     pre, dec = out[0][1], out[1][1]
     counts = pre["counts"]
     assert counts["full"] == 10 and 0 < counts["window"] < 10 and counts["state"] == 1, counts
+    assert dec["got"] == pre["sent"] and dec["seq"] == SEQ and dec["extra"] == {"output_len": 4}
+    assert dec["idle"] is True
+    assert not mp.active_children()
+
+
+def _deferred_hand_off(stage: int, n: int, port: int, kind: str) -> dict:
+    if stage == 0:
+        return _hand_off(stage, n, port, kind)
+    import os
+
+    from kvchain.device import ThreadDevice
+    from kvchain.dist.pd import PendingPublication
+
+    os.environ["KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH"] = "1"
+    node = decode_node(port, kind, backend=ThreadDevice(), overlap=True)
+    pending = node.receive()  # this iteration: the take; the prefill node waits its answer
+    got = node.publish_pending()  # the next: the ids go out, the transfer is waited
+    node.storage.device.synchronize()  # the state slot's copy ran on the forward stream (PD-16)
+    out = {"pending": isinstance(pending, PendingPublication), "deferred": node.deferred_publication,
+           "n": len(got), "got": digests(node.storage, got[0].row), "seq": node.storage.seq_len(got[0].row),
+           "extra": got[0].extra}
+    node.finish(got[0])
+    out["idle"] = node.check_idle()
+    node.close()
+    node.storage.device.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_deferred_publication_lands_every_sub_pool_byte_exact(kind):
+    """PD-13 across processes: the decode node (ThreadDevice, overlap) takes the offer's pages in one
+    iteration and publishes their ids in the next; the request lands byte for byte."""
+    out = run_stage_processes(_deferred_hand_off, 2, (kind,), timeout_s=60, env=ENV)
+    assert {s: st for s, (st, _v) in out.items()} == {0: "ok", 1: "ok"}, out
+    pre, dec = out[0][1], out[1][1]
+    assert dec["pending"] and dec["deferred"] and dec["n"] == 1
     assert dec["got"] == pre["sent"] and dec["seq"] == SEQ and dec["extra"] == {"output_len": 4}
     assert dec["idle"] is True
     assert not mp.active_children()
@@ -391,3 +427,93 @@ def test_the_readback_reads_the_ids_again_when_a_page_moved_since_the_take(moved
     write lands on the request's pages."""
     pre, dec = moved_pages
     assert dec["moved"] and dec["got"] == pre["sent"]
+
+
+# -- a node of several ranks: the wait's judgements reduced across the ranks sharing a layout ---------
+
+
+def _port_file(tmp: str, name: str, port: int | None = None) -> int:
+    """Write a port for the other processes of the test, or wait for one to be written."""
+    import time
+    from pathlib import Path
+
+    path = Path(tmp) / name
+    if port is not None:
+        path.with_suffix(".tmp").write_text(str(port))
+        path.with_suffix(".tmp").rename(path)
+        return port
+    deadline = time.monotonic() + 20
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {name} port")
+        time.sleep(0.02)
+    return int(path.read_text())
+
+
+def _two_ranks_a_node(stage: int, n: int, port: int, tmp: str) -> dict:
+    """Stages 0 and 2: the prefill node's two ranks; 1 and 3: the decode node's. Ranks 0 of both
+    nodes hand off to each other, ranks 1 likewise; rank 1's prefill engine holds its write."""
+    from kvchain.dist.pd_link import RankGroup
+    from kvchain.errors import TransferTimeoutError
+
+    role, rank = ("prefill", "decode")[stage % 2], stage // 2
+    if rank == 0:
+        listener = PDListener(SECRET)
+        _port_file(tmp, f"{role}-ranks", listener.sock.getsockname()[1])
+        ranks = RankGroup.listen(listener, 2, timeout_s=20, group_timeout_s=20)
+        listener.close()
+    else:
+        ranks = RankGroup.join(SECRET, "127.0.0.1", _port_file(tmp, f"{role}-ranks"), 2, timeout_s=20,
+                               group_timeout_s=20)
+    storage = make_storage(24 if role == "prefill" else 32)
+    engine = make_engine("gloo", role)
+    engine.register(storage.arena.data)
+    me = hello(engine.descriptor(), layout_digest(storage))
+    if role == "prefill":
+        listener = PDListener(SECRET)
+        _port_file(tmp, f"link{rank}", listener.sock.getsockname()[1])
+        link = PDLink.accept(listener, me, timeout_s=20, group_timeout_s=20)
+        listener.close()
+        node = PrefillNode(storage, link, engine, ranks=ranks, timeout_s=1.0)
+        row = prefilled(storage, seed=rank)
+        stuck = _StuckWrites(engine) if rank == 1 else None
+        answer = node.offer(f"r{rank}", row)
+        try:
+            node.send(f"r{rank}", row, answer)
+            raised = None
+        except TransferTimeoutError as e:
+            raised = str(e)
+        if stuck is not None:
+            node.deferred["r1"].transfer = stuck.late()
+        released = node.settle() if rank == 0 else node.fence()
+    else:
+        link = PDLink.connect(SECRET, "127.0.0.1", _port_file(tmp, f"link{rank}"), me, timeout_s=20,
+                              group_timeout_s=20)
+        node = DecodeNode(storage, link, engine, ranks=ranks, timeout_s=0.5)
+        try:
+            node.receive()
+            raised = None
+        except TransferTimeoutError as e:
+            raised = str(e)
+        released = node.settle() if rank == 0 else node.fence()
+    out = {"raised": raised, "rounds": node.last_rounds, "released": released}
+    storage.check_idle()
+    ranks.close()
+    node.close()
+    return out
+
+
+def test_every_rank_of_both_nodes_raises_in_the_same_round(tmp_path):
+    """PD-3, PD-4 across the ranks that share a layout: each node has two ranks, each with its own
+    arena and engine; rank 1's transfer is stuck while rank 0's lands. Each rank's judgements are
+    MIN-reduced across its node's ranks, then across the link: all four ranks raise in the same
+    round, rank 0's pair too (its engine is done, so `settle` releases it at once; rank 1's pages
+    go on the fence), and nothing leaks."""
+    out = run_stage_processes(_two_ranks_a_node, 4, (str(tmp_path),), timeout_s=90, env=ENV)
+    assert {s: st for s, (st, _v) in out.items()} == {s: "ok" for s in range(4)}, out
+    raised = [out[s][1]["raised"] for s in range(4)]
+    assert all(r is not None for r in raised), raised
+    assert len({r.rsplit("round", 1)[1] for r in raised}) == 1, raised
+    assert len({out[s][1]["rounds"] for s in range(4)}) == 1
+    assert [out[s][1]["released"] for s in range(4)] == [["r0"], ["r0"], ["r1"], ["r1"]]
+    assert not mp.active_children()
