@@ -131,22 +131,25 @@ def moves_under_queued_forward(rng: random.Random, config: HarnessConfig) -> lis
 
 def frees_under_transfer(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """A request's pages read by a host-tier backup or a PD send, the request freed, and its pages
-    taken again before the transfer ends. The forwards in flight processed; a short request (it
-    stays, so no float empties and parks, which would fence its span) and one of whole pages
-    admitted and written, their forward processed; a flush (no holes left but the freed
-    request's); a backup or a send of the newest request, the request freed; two requests
-    admitted (their takes find only the holes the transfer still reads) and written; then the
-    transfer ended (a host wait)."""
+    wanted again before the transfer ends. The forwards in flight processed; a short request (it
+    stays, so no float empties and parks, which would fence its span), long ones (the arena
+    fills) and one of whole pages admitted and written, their forward processed; a flush (no
+    holes left but the freed request's); a backup or a send of the newest request, the request
+    freed; a request admitted in at most its pages (a backup's pages are holes again, which the
+    take finds first), then a longer one (a full arena has room only where the send's rows are:
+    relief waits the transfer), each written; then the transfer ended (a host wait)."""
     ps = config.page_size
     n = rng.randint(2, 4)
     kind = rng.choice(("backup", "send"))
-    return [{"op": "process", "advance": 0}, {"op": "process", "advance": 0},
-            {"op": "admit", "len": rng.randint(1, ps)}, {"op": "admit", "len": n * ps}, {"op": "forward"},
-            {"op": "process", "advance": 0}, {"op": "flush"}, {"op": kind, "pick": -1}, {"op": "free", "pick": -1},
+    ops = [{"op": "process", "advance": 0}, {"op": "process", "advance": 0}, {"op": "admit", "len": rng.randint(1, ps)}]
+    ops += [{"op": "admit", "len": rng.randint(config.context // 4, config.context // 2)}
+            for _ in range(rng.randint(1, 4))]
+    ops += [{"op": "admit", "len": n * ps}, {"op": "forward"}, {"op": "process", "advance": 0}, {"op": "flush"},
+            {"op": kind, "pick": -1}, {"op": "free", "pick": -1},
             {"op": "admit", "len": rng.randint(1, n * ps)}, {"op": "forward"},
-            {"op": "admit", "len": rng.randint(1, n * ps)}, {"op": "forward"},
+            {"op": "admit", "len": rng.randint(n * ps, config.context // 2)}, {"op": "forward"},
             {"op": "end_copy" if kind == "backup" else "end_send", "pick": -1}]
-
+    return ops
 
 def settles_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """Frees under a running forward, then a relief or relocation that settles the pending pages
@@ -301,7 +304,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             _families("state_churn", state_then_growth=0.05, frees_under_queued_forward=0.03,
                       moves_under_queued_forward=0.05)),
     # device time between a forward and the frees and takes after it
-    Profile("timing", _weights(tick=10, free=12), _families("timing_races"), opening=("float_over_state",)),
+    Profile("timing", _weights(tick=10, free=12), _families("timing_races", frees_under_transfer=0.06),
+            opening=("float_over_state",)),
 )}
 
 
