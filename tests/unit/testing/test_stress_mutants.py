@@ -135,13 +135,16 @@ def test_mutant_catch_rate_on_threads(name):
     assert len(row.caught) >= floor, f"{name}: {row.target} caught {len(row.caught)} of 20 seeds: {row.caught}"
 
 
-#: scenario families and a fault each puts in reach, with seeds (chains without the write-after-read
-#: barrier, where nothing else orders the schedule stream after a running forward's reads) whose
-#: family run alone reaches it
+#: scenario families and a fault each puts in reach, with seeds whose family run alone reaches it
+#: (for the ordering faults, chains without the write-after-read barrier, where nothing else orders
+#: the schedule stream after a running forward's reads)
 FAMILY_HAZARDS = [("frees_under_queued_forward", "free_to_holes", (1, 3, 7)),
                   ("frees_under_queued_forward", "skip_settle_wait", (1, 3, 7)),
                   ("moves_under_queued_forward", "reuse_vacated", (1, 3, 7)),
-                  ("state_then_growth", "skip_zeroing", (4, 7, 9))]
+                  ("state_then_growth", "skip_zeroing", (4, 7, 9)),
+                  ("float_over_state", "unzeroed_growth", (3, 8, 9)),
+                  ("frees_under_transfer", "skip_copy_clearance", (1, 2, 3)),
+                  ("frees_under_transfer", "release_network_early", (0, 4, 8))]
 
 
 @pytest.mark.parametrize(("family", "name", "seeds"), FAMILY_HAZARDS, ids=[f"{f}-{n}" for f, n, _ in FAMILY_HAZARDS])
