@@ -151,6 +151,7 @@ def frees_under_transfer(rng: random.Random, config: HarnessConfig) -> list[dict
             {"op": "end_copy" if kind == "backup" else "end_send", "pick": -1}]
     return ops
 
+
 def settles_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """Frees under a running forward, then a relief or relocation that settles the pending pages
     early, then takes."""

@@ -55,6 +55,24 @@ def test_seeds_draw_every_profile_and_splice_its_families():
         assert spliced == (case.config.profile != "mixed"), (seed, case.config.profile)
 
 
+def test_a_profile_opening_runs_first_and_leaves_the_rest_of_its_draws():
+    """HARN-1, HARN-3: a profile's opening family (`timing`: `float_over_state`) runs first, on the
+    fresh pool, from a generator of its own, so the rest of the sequence is what the profile draws
+    without an opening, shifted by the opening's length."""
+    import dataclasses
+    import random
+
+    from kvchain.testing.harness_profiles import FAMILIES, PROFILES
+
+    config = config_for_seed(3)
+    assert config.profile == "timing" and PROFILES["timing"].opening == ("float_over_state",)
+    ops = harness.generate_ops(3, 300, config)
+    opening = FAMILIES["float_over_state"](random.Random(3 * 7793 + 5), config)
+    assert ops[:len(opening)] == opening
+    plain = dataclasses.replace(PROFILES["timing"], opening=())
+    rest = plain.generate(random.Random(3 * 104729 + 3), 300, config)
+    assert ops[len(opening):] == rest[:300 - len(opening)]
+
 def test_a_seed_runs_clean_and_exercises_every_operation():
     """HARN-3, HARN-5: overlapped forwards, frees under them, window retirement, host-tier loads and
     backups, network sends and receives, flushes, reliefs, float relocations, state copies and
