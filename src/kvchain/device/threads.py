@@ -19,6 +19,9 @@ from .base import Device, Event, PageAccess, Stream
 @dataclass(eq=False)
 class ThreadEvent(Event):
     flag: threading.Event = field(default_factory=threading.Event)
+    #: gates made before this event was recorded (`ThreadDevice(gate_ops=)`): all the held work
+    #: it can depend on, since a stream only waits events recorded before the wait is queued
+    gates_before: int = 0
 
 
 class _Worker:
@@ -74,10 +77,13 @@ class ThreadDevice(Device):
     `gate_ops` (0: off): each item launched on a stream other than the schedule stream (forwards,
     host-tier copies, network transfers) is held, before it starts, until the host has reached `u`
     more operations (`host_op`), `u` drawn uniform in [0, gate_ops] from the same seeded generator;
-    a host wait on unfinished work, `synchronize` and `close` open every gate first (the host never
-    waits work it holds). Delays of microseconds do not outlast a host that spends milliseconds
-    per operation; a gate does, so schedule-stream work queued a few operations later without the
-    waits it needs meets a forward or a transfer before it has read."""
+    a host wait on unfinished work opens the gates made before its event was recorded (all the
+    held work the event can depend on: a stream waits only events recorded before the wait is
+    queued), so work launched later stays held (a forward queued behind the one the host
+    processes); `synchronize` and `close` open every gate (the host never waits work it holds).
+    Delays of microseconds do not outlast a host that spends milliseconds per operation; a gate
+    does, so schedule-stream work queued a few operations later without the waits it needs meets
+    a forward or a transfer before it has read."""
 
     name = "threads"
 
@@ -101,24 +107,24 @@ class ThreadDevice(Device):
         self._lock = threading.Lock()
         self.gate_ops = gate_ops
         self._host_ops = 0
-        self._gates: list[tuple[int, threading.Event]] = []  # (host operation it opens at, gate)
+        self._gates: list[tuple[int, int, threading.Event]] = []  # (host operation it opens at, serial, gate)
+        self._gates_made = 0
 
     def host_op(self) -> None:
         """The host reached its next operation: open the gates held until it (`gate_ops`)."""
         self._host_ops += 1
         if self._gates:
-            keep = []
-            for at, gate in self._gates:
-                if at <= self._host_ops:
-                    gate.set()
-                else:
-                    keep.append((at, gate))
-            self._gates = keep
+            self._open_gates(lambda at, _serial: at <= self._host_ops)
 
-    def _open_gates(self) -> None:
-        for _at, gate in self._gates:
-            gate.set()
-        self._gates = []
+    def _open_gates(self, which: Callable[[int, int], bool] | None = None) -> None:
+        """Open the gates `which(host operation, serial)` selects (None: every gate)."""
+        keep = []
+        for at, serial, gate in self._gates:
+            if which is None or which(at, serial):
+                gate.set()
+            else:
+                keep.append((at, serial, gate))
+        self._gates = keep
 
     def _gate(self, stream: Stream) -> threading.Event | None:
         if not self.gate_ops or stream.name == self.SCHEDULE:
@@ -127,7 +133,8 @@ class ThreadDevice(Device):
         if not hold:
             return None
         gate = threading.Event()
-        self._gates.append((self._host_ops + hold, gate))
+        self._gates.append((self._host_ops + hold, self._gates_made, gate))
+        self._gates_made += 1
         return gate
 
     def _worker(self, stream: Stream) -> _Worker:
@@ -168,7 +175,7 @@ class ThreadDevice(Device):
 
     def record(self, stream: Stream, label: str = "") -> ThreadEvent:
         self.counters.records += 1
-        event = ThreadEvent(stream=stream, label=label)
+        event = ThreadEvent(stream=stream, label=label, gates_before=self._gates_made)
         self._worker(stream).queue.put(("set", event))
         return event
 
@@ -182,7 +189,8 @@ class ThreadDevice(Device):
         self.counters.host_waits += 1
         assert isinstance(event, ThreadEvent)
         if not event.flag.is_set():
-            self._open_gates()
+            if self._gates:
+                self._open_gates(lambda _at, serial: serial < event.gates_before)
             self.counters.host_waits_blocked += 1
             if not event.flag.wait(timeout):
                 raise TransferTimeoutError(f"host wait for {event.label or 'an event'} ran past {timeout} s")

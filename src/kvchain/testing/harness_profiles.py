@@ -129,6 +129,29 @@ def moves_under_queued_forward(rng: random.Random, config: HarnessConfig) -> lis
             {"op": "admit", "len": rng.randint(1, (n - 1) * ps)}, *_after_a_while(rng, config)]
 
 
+def frees_under_transfer(rng: random.Random, config: HarnessConfig) -> list[dict]:
+    """A request's pages read by a host-tier backup or a PD send, the request freed, and its pages
+    wanted again before the transfer ends. The forwards in flight processed; a short request (it
+    stays, so no float empties and parks, which would fence its span), long ones (the arena
+    fills) and one of whole pages admitted and written, their forward processed; a flush (no
+    holes left but the freed request's); a backup or a send of the newest request, the request
+    freed; a request admitted in at most its pages (a backup's pages are holes again, which the
+    take finds first), then a longer one (a full arena has room only where the send's rows are:
+    relief waits the transfer), each written; then the transfer ended (a host wait)."""
+    ps = config.page_size
+    n = rng.randint(2, 4)
+    kind = rng.choice(("backup", "send"))
+    ops = [{"op": "process", "advance": 0}, {"op": "process", "advance": 0}, {"op": "admit", "len": rng.randint(1, ps)}]
+    ops += [{"op": "admit", "len": rng.randint(config.context // 4, config.context // 2)}
+            for _ in range(rng.randint(1, 4))]
+    ops += [{"op": "admit", "len": n * ps}, {"op": "forward"}, {"op": "process", "advance": 0}, {"op": "flush"},
+            {"op": kind, "pick": -1}, {"op": "free", "pick": -1},
+            {"op": "admit", "len": rng.randint(1, n * ps)}, {"op": "forward"},
+            {"op": "admit", "len": rng.randint(n * ps, config.context // 2)}, {"op": "forward"},
+            {"op": "end_copy" if kind == "backup" else "end_send", "pick": -1}]
+    return ops
+
+
 def settles_under_forward(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """Frees under a running forward, then a relief or relocation that settles the pending pages
     early, then takes."""
@@ -179,6 +202,30 @@ def state_then_growth(rng: random.Random, config: HarnessConfig) -> list[dict]:
     return ops
 
 
+def float_over_state(rng: random.Random, config: HarnessConfig) -> list[dict]:
+    """A float hemmed in above grows down over bytes the state band held. The forwards in flight
+    processed; long requests admitted (the arena fills: the full band grows down to the floats,
+    the floats toward the state end); short requests admitted (their state slots sit above the
+    long ones'), written and processed, then freed (negative picks count from the newest);
+    tracking slots take the state slots they left while the long ones decode (the floats fill
+    the holes the short ones left, so a flush does not pull them away from the state end), then
+    let go; a flush retreats the state frontier; the long ones decode on (a float grows toward
+    its larger room, which is now below it) and a request is admitted, its pages read by the
+    forward after its own."""
+    ps = config.page_size
+    n_long, n_short = rng.randint(4, 6), rng.randint(2, 5)
+    decode = [{"op": "decode", "k": 8, "start": 0}, {"op": "forward"}, {"op": "process", "advance": 0}]
+    ops = [{"op": "process", "advance": 0}, {"op": "process", "advance": 0}]
+    ops += [{"op": "admit", "len": rng.randint(config.context // 4, config.context // 2)} for _ in range(n_long)]
+    ops += [{"op": "admit", "len": rng.randint(1, ps)} for _ in range(n_short)]
+    ops += [{"op": "forward"}, {"op": "process", "advance": 0}]
+    ops += [{"op": "free", "pick": -1} for _ in range(n_short)]
+    ops += [{"op": "slots", "n": n_short}, *decode, *decode, {"op": "free_slots", "pick": -1}, {"op": "flush"}]
+    ops += [*decode, *decode, *decode, {"op": "admit", "len": rng.randint(2 * ps, 6 * ps)}, {"op": "forward"},
+            {"op": "forward"}]
+    return ops
+
+
 def timing_races(rng: random.Random, config: HarnessConfig) -> list[dict]:
     """Tokens to write and a forward launched, then device time passes in steps (its event fires
     on one rank before the other) with frees and takes between them, whose decisions must not
@@ -192,7 +239,7 @@ def timing_races(rng: random.Random, config: HarnessConfig) -> list[dict]:
 
 FAMILIES: dict[str, Family] = {f.__name__: f for f in (
     frees_under_queued_forward, moves_under_queued_forward, compaction_under_decode, moves_under_forward, frees_under_forward, settles_under_forward, state_churn,
-    state_then_growth, timing_races)}
+    state_then_growth, float_over_state, frees_under_transfer, timing_races)}
 
 
 def _weights(**changes: int) -> dict[str, int]:
@@ -209,9 +256,17 @@ class Profile:
     name: str
     weights: Mapping[str, int] = field(default_factory=lambda: dict(OP_WEIGHTS))
     families: Mapping[str, float] = field(default_factory=dict)
+    #: families whose runs open the sequence, on the fresh pool, in this order: a situation that
+    #: needs the arena as a fresh pool leaves it (long requests that fill it from both ends)
+    opening: tuple[str, ...] = ()
 
-    def generate(self, rng: random.Random, n_ops: int, config: HarnessConfig) -> list[dict]:
+    def generate(self, rng: random.Random, n_ops: int, config: HarnessConfig,
+                 opening_rng: random.Random | None = None) -> list[dict]:
+        """`opening_rng` draws the opening families' arguments (default `rng`): a generator of its
+        own leaves the draws of the rest of the sequence as they were without an opening."""
         ops: list[dict] = []
+        for name in self.opening:
+            ops += FAMILIES[name](opening_rng or rng, config)
         names = list(self.families)
         while len(ops) < n_ops:
             r = rng.random()
@@ -250,7 +305,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             _families("state_churn", state_then_growth=0.05, frees_under_queued_forward=0.03,
                       moves_under_queued_forward=0.05)),
     # device time between a forward and the frees and takes after it
-    Profile("timing", _weights(tick=10, free=12), _families("timing_races")),
+    Profile("timing", _weights(tick=10, free=12), _families("timing_races", frees_under_transfer=0.06),
+            opening=("float_over_state",)),
 )}
 
 
@@ -259,4 +315,4 @@ def generate_ops(seed: int, n_ops: int, config: HarnessConfig | None = None) -> 
     spliced in."""
     config = config or config_for_seed(seed)
     rng = random.Random(seed * 104729 + 3)
-    return PROFILES[config.profile].generate(rng, n_ops, config)
+    return PROFILES[config.profile].generate(rng, n_ops, config, random.Random(seed * 7793 + 5))

@@ -55,6 +55,24 @@ def test_seeds_draw_every_profile_and_splice_its_families():
         assert spliced == (case.config.profile != "mixed"), (seed, case.config.profile)
 
 
+def test_a_profile_opening_runs_first_and_leaves_the_rest_of_its_draws():
+    """HARN-1, HARN-3: a profile's opening family (`timing`: `float_over_state`) runs first, on the
+    fresh pool, from a generator of its own, so the rest of the sequence is what the profile draws
+    without an opening, shifted by the opening's length."""
+    import dataclasses
+    import random
+
+    from kvchain.testing.harness_profiles import FAMILIES, PROFILES
+
+    config = config_for_seed(3)
+    assert config.profile == "timing" and PROFILES["timing"].opening == ("float_over_state",)
+    ops = harness.generate_ops(3, 300, config)
+    opening = FAMILIES["float_over_state"](random.Random(3 * 7793 + 5), config)
+    assert ops[:len(opening)] == opening
+    plain = dataclasses.replace(PROFILES["timing"], opening=())
+    rest = plain.generate(random.Random(3 * 104729 + 3), 300, config)
+    assert ops[len(opening):] == rest[:300 - len(opening)]
+
 def test_a_seed_runs_clean_and_exercises_every_operation():
     """HARN-3, HARN-5: overlapped forwards, frees under them, window retirement, host-tier loads and
     backups, network sends and receives, flushes, reliefs, float relocations, state copies and
@@ -193,5 +211,36 @@ def test_threads_gate_holds_work_until_the_host_is_operations_on():
         assert not held.is_set()
         device.host_wait(device.record(device.forward_stream, "done"), timeout=5)
         assert held.is_set()
+    finally:
+        device.close()
+
+
+def test_threads_host_wait_opens_only_the_gates_its_event_can_depend_on():
+    """HARN-14: a host wait opens the gates made before its event was recorded (the held work the
+    event can depend on, on its own stream or on one it waits), and work launched after the event
+    stays held until the host is its operations on: a forward queued behind the one the host
+    processes is still held when the schedule stream runs on."""
+    import threading
+    import time
+
+    from kvchain.device.threads import ThreadDevice
+
+    device = ThreadDevice(seed=0, gate_ops=100)  # random.Random(0).randint(0, 100) draws 49, 97, ...
+    first, copied, second = threading.Event(), threading.Event(), threading.Event()
+    try:
+        device.launch(device.forward_stream, first.set, label="forward 1")
+        done = device.record(device.forward_stream, "forward 1 done")
+        copy = device.stream(device.COPY)
+        device.stream_wait(copy, done)
+        device.launch(copy, copied.set, label="copy")  # held too, and after forward 1
+        device.stream_wait(device.schedule_stream, device.record(copy, "copy done"))
+        after_copy = device.record(device.schedule_stream, "after the copy")
+        device.launch(device.forward_stream, second.set, label="forward 2")
+        device.host_wait(after_copy, timeout=5)  # opens forward 1's gate and the copy's
+        assert first.is_set() and copied.is_set()
+        time.sleep(0.05)
+        assert not second.is_set(), "a host wait opened a gate made after its event"
+        device.synchronize()
+        assert second.is_set()
     finally:
         device.close()
