@@ -130,6 +130,13 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
             rows = boundary.id_array(rows, f"{what} rows")
         table = self.table
         n = len(rows)
+        if n == 1:  # an admission's or a finish's one row: two scalar reads, nothing remembered
+            row = rows.item()
+            if not 0 <= row < table.rows:
+                raise _unknown_rows(table, rows)
+            if in_use and not table.active.item(row):
+                raise InputError(f"{what} needs distinct rows that are in use: rows [{row}] are not")
+            return rows
         key = rows.tobytes()
         if key != self._rows_once:
             if n <= _FEW_ROWS:  # an admission's or a finish's rows: a list's min, max and set beat a bincount
@@ -153,15 +160,17 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
                                  "are named twice")
             self._rows_once = key
             self._once_in_use = table.row_frees if all_in_use else -1
-        if in_use and not self._in_use(rows):
+        if in_use and self._once_in_use != table.row_frees and not self._in_use(rows):
             active = table.active[rows]
             raise InputError(f"{what} needs distinct rows that are in use: rows {rows[~active][:8].tolist()} are not")
         return rows
 
     def _in_use(self, rows: np.ndarray) -> bool:
-        """Whether every row of `rows`, the bytes `_rows` passed last, is in use: the remembered
-        answer while no row has left use since, else a gather of their in-use marks."""
+        """Whether every row of `rows`, the bytes `_rows` passed last (or one row), is in use: the
+        remembered answer while no row has left use since, else a gather of their in-use marks."""
         table = self.table
+        if len(rows) == 1:
+            return table.active.item(rows.item())
         if self._once_in_use != table.row_frees:
             self._once_in_use = table.row_frees if count_true(table.active[rows]) == len(rows) else -1
         return self._once_in_use == table.row_frees
@@ -250,15 +259,18 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         if len(rows) != len(new_lens):
             raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
         table = self.table
-        old_lens = table.seq_lens[rows]
         # a row's length is never negative, so new >= old is new >= 0 too; past the context, the
         # gather of `_below_context` fails
         try:
-            if len(rows) <= _FEW_ROWS:  # an admission's lengths: compared as lists
+            if len(rows) == 1:  # an admission's length: two scalars
+                if not table.seq_lens.item(rows.item()) <= new_lens.item() <= table.context_len:
+                    raise IndexError
+            elif len(rows) <= _FEW_ROWS:  # a few lengths: compared as lists
+                old_lens = table.seq_lens[rows]
                 if not all(old <= new <= table.context_len for old, new in zip(old_lens.tolist(), new_lens.tolist())):
                     raise IndexError
             else:
-                if count_true(new_lens < old_lens):
+                if count_true(new_lens < table.seq_lens[rows]):
                     raise IndexError
                 self._below_context.take(new_lens)  # mode 'raise': a length past it fails
         except IndexError:
