@@ -16,7 +16,8 @@ sub-pool (a dry run through `PeakTrackingPool`), as an engine with fixed per-kin
 serve it. Every driver runs in alternating blocks of iterations (round robin over profiles and
 pools) so machine noise hits all alike; a block of kvchain and the block of the static pool beside
 it replay the same iterations, so their quotient is a like-for-like ratio, and the median over
-blocks is reported."""
+blocks is reported. After the timed run, each profile's chain driver runs on to price the API
+boundary's checks (`boundary_cost`: their own time where they run, in the thread's CPU time)."""
 
 from __future__ import annotations
 
