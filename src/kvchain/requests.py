@@ -117,9 +117,13 @@ class RequestTable:
         self._free.push(rows)
 
     def own_pages(self, rows: np.ndarray) -> np.ndarray:
-        """The virtual pages the rows own (past their tree-shared prefix), concatenated."""
+        """The virtual pages the rows own (past their tree-shared prefix), concatenated row by row,
+        each row's in column order. One row (a finish's) is a slice; more, a mask over their
+        columns (on a few rows that beats `expand_runs`' repeats)."""
         rows = np.asarray(rows, dtype=np.int64)
         counts = (self.seq_lens[rows] + self.page_size - 1) // self.page_size
+        if len(rows) == 1:
+            return self.page_table[rows.item(), self.shared_pages.item(rows.item()):counts.item()].copy()
         cols = np.arange(self.max_pages)[None, :]
         mask = (cols < counts[:, None]) & (cols >= self.shared_pages[rows][:, None])
         return self.page_table[rows][mask]

@@ -75,6 +75,9 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     #: the boundary's checks run; only `bench.boundary_cost` clears it, on one instance, to price them
     _checked: bool = True
+    #: what the checks remember between calls (set in `__init__`): `bench.boundary_cost` restores
+    #: them to repeat a check on the same inputs and state
+    _CHECK_MEMO = ("_rows_once", "_once_in_use", "_rows_inside", "_tokens_written")
 
     def __init__(
         self,
@@ -123,12 +126,17 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         their bytes passed before: the gather of their in-use marks refuses a row past the table,
         the bincount of them a negative row, and its count of rows named is the repeats (a few
         rows: their list's min, max and set)."""
-        if not self._checked:
-            return rows
         if type(rows) is not np.ndarray or rows.dtype is not INT64 or rows.ndim != 1:  # `boundary.is_ids`, inlined
             rows = boundary.id_array(rows, f"{what} rows")
         table = self.table
         n = len(rows)
+        if n == 1:  # an admission's or a finish's one row: two scalar reads, nothing remembered
+            row = rows.item()
+            if not 0 <= row < table.rows:
+                raise _unknown_rows(table, rows)
+            if in_use and not table.active.item(row):
+                raise InputError(f"{what} needs distinct rows that are in use: rows [{row}] are not")
+            return rows
         key = rows.tobytes()
         if key != self._rows_once:
             if n <= _FEW_ROWS:  # an admission's or a finish's rows: a list's min, max and set beat a bincount
@@ -152,15 +160,17 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
                                  "are named twice")
             self._rows_once = key
             self._once_in_use = table.row_frees if all_in_use else -1
-        if in_use and not self._in_use(rows):
+        if in_use and self._once_in_use != table.row_frees and not self._in_use(rows):
             active = table.active[rows]
             raise InputError(f"{what} needs distinct rows that are in use: rows {rows[~active][:8].tolist()} are not")
         return rows
 
     def _in_use(self, rows: np.ndarray) -> bool:
-        """Whether every row of `rows`, the bytes `_rows` passed last, is in use: the remembered
-        answer while no row has left use since, else a gather of their in-use marks."""
+        """Whether every row of `rows`, the bytes `_rows` passed last (or one row), is in use: the
+        remembered answer while no row has left use since, else a gather of their in-use marks."""
         table = self.table
+        if len(rows) == 1:
+            return table.active.item(rows.item())
         if self._once_in_use != table.row_frees:
             self._once_in_use = table.row_frees if count_true(table.active[rows]) == len(rows) else -1
         return self._once_in_use == table.row_frees
@@ -240,28 +250,38 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     def seq_len(self, row: int) -> int:
         return int(self.table.seq_lens[self._row(row, "seq_len")])
 
-    @_operation
-    def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+    def _check_extend(self, rows, new_lens) -> tuple[np.ndarray, np.ndarray]:
+        """`alloc_extend`'s inputs: rows in use, named once, one length each in [current, context]."""
+        if not self._checked:
+            return rows, new_lens
         rows = self._rows(rows, "alloc_extend")
+        new_lens = boundary.id_array(new_lens, "alloc_extend lengths")
+        if len(rows) != len(new_lens):
+            raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
         table = self.table
-        if self._checked:
-            new_lens = boundary.id_array(new_lens, "alloc_extend lengths")
-            if len(rows) != len(new_lens):
-                raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
-        old_lens = table.seq_lens[rows]
         # a row's length is never negative, so new >= old is new >= 0 too; past the context, the
         # gather of `_below_context` fails
-        if self._checked:
-            try:
-                if len(rows) <= _FEW_ROWS:  # an admission's lengths: compared as lists
-                    if not all(old <= new <= table.context_len for old, new in zip(old_lens.tolist(), new_lens.tolist())):
-                        raise IndexError
-                else:
-                    if count_true(new_lens < old_lens):
-                        raise IndexError
-                    self._below_context.take(new_lens)  # mode 'raise': a length past it fails
-            except IndexError:
-                raise InputError(f"new lengths must lie in [current length, {table.context_len}]") from None
+        try:
+            if len(rows) == 1:  # an admission's length: two scalars
+                if not table.seq_lens.item(rows.item()) <= new_lens.item() <= table.context_len:
+                    raise IndexError
+            elif len(rows) <= _FEW_ROWS:  # a few lengths: compared as lists
+                old_lens = table.seq_lens[rows]
+                if not all(old <= new <= table.context_len for old, new in zip(old_lens.tolist(), new_lens.tolist())):
+                    raise IndexError
+            else:
+                if count_true(new_lens < table.seq_lens[rows]):
+                    raise IndexError
+                self._below_context.take(new_lens)  # mode 'raise': a length past it fails
+        except IndexError:
+            raise InputError(f"new lengths must lie in [current length, {table.context_len}]") from None
+        return rows, new_lens
+
+    @_operation
+    def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+        rows, new_lens = self._check_extend(rows, new_lens)
+        table = self.table
+        old_lens = table.seq_lens[rows]
         ps = self.page_size
         old_pages = (old_lens + ps - 1) // ps
         counts = (new_lens + ps - 1) // ps - old_pages
@@ -292,14 +312,23 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         row_idx, pos = expand_runs(rows, old_lens, counts)
         return self.table.page_table[row_idx, pos // ps] * ps + pos % ps
 
-    @_operation
-    def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
-        # the checks a one-token step needs and no more: this is every decode step's path
+    def _check_decode(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        """`alloc_decode`'s rows (in use, named once, each below the context length) and their
+        lengths, which the check reads and the step needs. The checks a one-token step needs and
+        no more: this is every decode step's path."""
+        if not self._checked:
+            return rows, self.table.seq_lens[rows]
         rows = self._rows(rows, "alloc_decode")
         table = self.table
-        old_lens = table.seq_lens[rows]
-        if self._checked and count_true(self._below_context[old_lens]) != len(rows):
+        lens = table.seq_lens[rows]
+        if count_true(self._below_context[lens]) != len(rows):
             raise InputError(f"a row is at the context length {table.context_len}")
+        return rows, lens
+
+    @_operation
+    def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
+        rows, old_lens = self._check_decode(rows)
+        table = self.table
         ps = self.page_size
         col, offset = np.divmod(old_lens, ps)
         grown = offset == 0  # the next token starts a page
@@ -314,28 +343,50 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         written = table.page_table[rows, col]
         written *= ps
         written += offset
-        self._tokens_written = written.tobytes()  # ids the pool wrote lie in its id space
+        self._check_written(written)
         return written
 
-    @_operation
-    def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
-        # a row named twice would retire twice, freeing its window pages twice: refused, like every
-        # call that changes rows; a row not in use holds no length, so it retires nothing
+    def _check_written(self, written: np.ndarray) -> None:
+        """Remember the token ids the pool wrote last: they lie in its id space, so the step that
+        hands them back to `iteration_ids` is not range-checked again (a boundary check's cost,
+        so it is clocked as one)."""
+        if self._checked:
+            self._tokens_written = written.tobytes()
+
+    def _check_advance(self, rows, checkpoints) -> tuple[np.ndarray, np.ndarray | None]:
+        """`advance`'s rows named once, inside the table (a row named twice would retire twice,
+        freeing its window pages twice; a row not in use holds no length, so it retires nothing),
+        and one checkpoint per row in [0, context]."""
+        if not self._checked:
+            return rows, checkpoints
         rows = self._rows(rows, "advance", in_use=False)
-        if checkpoints is not None and self._checked:
+        if checkpoints is not None:
             checkpoints = boundary.id_array(checkpoints, "advance checkpoints")
             boundary.same_count(rows, checkpoints, "advance rows and checkpoints")
             boundary.in_range(checkpoints, 0, self.table.context_len + 1, "advance checkpoints")
+        return rows, checkpoints
+
+    @_operation
+    def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
+        rows, checkpoints = self._check_advance(rows, checkpoints)
         return retire_window_rows(self.table, self.allocator, self.page_size, rows, checkpoints)
+
+    def _check_free_rows(self, rows) -> np.ndarray:
+        """`free_rows`'s rows named once, inside the table and (`InvariantError`) in use."""
+        if not self._checked:
+            return rows
+        rows = self._rows(rows, "free_rows", in_use=False)
+        if len(rows) and not self._in_use(rows):
+            active = self.table.active[rows]
+            raise InvariantError("requests.row_state", f"free of rows not in use {rows[~active].tolist()}")
+        return rows
 
     @_operation
     def free_rows(self, rows: np.ndarray) -> None:
-        rows = self._rows(rows, "free_rows", in_use=False)
+        rows = self._check_free_rows(rows)
         if not len(rows):
             return
         table = self.table
-        if self._checked and not self._in_use(rows):
-            raise InvariantError("requests.row_state", f"free of rows not in use {rows[~table.active[rows]].tolist()}")
         chain = self.allocator
         # A tree-shared prefix stays with the tree. The rest is bound: no public free reaches a page
         # a row in use owns (`_not_rows_own`), so the pages are not checked again here.
@@ -510,11 +561,14 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     def reset_new_rows(self) -> np.ndarray:
         return self.table.resets.take()
 
+    def _check_flush(self, max_moves) -> int | None:
+        if max_moves is None or not self._checked:
+            return max_moves
+        return boundary.count(max_moves, "flush_opportunistic max_moves")
+
     @_operation
     def flush_opportunistic(self, max_moves: int | None = None) -> int:
-        if max_moves is not None:
-            max_moves = boundary.count(max_moves, "flush_opportunistic max_moves")
-        return self.allocator.flush_opportunistic(max_moves)
+        return self.allocator.flush_opportunistic(self._check_flush(max_moves))
 
     # -- host tier --------------------------------------------------------------------------------
 
@@ -594,22 +648,29 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         except KeyError:
             raise InputError(f"no sub-pool {name!r} in this plan (sub-pools {list(self.views)})") from None
 
+    def _check_iteration_ids(self, virtual_tokens, rows) -> tuple[np.ndarray, np.ndarray | None]:
+        """Token ids inside the id space (or the ids the pool wrote last) and rows to read."""
+        if not self._checked:
+            return virtual_tokens, rows
+        if not boundary.is_ids(virtual_tokens):
+            virtual_tokens = boundary.id_array(virtual_tokens, "iteration_ids tokens")
+        if virtual_tokens.tobytes() != self._tokens_written:
+            boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
+        return virtual_tokens, None if rows is None else self._any_rows(rows, "iteration_ids")
+
     def iteration_ids(self, virtual_tokens: np.ndarray, rows: np.ndarray | None = None) -> IterationIds:
-        if self._checked:
-            if not boundary.is_ids(virtual_tokens):
-                virtual_tokens = boundary.id_array(virtual_tokens, "iteration_ids tokens")
-            if virtual_tokens.tobytes() != self._tokens_written:
-                boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
-        slots = None if rows is None else self.table.state_slot[self._any_rows(rows, "iteration_ids")]
+        virtual_tokens, rows = self._check_iteration_ids(virtual_tokens, rows)
+        slots = None if rows is None else self.table.state_slot[rows]
         return IterationIds.translate(self.allocator, virtual_tokens, slots)
 
+    def _check_runner_ids(self, rows) -> np.ndarray:
+        return self._any_rows(rows, "runner_ids") if self._checked else rows
+
     def runner_ids(self, rows: np.ndarray) -> RunnerIds:
-        return RunnerIds.translate(self.allocator, self.table, self._any_rows(rows, "runner_ids"))
+        return RunnerIds.translate(self.allocator, self.table, self._check_runner_ids(rows))
 
     def _any_rows(self, rows, what: str) -> np.ndarray:
         """Rows to read, inside the table, repeats allowed (or bytes that passed before)."""
-        if not self._checked:
-            return rows
         if type(rows) is not np.ndarray or rows.dtype is not INT64 or rows.ndim != 1:  # `boundary.is_ids`, inlined
             rows = boundary.id_array(rows, f"{what} rows")
         key = rows.tobytes()

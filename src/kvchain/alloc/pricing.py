@@ -349,6 +349,17 @@ def first_plan(snapshot: ChainSnapshot, demand: Sequence[int], steps: Sequence[S
     return None
 
 
+def fits_bytes(snapshot: ChainSnapshot, demand: Sequence[int]) -> bool:
+    """Whether the chain's bytes could hold the demand at all: in every layout pricing reaches,
+    each band's span holds its live and fixed pages and the pages it takes, and the spans are
+    disjoint inside `[chain_lo, arena_bytes)`. So a no here is every layout's no, found without
+    pricing one (a full pool refuses most takes this way)."""
+    need = 0
+    for b, d in zip(snapshot.bands, demand):
+        need += (b.live + b.fixed + (d if d > 0 else 0)) * b.page_bytes
+    return need <= snapshot.arena_bytes - snapshot.chain_lo
+
+
 def feasible(snapshot: ChainSnapshot, demand: Sequence[int], in_place_short: bool = False) -> bool:
     """Is there any reachable layout that serves `demand`? The one capacity question (CAP-9).
 
@@ -358,6 +369,8 @@ def feasible(snapshot: ChainSnapshot, demand: Sequence[int], in_place_short: boo
     first answer), so that plan is not priced twice."""
     if all(d <= 0 for d in demand):
         return True
+    if not fits_bytes(snapshot, demand):
+        return False
     if not in_place_short and plan(snapshot, demand, Step.NO_MOVE) is not None:
         return True
     return _relayout(snapshot, demand) is not None

@@ -122,7 +122,7 @@ ALLOC_COLUMNS = (("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", 
                  ("ratio", "ratio"), ("util mean", "utilisation_mean"), ("reliefs", "reliefs"),
                  ("moves", "moves"), ("relocations", "relocations"), ("preemptions", "preemptions"), ("refused takes", "refused_takes"),
                  ("budget GiB", "budget_bytes"), ("static GiB", "static_pool_bytes"),
-                 ("boundary checks (checked / bypassed)", "boundary_ratio"))
+                 ("boundary checks' cost (own time)", "boundary_ratio"))
 
 
 def alloc_table(result: dict):

@@ -8,7 +8,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchain.alloc.pricing import BandSnap, ChainSnapshot, Step, feasible, first_plan, plan
+from kvchain.alloc.pricing import BandSnap, ChainSnapshot, Step, feasible, first_plan, fits_bytes, plan
 from kvchain.plan import Placement
 
 
@@ -133,6 +133,19 @@ def test_feasible_matches_brute_force(case):
         return
     snapshot, demand = case
     assert feasible(snapshot, demand) == brute_force(snapshot, demand)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(snapshots())
+def test_a_demand_past_the_chain_s_bytes_has_no_layout_at_any_step(case):
+    """CAP-9: `fits_bytes`, which lets `feasible` refuse without pricing, never says no where some
+    step (or the brute force over every layout) serves the demand."""
+    if case is None:
+        return
+    snapshot, demand = case
+    if not fits_bytes(snapshot, demand):
+        assert all(plan(snapshot, demand, step) is None for step in Step)
+        assert not brute_force(snapshot, demand) or all(d <= 0 for d in demand)
 
 
 @settings(max_examples=2000, deadline=None)

@@ -23,7 +23,12 @@ PROFILE_KEYS = {
     "utilisation_mean", "utilisation_min", "reliefs", "moves", "relocations", "requests_served",
     "preemptions", "admissions", "refused_takes", "boundary", "boundary_ratio",
 }
-BOUNDARY_KEYS = {"iterations_per_side", "checked_us_per_iter", "bypassed_us_per_iter", "ratio", "median_ratio"}
+BOUNDARY_KEYS = {"own_ratio", "own_ratio_warm", "own_ratio_total", "own_ratio_groups", "iterations", "pool_us_per_iter",
+                 "checks_us_per_iter", "checks_warm_us_per_iter", "per_check", "samples_per_call", "timer_ns", "paired"}
+PAIRED_KEYS = {"rounds", "checked_us_per_iter", "bypassed_us_per_iter", "ratio", "median_ratio"}
+#: the hot operations' checks the boundary's cost times, each called by the bench's iterations
+HOT_CHECKS = {"_check_decode", "_check_written", "_check_iteration_ids", "_check_runner_ids", "_check_advance",
+              "_check_free_rows", "_check_extend", "_check_flush"}
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +40,19 @@ def test_json_schema(result: dict) -> None:
     assert next(iter(result)) == "headline"
     assert set(result) == {"headline", "iters", "batch", "page_size", "block", "pressure", "workload_peak_bytes",
                            "profiles"}
-    assert set(result["headline"]) == {"worst_profile", "ratio", "kvchain_us_per_iter", "static_us_per_iter"}
+    assert set(result["headline"]) == {"worst_profile", "ratio", "kvchain_us_per_iter", "static_us_per_iter",
+                                       "boundary_ratio", "boundary_profile"}
     assert tuple(result["profiles"]) == PROFILES
     for name, row in result["profiles"].items():
         assert set(row) == PROFILE_KEYS, name
         assert row["profile"] == name
-        assert set(row["boundary"]) == BOUNDARY_KEYS, name
-        assert row["boundary"]["iterations_per_side"] == ITERS
-        assert row["boundary_ratio"] == row["boundary"]["median_ratio"] > 0
+        boundary = row["boundary"]
+        assert set(boundary) == BOUNDARY_KEYS and set(boundary["paired"]) == PAIRED_KEYS, name
+        assert boundary["iterations"] == boundary["paired"]["rounds"] == ITERS
+        assert row["boundary_ratio"] == boundary["own_ratio"] > 1 and boundary["own_ratio_warm"] > 1
+        assert boundary["own_ratio_groups"]["min"] <= boundary["own_ratio"] <= boundary["own_ratio_groups"]["max"]
+        assert {n for n, c in boundary["per_check"].items() if c["calls_per_iter"] > 0} >= HOT_CHECKS, name
+        assert boundary["checks_us_per_iter"] > 0 and boundary["checks_warm_us_per_iter"] > 0
     json.loads(json.dumps(result))  # plain JSON all the way down
 
 
@@ -60,6 +70,8 @@ def test_figures_are_medians_of_the_blocks(result: dict) -> None:
 
 def test_headline_is_the_worst_profile(result: dict) -> None:
     head = result["headline"]
+    costliest = max(result["profiles"].values(), key=lambda r: r["boundary_ratio"])
+    assert (head["boundary_profile"], head["boundary_ratio"]) == (costliest["profile"], costliest["boundary_ratio"])
     worst = max(result["profiles"].values(), key=lambda r: r["ratio"])
     assert head["worst_profile"] == worst["profile"]
     assert (head["ratio"], head["kvchain_us_per_iter"], head["static_us_per_iter"]) == (
