@@ -18,7 +18,8 @@ from ..plan import KVStoragePlan, plan_kv_storage
 from ..storage import KVStorage
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .runner import ModelRunner
-from .speculative import SpeculativePool, draft_layer_offset, fuse_draft_layers, plan_with_draft
+from .speculative import SpeculativePool
+from .speculative_plan import draft_layer_offset, fuse_draft_layers, plan_with_draft
 
 #: `serve.EngineConfig` (not imported: `serve` imports this module)
 EngineConfig = Any
