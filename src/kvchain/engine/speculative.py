@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..alloc.demand import KVDemand
 from ..errors import CapacityError, InputError
 from ..plan import PoolKind
 from ..storage import KVStorage
@@ -99,9 +100,25 @@ class SpeculativePool(ModelPool):
             truncate_rows(self.storage, np.array([req.row]), np.array([start]))
         super().preempt(req)
 
+    def _reserve(self, running: list[ScheduledRequest]) -> KVDemand:
+        """What running requests may still take (`KVChainPool._reserve`), plus the scratch state
+        slots of every one that holds no round's now: its next round takes them, and admission
+        charged them (`StateLifetime.speculative_slots`), so nothing admitted later may."""
+        demand = super()._reserve(running)
+        per = self.plan.state.lifetime.speculative_slots if self.has_state else 0
+        if not per:
+            return demand
+        idle = sum(1 for r in running if "spec_chain" not in r.pool_state and id(r) not in self._held)
+        state = self.plan.state.index
+        pages = tuple(idle * per if i == state else 0 for i in range(len(self.plan.sub_pools)))
+        return demand + KVDemand(pages, 0, idle * per)
+
     def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
         """Grow the step's requests; each decode by its round's `k + 1` tokens (and `k + 1` scratch
-        state slots), reserved before launch. When the pool cannot hold the rounds, plain decodes."""
+        state slots), reserved before launch. Admission priced the scratch slots (the plan's
+        `speculative_slots`, held back by `_reserve`), so they are there; only a pool over a plan
+        that does not price them, or a step whose pages do not fit, decodes plainly
+        (`SpecCounters.fallbacks`)."""
         storage = self.storage
         context = storage.table.context_len
         lens = list(new_lens)
@@ -116,6 +133,7 @@ class SpeculativePool(ModelPool):
             if self.has_state:
                 chain = self._take_slots(k + 1)
                 if chain is None:
+                    self.spec.fallbacks += 1
                     continue
             rounds.append((i, k, chain))
             lens[i] = n + k
@@ -125,6 +143,7 @@ class SpeculativePool(ModelPool):
             self._free_chains(rounds)
             if lens == list(new_lens):
                 raise
+            self.spec.fallbacks += len(rounds)
             super().extend(reqs, new_lens)
             return
         for i, k, chain in rounds:

@@ -17,17 +17,22 @@ from ..plan import KVStoragePlan, plan_kv_storage
 
 
 def plan_with_draft(decls: Sequence[KVLayerDecl], draft: Sequence[KVLayerDecl], *, page_size: int,
-                    checkpoint_interval: int | None) -> KVStoragePlan:
+                    checkpoint_interval: int | None, num_speculative_tokens: int = 0) -> KVStoragePlan:
     """The target's plan with a fused draft. `checkpoint_interval`: the prefix cache's grid for the
     target's recurrent state (None: no checkpoint policy), declared on the target's state lifetime,
-    which a draft with recurrent layers needs (`plan_kv_storage` refuses it otherwise, PlanError)."""
-    if checkpoint_interval is not None:
-        def with_grid(part: KVPart) -> KVPart:
+    which a draft with recurrent layers needs (`plan_kv_storage` refuses it otherwise, PlanError).
+    `num_speculative_tokens` (k): a round's k + 1 scratch state slots are declared on that lifetime
+    too (`StateLifetime.speculative_slots`), so every price of a request (the floor, the memory
+    clip, admission) counts them with its running and tracking slots."""
+    scratch = num_speculative_tokens + 1 if num_speculative_tokens > 0 else 0
+    if checkpoint_interval is not None or scratch:
+        def priced(part: KVPart) -> KVPart:
             if isinstance(part.lifetime, StateLifetime):
-                return dataclasses.replace(part, lifetime=StateLifetime(checkpoint_interval))
+                interval = part.lifetime.checkpoint_interval if checkpoint_interval is None else checkpoint_interval
+                return dataclasses.replace(part, lifetime=StateLifetime(interval, scratch))
             return part
 
-        decls = [KVLayerDecl(d.layer_id, tuple(with_grid(p) for p in d.parts)) for d in decls]
+        decls = [KVLayerDecl(d.layer_id, tuple(priced(p) for p in d.parts)) for d in decls]
     return plan_kv_storage(decls, page_size=page_size, draft=draft)
 
 

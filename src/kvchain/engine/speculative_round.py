@@ -30,6 +30,8 @@ class SpecCounters:
     draft_forwards: int = 0
     #: rounds whose request was retracted while they ran: their results are dropped
     dropped: int = 0
+    #: decodes that ran plainly because the pool could not hold their round (its scratch slots or pages)
+    fallbacks: int = 0
 
 
 @dataclass

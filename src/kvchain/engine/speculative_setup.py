@@ -55,7 +55,7 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
     if alone.state is not None and config.prefix_cache:
         interval = config.checkpoint_interval or default_checkpoint_interval(alone)
     plan = plan_with_draft(decls, draft.model_spec().decls, page_size=config.page_size,
-                           checkpoint_interval=interval)
+                           checkpoint_interval=interval, num_speculative_tokens=k)
     fuse_draft_layers(draft.model, draft_layer_offset(decls))
     return DraftSetup(draft, plan, interval)
 
