@@ -115,7 +115,8 @@ class SpeculativePool(ModelPool):
 
     def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
         """Grow the step's requests; each decode by its round's `k + 1` tokens (and `k + 1` scratch
-        state slots), reserved before launch. Admission priced the scratch slots (the plan's
+        state slots), reserved before launch; a round ends at the latest on the next checkpoint grid
+        point (`_to_grid`). Admission priced the scratch slots (the plan's
         `speculative_slots`, held back by `_reserve`), so they are there; only a pool over a plan
         that does not price them, or a step whose pages do not fit, decodes plainly
         (`SpecCounters.fallbacks`)."""
@@ -126,7 +127,7 @@ class SpeculativePool(ModelPool):
         for i, (req, n) in enumerate(zip(reqs, new_lens)):
             if req.prefilling or n != req.computed + 1:
                 continue
-            k = min(self.k, req.output_len - req.generated - 1, context - n)
+            k = min(self.k, req.output_len - req.generated - 1, context - n, self._to_grid(req.computed))
             if k < 1:
                 continue
             chain = None
@@ -149,6 +150,15 @@ class SpeculativePool(ModelPool):
         for i, k, chain in rounds:
             reqs[i].pool_state["spec_k"] = k
             reqs[i].pool_state["spec_chain"] = chain
+
+    def _to_grid(self, length: int) -> int:
+        """The most proposals a round from `length` tokens may make without stepping over the next
+        checkpoint grid point: fully accepted, it ends on the grid point, so the request's state is
+        checkpointed there as plain decoding checkpoints it (0: the step decodes plainly onto it)."""
+        interval = self.checkpoint_interval
+        if not interval or self.tree is None:
+            return self.k
+        return (length // interval + 1) * interval - length - 1
 
     def _take_slots(self, n: int) -> np.ndarray | None:
         try:
