@@ -36,7 +36,7 @@ from .request import ScheduledRequest
 from .runner import ModelRunner
 from .speculative_forward import prepare_speculative_forward
 from .speculative_plan import draft_layer_offset, fuse_draft_layers, plan_with_draft
-from .speculative_round import SpecCounters, SpecOutputs, SpecPayload, truncate_rows
+from .speculative_round import Round, SpecCounters, SpecOutputs, SpecPayload, truncate_rows
 from .speculative_state import state_stores
 from .steps import Forward, Launched
 
@@ -115,8 +115,7 @@ class SpeculativePool(ModelPool):
 
     def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
         """Grow the step's requests; each decode by its round's `k + 1` tokens (and `k + 1` scratch
-        state slots), reserved before launch; a round ends at the latest on the next checkpoint grid
-        point (`_to_grid`). Admission priced the scratch slots (the plan's
+        state slots), reserved before launch. Admission priced the scratch slots (the plan's
         `speculative_slots`, held back by `_reserve`), so they are there; only a pool over a plan
         that does not price them, or a step whose pages do not fit, decodes plainly
         (`SpecCounters.fallbacks`)."""
@@ -127,7 +126,7 @@ class SpeculativePool(ModelPool):
         for i, (req, n) in enumerate(zip(reqs, new_lens)):
             if req.prefilling or n != req.computed + 1:
                 continue
-            k = min(self.k, req.output_len - req.generated - 1, context - n, self._to_grid(req.computed))
+            k = min(self.k, req.output_len - req.generated - 1, context - n)
             if k < 1:
                 continue
             chain = None
@@ -150,15 +149,6 @@ class SpeculativePool(ModelPool):
         for i, k, chain in rounds:
             reqs[i].pool_state["spec_k"] = k
             reqs[i].pool_state["spec_chain"] = chain
-
-    def _to_grid(self, length: int) -> int:
-        """The most proposals a round from `length` tokens may make without stepping over the next
-        checkpoint grid point: fully accepted, it ends on the grid point, so the request's state is
-        checkpointed there as plain decoding checkpoints it (0: the step decodes plainly onto it)."""
-        interval = self.checkpoint_interval
-        if not interval or self.tree is None:
-            return self.k
-        return (length // interval + 1) * interval - length - 1
 
     def _take_slots(self, n: int) -> np.ndarray | None:
         try:
@@ -204,9 +194,8 @@ class SpeculativePool(ModelPool):
         done: list[ScheduledRequest] = []
         for r, rd in enumerate(spec.rounds):
             req = rd.req
-            if rd.chain is not None:
-                self.storage.free_state_slots(rd.chain)
             if req.pool_state.get("spec_round") != rd.round_no:  # retracted while the round ran
+                self._free_chain(rd)
                 self.spec.dropped += 1
                 continue
             self._held.discard(id(req))
@@ -230,8 +219,29 @@ class SpeculativePool(ModelPool):
             req.pool_state["kv_len"] = req.computed
             req.pool_state.pop("spec_round", None)
             truncate_rows(self.storage, np.array([rd.row]), np.array([req.computed]))
+            self._checkpoints_passed(rd)
+            self._free_chain(rd)
             self.spec.rounds += 1
             self.spec.proposed += rd.k
             self.spec.accepted += a
             done.append(req)
         self.processed(done)
+
+    def _checkpoints_passed(self, rd: Round) -> None:
+        """The checkpoints at the grid points a processed round went past (the one it ends on is
+        `processed`'s): the state at grid point g is in the round's scratch slot `chain[g - start - 1]`
+        (the state after the token at position g - 1), so the tree takes it from there, as plain
+        decoding would have taken it from the row's own slot at g."""
+        interval, req = self.checkpoint_interval, rd.req
+        if not interval or self.tree is None or rd.chain is None:
+            return
+        st = req.pool_state
+        g = (max(rd.start, st["checkpoint"]) // interval + 1) * interval
+        while g < req.computed:
+            self.checkpoint_into_tree(req, g, int(rd.chain[g - rd.start - 1]))
+            st["checkpoint"] = g  # taken or abandoned, as `processed` does
+            g += interval
+
+    def _free_chain(self, rd: Round) -> None:
+        if rd.chain is not None:
+            self.storage.free_state_slots(rd.chain)

@@ -1,4 +1,4 @@
-"""Speculative rounds leave every checkpoint plain decoding leaves (a round stops at a grid point).
+"""Speculative rounds leave every checkpoint plain decoding leaves (from their scratch slots).
 
 Two turns of chat through an engine with and without the draft: turn 1 decodes, and its requests'
 state checkpoints go into the prefix tree as they pass each grid point; turn 2's prompts are turn
