@@ -175,20 +175,23 @@ class WindowLifetime:
 @dataclass(frozen=True)
 class StateLifetime:
     """One slot per request; `checkpoint_interval` tokens between cached checkpoints of the state
-    (None: the prefix cache keeps the state at the sequence end only)."""
+    (None: the prefix cache keeps the state at the sequence end only); `speculative_slots`: the
+    scratch slots a speculative round takes per request (k + 1), priced with its own."""
 
     checkpoint_interval: int | None = None
+    speculative_slots: int = 0
 
     rank = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_interval is not None:
             _positive(checkpoint_interval=self.checkpoint_interval)
+        if self.speculative_slots:
+            _positive(speculative_slots=self.speculative_slots)
 
     def describe(self) -> str:
-        if self.checkpoint_interval is None:
-            return "state"
-        return f"state (checkpoint every {self.checkpoint_interval})"
+        base = "state" if self.checkpoint_interval is None else f"state (checkpoint every {self.checkpoint_interval})"
+        return f"{base} + {self.speculative_slots} speculative slots" if self.speculative_slots else base
 
 
 Lifetime = FullLifetime | WindowLifetime | StateLifetime

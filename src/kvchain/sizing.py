@@ -25,9 +25,10 @@ MIN_SCRATCH_BYTES = 32 * 2**20
 
 
 def state_slots_per_request(pool: SubPool) -> int:
-    """A running slot, plus a tracking slot when the prefix tree checkpoints the state."""
+    """A running slot, plus a tracking slot when the prefix tree checkpoints the state, plus a
+    speculative round's scratch slots when a fused draft's plan declares them."""
     interval = getattr(pool.lifetime, "checkpoint_interval", None)
-    return 1 if interval is None else 2
+    return (1 if interval is None else 2) + getattr(pool.lifetime, "speculative_slots", 0)
 
 
 def window_peak_pages(window: int, page_size: int) -> int:

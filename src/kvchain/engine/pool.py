@@ -454,9 +454,11 @@ class KVChainPool:
                 if st["window_lock"] is not None:
                     st["window_lock"] = self.tree.advance_window(st["window_lock"], req.computed)
 
-    def checkpoint_into_tree(self, req: ScheduledRequest, at: int) -> None:
+    def checkpoint_into_tree(self, req: ScheduledRequest, at: int, source: int | None = None) -> None:
         """Hand the state at grid point `at` to the tree with the prefix behind it (WIN-14), if a
-        slot can be had; otherwise abandon this checkpoint (the exact retention bound)."""
+        slot can be had; otherwise abandon this checkpoint (the exact retention bound). `source`:
+        the slot holding the state at `at` (default the row's own; a speculative round's scratch
+        slot when the round went past `at`)."""
         storage = self.storage
         st = req.pool_state
         if self.strategy is CheckpointStrategy.EXTRA_BUFFER:
@@ -475,7 +477,7 @@ class KVChainPool:
                 self.stats_counters["checkpoint_stalls"] += 1
                 return
             replacement = -1
-        if not self._hand_prefix_to_tree(req, at, slot):
+        if not self._hand_prefix_to_tree(req, at, slot, source):
             # another request cached this prefix with its own pages first: keep ours, skip this one
             storage.free_state_slots(np.array([slot if replacement < 0 else replacement]))
             self.stats_counters["checkpoint_stalls"] += 1
@@ -493,7 +495,7 @@ class KVChainPool:
         if at > int(self.storage.table.shared_pages[req.row]) * self.page_size:
             self._hand_prefix_to_tree(req, at, -1)
 
-    def _hand_prefix_to_tree(self, req: ScheduledRequest, at: int, slot: int) -> bool:
+    def _hand_prefix_to_tree(self, req: ScheduledRequest, at: int, slot: int, source: int | None = None) -> bool:
         """Insert the row's first `at` tokens (whole pages) with state `slot` (-1: none), hand their
         pages to the tree and move the row's locks there (where the tree holds part of that prefix
         under other pages, the row moves onto them). False, with nothing changed, when the tree
@@ -508,7 +510,8 @@ class KVChainPool:
             return False
         assert (slot < 0 or result.state_taken) and not len(result.duplicates)
         if slot >= 0:
-            storage.copy_state(table.state_slot[[row]], np.array([slot]))  # the state at the grid point
+            src = table.state_slot[[row]] if source is None else np.array([source])
+            storage.copy_state(src, np.array([slot]))  # the state at the grid point
         storage.release_to_tree(row, n)
         self.tree.lock(result.node)
         if st["node"] is not None:

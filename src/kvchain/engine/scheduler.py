@@ -13,6 +13,7 @@ window rows, and finished requests are cached and freed."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import KVChainError
@@ -77,6 +78,9 @@ class Scheduler:
         self.done: list[ScheduledRequest] = []
         self.stats = SchedulerStats()
         self.step_no = 0
+        #: tokens a running decode yields this step (None: one); the simulator's speculative mode
+        #: sets it (`sim/speculative.py::SpecSteps`)
+        self.decode_tokens: Callable[[ScheduledRequest], int] | None = None
 
     def add(self, requests: list[ScheduledRequest]) -> None:
         for req in sorted(requests, key=lambda r: (r.arrival, r.rid)):
@@ -108,7 +112,8 @@ class Scheduler:
         for req in decodes:
             if left <= 0:
                 break
-            plan.append((req, req.computed + 1))
+            n = 1 if self.decode_tokens is None else max(1, min(self.decode_tokens(req), req.output_len - req.generated))
+            plan.append((req, req.computed + n))
             left -= 1
         for req in prefills:
             if left <= 0:
@@ -251,8 +256,8 @@ class Scheduler:
                     req.first_token_step = self.step_no
                     out_tokens += 1
             else:
-                req.generated += 1
-                out_tokens += 1
+                req.generated += grown
+                out_tokens += grown
             stepped.append(req)
         for req, _ in admitted:
             prefill_tokens += req.computed - req.cached

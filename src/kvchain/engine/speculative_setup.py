@@ -18,7 +18,8 @@ from ..plan import KVStoragePlan, plan_kv_storage
 from ..storage import KVStorage
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .runner import ModelRunner
-from .speculative import SpeculativePool, draft_layer_offset, fuse_draft_layers, plan_with_draft
+from .speculative import SpeculativePool
+from .speculative_plan import draft_layer_offset, fuse_draft_layers, plan_with_draft
 
 #: `serve.EngineConfig` (not imported: `serve` imports this module)
 EngineConfig = Any
@@ -54,7 +55,7 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
     if alone.state is not None and config.prefix_cache:
         interval = config.checkpoint_interval or default_checkpoint_interval(alone)
     plan = plan_with_draft(decls, draft.model_spec().decls, page_size=config.page_size,
-                           checkpoint_interval=interval)
+                           checkpoint_interval=interval, num_speculative_tokens=k)
     fuse_draft_layers(draft.model, draft_layer_offset(decls))
     return DraftSetup(draft, plan, interval)
 

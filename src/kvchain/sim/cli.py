@@ -97,7 +97,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: a fused draft (the model's first layers) proposing this many "
                         "tokens per round; every pool then holds the draft's KV too")
     p.add_argument("--spec-acceptance", type=float, default=None,
-                   help="with --spec-tokens: the chance each proposal is accepted (reports tokens per target forward)")
+                   help="with --spec-tokens: the chance each proposal is accepted; a decode step yields 1 + the "
+                        "proposals accepted (seeded draws, --seed)")
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:
@@ -164,11 +165,13 @@ def run(args: argparse.Namespace) -> int:
     decls, spec = model.decls, None
     if (args.spec_tokens is None) != (args.spec_acceptance is None):
         raise InputError("--spec-tokens and --spec-acceptance go together")
+    decode_tokens = None
     if args.spec_tokens is not None:
-        from .speculative import fused_decls, spec_summary
+        from .speculative import SpecSteps, fused_decls, spec_summary
 
         spec = spec_summary(model.decls, args.spec_tokens, args.spec_acceptance, args.page_size)
         decls = fused_decls(model.decls)
+        decode_tokens = SpecSteps(args.spec_tokens, args.spec_acceptance, seed=args.seed)
     requests = _requests(args)
     if not requests:
         raise InputError("the workload has no requests")
@@ -176,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
                      strategy=None if args.strategy == "auto" else CheckpointStrategy(args.strategy),
                      admission=args.admission, waiting_order=args.waiting_order, host_budget=args.host_budget)
-    sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority)
+    sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority,
+                            decode_tokens=decode_tokens)
     with progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task(f"simulate {len(pools)} pools", total=None)
         result = compare(decls, cfg, requests, pools, sched, jobs=args.jobs,
@@ -193,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
         if spec is not None:
             print(f"speculative: {spec['draft_layers']} draft layers fused into every pool "
                   f"({spec['token_bytes_with_draft']:,} KV bytes per token, {spec['token_bytes_target']:,} without); "
-                  f"{spec['tokens_per_target_forward']:.2f} tokens per target forward per request at "
-                  f"{spec['spec_acceptance']:.0%} acceptance of {spec['spec_tokens']}")
+                  f"{spec['tokens_per_target_forward']:.2f} tokens per decode step per request at "
+                  f"{spec['spec_acceptance']:.0%} acceptance of {spec['spec_tokens']} (seeded draws: the steps "
+                  "above are speculative steps)")
     return 0
 
 

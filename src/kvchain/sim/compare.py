@@ -52,6 +52,8 @@ class SchedulerConfig:
     step_time: StepTimeModel | None = None
     #: priority scheduling: waiting requests by priority, and preemption of less important work
     priority: bool = False
+    #: speculative decoding: tokens a decode step yields (`speculative.SpecSteps`); None: one
+    decode_tokens: Callable[[ScheduledRequest], int] | None = None
 
 
 @dataclass
@@ -146,7 +148,7 @@ def _run_one(args, tally: _Tally | None = None) -> tuple[PoolResult, list[StepRe
     ends: list[float] = []
     result, stats = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens,
                              max_running=sched.max_running, step_time=sched.step_time, priority=sched.priority,
-                             on_step=_counter(slot, tally), record_ends=ends)
+                             on_step=_counter(slot, tally), record_ends=ends, decode_tokens=sched.decode_tokens)
     _settle(slot, len(requests), tally)
     return result, stats.history, ends
 
@@ -156,7 +158,7 @@ def _sweep_score(args, tally: _Tally | None = None) -> tuple[float, float, float
     slot, split, decls, cfg, requests, sched = args
     pool = static_pool(decls, cfg, split, name="static-best")
     result, _ = run_pool(pool, requests, max_batched_tokens=sched.max_batched_tokens, max_running=sched.max_running,
-                         priority=sched.priority, on_step=_counter(slot, tally))
+                         priority=sched.priority, on_step=_counter(slot, tally), decode_tokens=sched.decode_tokens)
     _settle(slot, len(requests), tally)
     return -result.steps, round(result.throughput, 6), -result.queue_delay
 

@@ -117,15 +117,18 @@ class PoolResult:
 def run_pool(pool: Pool, requests: list[ScheduledRequest], *, max_batched_tokens: int = 8192, max_running: int = 256,
              step_time: StepTimeModel | None = None, max_steps: int = 10**7, priority: bool = False,
              on_step: Callable[[Scheduler], None] | None = None,
-             record_ends: list[float] | None = None) -> tuple[PoolResult, SchedulerStats]:
+             record_ends: list[float] | None = None,
+             decode_tokens: Callable[[ScheduledRequest], int] | None = None) -> tuple[PoolResult, SchedulerStats]:
     """Run fresh copies of `requests` through `pool` until every one finished, aborted or was
     rejected, or `max_steps` steps ran. Idle stretches (nothing running or waiting before the next
     arrival) are skipped in one jump and count as the idle steps they stand for, so a sparse
     trace costs what its busy steps cost. `on_step(scheduler)` is called after every step run (a
     progress hook); with the step-time model, `record_ends` (when given) receives the time each
-    history record ends, in seconds, for a plot against time."""
+    history record ends, in seconds, for a plot against time. `decode_tokens(req)`: the tokens a
+    decode step yields (speculative decoding; default one)."""
     reqs = [copy.deepcopy(r) for r in requests]
     sched = scheduler_class(pool)(pool, max_batched_tokens=max_batched_tokens, max_running=max_running, priority=priority)
+    sched.decode_tokens = decode_tokens
     sched.add(reqs)
     stepped: list[int] = []  # with the step-time model: the step numbers run, and when each ended
     ends: list[float] = []

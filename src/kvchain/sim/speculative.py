@@ -1,18 +1,24 @@
-"""`kvchain simulate --spec-tokens K --spec-acceptance P`: what a draft costs every pool.
+"""`kvchain simulate --spec-tokens K --spec-acceptance P`: what a draft costs every pool, and the
+steps it saves.
 
 A fused draft's KV lives in the target's pool, so each pool the simulator compares is planned
 over the target's layers and the draft's (`fused_decls`): the draft is modelled as the engine
 makes one from a checkpoint (`engine/speculative_draft.py`), the target's first layer and its
 first full-attention layer, renumbered after the target's. Every pool then prices the draft's
 bytes per token and per request the way it prices the target's, which is the memory cost that
-shows in the comparison. The acceptance rate does not change what the pools hold: it sets how
-many tokens one target forward yields per request, `expected_tokens_per_round`, reported beside
-the comparison (each round verifies the last token and K proposals; proposal i is kept when it
-and every one before it are accepted, each with probability P)."""
+shows in the comparison.
+
+The acceptance rate sets how many tokens a decode step yields (`SpecSteps`): a round verifies the
+last token and K proposals, and proposal i is kept when it and every one before it are accepted,
+each with probability P, so a step yields 1 + the accepted count, `expected_tokens_per_round` on
+average. Each request's count at each output position is a seeded draw that depends on the
+request and the position only, so every pool compared sees the same rounds."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..decl import FullLifetime, KVLayerDecl
 from ..errors import InputError
@@ -57,3 +63,44 @@ def spec_summary(decls: Sequence[KVLayerDecl], k: int, acceptance: float, page_s
     return {"spec_tokens": k, "spec_acceptance": acceptance, "draft_layers": len(draft_decls(decls)),
             "token_bytes_target": token_bytes(alone), "token_bytes_with_draft": token_bytes(fused),
             "tokens_per_target_forward": expected_tokens_per_round(k, acceptance)}
+
+
+#: splitmix64's constants: a cheap, well-mixed hash of (seed, request, position) into 64 bits
+_GOLDEN, _MIX1, _MIX2, _MASK = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, (1 << 64) - 1
+
+
+def _uniform(*keys: int) -> float:
+    """A uniform draw in (0, 1) that depends only on `keys`."""
+    x = 0
+    for key in keys:
+        x = (x + _GOLDEN + (key & _MASK)) & _MASK
+        x = ((x ^ (x >> 30)) * _MIX1) & _MASK
+        x = ((x ^ (x >> 27)) * _MIX2) & _MASK
+        x ^= x >> 31
+    return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+@dataclass(frozen=True)
+class SpecSteps:
+    """Tokens one decode step of a request yields under speculative decoding with `k` proposals,
+    each accepted with probability `acceptance`: 1 + the accepted prefix, drawn from `seed`, the
+    request id and its output position (`Scheduler.decode_tokens`). The accepted count `a` has
+    P(a >= i) = acceptance**i for i <= k, so one uniform draw u gives a = min(k, floor(log u / log P))."""
+
+    k: int
+    acceptance: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        expected_tokens_per_round(self.k, self.acceptance)  # the same checks, the same messages
+
+    def accepted(self, rid: int, position: int) -> int:
+        if self.acceptance >= 1.0:
+            return self.k
+        if self.acceptance <= 0.0:
+            return 0
+        u = _uniform(self.seed, rid, position)
+        return min(self.k, int(math.log(u) / math.log(self.acceptance)))
+
+    def __call__(self, req) -> int:
+        return 1 + self.accepted(req.rid, req.generated)

@@ -34,23 +34,26 @@ def draft_dir(family: str, whole: bool = False) -> Path:
     return make_draft_checkpoint(target, root / "draft", layers)
 
 
-def fused_budget(family: str, at_once: int, whole: bool = False) -> int:
+def fused_budget(family: str, at_once: int, whole: bool = False, tree_slots: int = 0) -> int:
     """`support.engine.tight_budget` over the fused plan: about `at_once` of the longest requests,
-    their pages in every token sub-pool (draft layers included) and five state slots each (the
-    running, tracking and a round's scratch slots)."""
+    their pages in every token sub-pool (draft layers included) and six state slots each (the
+    running and tracking slots and a round's four scratch slots, all of which admission prices),
+    plus `tree_slots` each for the prefix tree's state checkpoints, which running requests' rounds
+    otherwise evict."""
     target = load_checkpoint(checkpoint_dir(family)).model_spec()
     draft = load_checkpoint(draft_dir(family, whole)).model_spec()
     plan = plan_with_draft(target.decls, draft.decls, page_size=PAGE, checkpoint_interval=INTERVAL)
     fixed = size_plan(plan, 2**30, context_len=128, max_running_requests=8).fixed.total
     token_pages = sum(p.page_bytes for p in plan.sub_pools if p.kind is not PoolKind.STATE)
     state = plan.state.page_bytes if plan.state is not None else 0
-    return fixed + at_once * (pages_for(92, PAGE) * token_pages + 6 * state)
+    return fixed + at_once * (pages_for(92, PAGE) * token_pages + (6 + tree_slots) * state)
 
 
 def serve_spec(family: str, n: int, *, k: int = 3, at_once: int = 4, whole: bool = False, poison: bool = True,
                **overrides) -> GenerateResult:
-    """`support.engine.serve` with the family's draft proposing `k` tokens per round."""
-    cfg = dict(budget_bytes=fused_budget(family, at_once, whole), page_size=PAGE, max_running=8,
+    """`support.engine.serve` with the family's draft proposing `k` tokens per round, from a pool
+    whose tree has room for six state checkpoints per request (so the requests find prefix hits)."""
+    cfg = dict(budget_bytes=fused_budget(family, at_once, whole, tree_slots=6), page_size=PAGE, max_running=8,
                max_batched_tokens=48, context_len=128, checkpoint_interval=INTERVAL, ignore_eos=True,
                keep_logits=True, overlap=True, draft_model_path=str(draft_dir(family, whole)),
                num_speculative_tokens=k)

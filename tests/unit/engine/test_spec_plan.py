@@ -90,3 +90,50 @@ def test_a_recurrent_draft_needs_a_checkpoint_policy_on_the_target_state():
     plan = plan_with_draft(target, draft, page_size=PAGE, checkpoint_interval=32)
     assert plan.state.layer_ids == (1, 2) and plan.state.draft_layer_ids == (2,)
     assert plan.state.lifetime == StateLifetime(32)
+
+
+# A state target (one full-attention layer, one recurrent layer whose slot is 2 * 32 * 32 * 4 = 8192
+# bytes) with a full-attention draft: a full page holds the target's and the draft's layer, 2 * 16 *
+# 256 = 8192 bytes, so every page of the chain costs 8192 bytes. A round of k = 3 proposals takes
+# k + 1 = 4 scratch state slots besides the running and tracking slots.
+BIG_STATE = State((StateTensor("ssm", (2, 32, 32), "float32"),))
+STATE_TARGET = kv_layer_decls([KVPart(GEO, FullLifetime()), KVPart(BIG_STATE, StateLifetime())])
+FULL_DRAFT = kv_layer_decls([KVPart(GEO, FullLifetime())])
+
+
+def _state_plans():
+    return {k: plan_with_draft(STATE_TARGET, FULL_DRAFT, page_size=PAGE, checkpoint_interval=32,
+                               num_speculative_tokens=k) for k in (0, 3)}
+
+
+def test_adm3_the_scratch_state_slots_are_priced_in_the_floor():
+    """ADM-3: a request's state slots in full include its rounds' k + 1 scratch slots: the floor's
+    state term is 2 + 4 = 6 slots of 8192 bytes with k = 3, 2 without."""
+    plans = _state_plans()
+    assert plans[3].state.lifetime == StateLifetime(32, speculative_slots=4)
+    terms = {k: {t.name: t.bytes for t in check_bs1_floor(p, 2**30, 256, 4).terms} for k, p in plans.items()}
+    assert terms[3]["state slots (6)"] == 6 * 8192
+    assert terms[0]["state slots (2)"] == 2 * 8192
+
+
+def test_adm3_the_scratch_state_slots_are_priced_in_the_clip_and_admission():
+    """ADM-3, ADM-16: one budget, a chain of 188416 bytes = 23 pages of 8192 bytes (12 state slot
+    ids). A 64-token prompt priced with 2 state slots keeps 23 - 2 = 21 full pages, 21 * 16 - 64 = 272
+    output tokens; with the 4 scratch slots it keeps 23 - 6 = 17, 17 * 16 - 64 = 208. Admission
+    prices the same: 208 outputs admit, a 209th needs an 18th page, 6 + 18 = 24 > 23."""
+    plans = _state_plans()
+    fixed = size_plan(plans[3], 2**30, context_len=256, max_running_requests=4).fixed.total
+    demand = {"checkpoint_interval": 32, "shares_prefixes": True, "min_chunk": 32}
+    storages = {k: build_kv_storage(p, size_plan(p, fixed + 24 * 8192, context_len=256, max_running_requests=4,
+                                                 state_slots=12), "cpu") for k, p in plans.items()}
+    assert storages[3].allocator.layout.chain_bytes == 188416 == 23 * 8192
+    assert storages[0].allocator.max_new_tokens_for_memory(64, 400, **demand) == 272
+    assert storages[3].allocator.max_new_tokens_for_memory(64, 400, **demand) == 208
+
+    def admission(storage, output: int) -> Decision:
+        ctx = ChainPrefillBudget(storage, KVDemand.zero(len(storage.plan.sub_pools)), False, 32, True)
+        return ctx.consider(64, output, 0, 64).decision
+
+    assert admission(storages[3], 208) is Decision.ADMIT
+    assert admission(storages[3], 209) is not Decision.ADMIT
+    assert admission(storages[0], 209) is Decision.ADMIT

@@ -1,0 +1,98 @@
+"""One speculative round's records, and its rollback: the rejected tokens' pages freed.
+
+A round is one decoding request's draft, verify and commit inside a forward. What the host keeps
+of it (`Round`) and what the forward stream produces for it (`SpecOutputs`) meet when the forward
+is processed; the request's length then becomes what verify kept, and `truncate_rows` frees the
+pages past it as any other free (they pend under the forwards in flight). Nothing is ever copied
+back: a rollback never undoes a float move."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..storage import KVStorage
+from .model_pool import StepOutputs
+from .request import ScheduledRequest
+from .speculative_state import ForwardStateSlots
+
+
+@dataclass
+class SpecCounters:
+    """Speculative rounds verified, draft tokens proposed and accepted, draft forwards run."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    draft_forwards: int = 0
+    #: rounds whose request was retracted while they ran: their results are dropped
+    dropped: int = 0
+    #: decodes that ran plainly because the pool could not hold their round (its scratch slots or pages)
+    fallbacks: int = 0
+
+
+@dataclass
+class Round:
+    """One request's round in a forward: its row, first position `start`, `k` proposals, the output
+    number its first verified token takes, and its virtual scratch state slots."""
+
+    req: ScheduledRequest
+    row: int
+    start: int
+    k: int
+    out_index: int
+    chain: np.ndarray | None
+    round_no: int = -1
+
+
+@dataclass
+class SpecOutputs:
+    """What a forward's rounds produce on the forward stream: `tokens[r, i]` the target's greedy
+    token after round token i, `accepted[r]` how many proposals it kept."""
+
+    rounds: list[Round]
+    tokens: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
+    proposed: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class SpecPayload:
+    """A speculative forward's payload: its plain samples, its rounds, and the state slots it
+    resolved at metadata time."""
+
+    outputs: StepOutputs
+    spec: SpecOutputs
+    slots: ForwardStateSlots | None = None
+    held: list[int] = field(default_factory=list)
+
+
+def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host-built index tensor, owned by the forward (not a shared metadata buffer)."""
+    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def truncate_rows(storage: KVStorage, rows: np.ndarray, new_lens: np.ndarray) -> int:
+    """Shorten rows to `new_lens` (never into a tree-shared prefix): the pages past the new lengths
+    are freed as any other free (they pend under a forward in flight). Returns the pages freed."""
+    table = storage.table
+    ps = storage.page_size
+    old = table.seq_lens[rows].copy()
+    if (new_lens > old).any() or (new_lens < table.shared_pages[rows] * ps).any():
+        raise InputError(f"truncate to {new_lens.tolist()} from {old.tolist()}: only within a row's own tokens")
+    keep = (new_lens + ps - 1) // ps
+    have = (old + ps - 1) // ps
+    table.seq_lens[rows] = new_lens
+    freed = []
+    for row, lo, hi in zip(rows.tolist(), keep.tolist(), have.tolist()):
+        if hi > lo:
+            freed.append(table.page_table[row, lo:hi].copy())
+            table.page_table[row, lo:hi] = 0  # the null page, never a freed id another row may take
+    if freed:
+        storage.free_virtual_pages(np.concatenate(freed))
+    return int(sum(len(f) for f in freed))
