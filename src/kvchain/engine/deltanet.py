@@ -6,7 +6,8 @@ Per value head the state S (`[key_dim, value_dim]`) follows the gated delta rule
 it by exp(g), then corrects what it recalls for the token's key towards the token's value with step
 beta (S += k (beta (v - S^T k))^T), and the output reads it with the query (S^T q). q and k are
 l2-normalised and q is scaled by 1/sqrt(key_dim); each q/k head serves a run of consecutive value
-heads."""
+heads. A padded group's pads get g = 0 and beta = 0: no decay and no correction, so they leave the
+state as it is."""
 
 from __future__ import annotations
 
@@ -106,23 +107,26 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
     act = activation(module.activation)
     core = torch.empty(n_tok, nv, dv, dtype=torch.float32, device=x.device)
     for group in state_groups(batch):
-        n_req, length = len(group.requests), group.length
-        tokens = torch.as_tensor(group.tokens, device=x.device)
-        seq = mixed[tokens].view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
-        conv_past = read_state(conv_pool, batch, group.requests, dtype)
-        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias)
+        n_req, length = group.size, group.length
+        seq = mixed.index_select(0, group.rows).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        conv_past = read_state(conv_pool, group, dtype)
+        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
         conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
         q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
         q_c = _l2norm(q_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2) / dk**0.5
         k_c = _l2norm(k_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2)
         v_c = v_c.reshape(n_req, length, nv, dv).float()
-        state = read_state(ssm_pool, batch, group.requests, torch.float32)
+        step_g = g.index_select(0, group.rows).view(n_req, length, nv)
+        step_beta = beta.index_select(0, group.rows).view(n_req, length, nv).float()
+        if group.pad is not None:
+            step_g = step_g.masked_fill(group.pad[..., None], 0.0)
+            step_beta = step_beta.masked_fill(group.pad[..., None], 0.0)
+        state = read_state(ssm_pool, group, torch.float32)
         scan = gated_delta_scan if length == 1 else gated_delta_chunked
-        out, state = scan(q_c, k_c, v_c, g[tokens].view(n_req, length, nv),
-                          beta[tokens].view(n_req, length, nv).float(), state)
-        core[tokens] = out.reshape(n_req * length, nv, dv)
-        write_state(conv_pool, batch, group.requests, conv_next)
-        write_state(ssm_pool, batch, group.requests, state)
+        out, state = scan(q_c, k_c, v_c, step_g, step_beta, state)
+        group.scatter(core, out.reshape(n_req * length, nv, dv))
+        write_state(conv_pool, group, conv_next)
+        write_state(ssm_pool, group, state)
 
     normed = module.norm(core.to(dtype).reshape(-1, dv), z.reshape(-1, dv))
     return module.out_proj(normed.reshape(1, n_tok, nv * dv))

@@ -57,8 +57,18 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return out, state
 
 
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the SSM for B sequences (the decode step; `ssd_scan`'s arguments with L = 1):
+    h = exp(dt A) h + dt x B^T, y = h C."""
+    x, dt, b, c = x[:, 0], dt[:, 0], b[:, 0], c[:, 0]  # [B, H, P], [B, H], [B, H, N]
+    state = (dt * a).exp()[..., None, None] * state + (x * dt[..., None])[..., None] * b[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", state, c)[:, None], state
+
+
 def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """`module` (a `NemotronHMamba2Mixer`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`."""
+    """`module` (a `NemotronHMamba2Mixer`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`.
+    A padded group's pads get dt = 0: no decay and no input, so they leave the state as it is."""
     x = packed_input(hidden_states, batch)
     dtype = x.dtype
     n_tok = x.shape[0]
@@ -70,6 +80,7 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
     lo_limit, hi_limit = module.time_step_limit
     dt = F.softplus(dt + module.dt_bias).clamp(min=lo_limit, max=hi_limit).float()
     a = -torch.exp(module.A_log.float())
+    skip = module.D.float()[:, None]
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
@@ -77,21 +88,26 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
     act = activation(module.activation)
     scan = torch.empty(n_tok, heads, head_dim, dtype=torch.float32, device=x.device)
     for group in state_groups(batch):
-        n_req, length = len(group.requests), group.length
-        tokens = torch.as_tensor(group.tokens, device=x.device)
-        seq = xbc[tokens].view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
-        conv_past = read_state(conv_pool, batch, group.requests, dtype)
-        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias)
+        n_req, length = group.size, group.length
+        seq = xbc.index_select(0, group.rows).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        conv_past = read_state(conv_pool, group, dtype)
+        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
         conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
         xs, b, c = torch.split(conv_out, [inner, groups * d_state, groups * d_state], dim=-1)
         xs = xs.reshape(n_req, length, heads, head_dim).float()
         b = b.reshape(n_req, length, groups, d_state).float().repeat_interleave(heads // groups, dim=2)
         c = c.reshape(n_req, length, groups, d_state).float().repeat_interleave(heads // groups, dim=2)
-        state = read_state(ssm_pool, batch, group.requests, torch.float32)
-        y, state = ssd_scan(xs, dt[tokens].view(n_req, length, heads), a, b, c, state, module.chunk_size)
-        scan[tokens] = (y + module.D.float()[:, None] * xs).reshape(n_req * length, heads, head_dim)
-        write_state(conv_pool, batch, group.requests, conv_next)
-        write_state(ssm_pool, batch, group.requests, state)
+        step_dt = dt.index_select(0, group.rows).view(n_req, length, heads)
+        if group.pad is not None:
+            step_dt = step_dt.masked_fill(group.pad[..., None], 0.0)
+        state = read_state(ssm_pool, group, torch.float32)
+        if length == 1:
+            y, state = ssd_step(xs, step_dt, a, b, c, state)
+        else:
+            y, state = ssd_scan(xs, step_dt, a, b, c, state, module.chunk_size)
+        group.scatter(scan, (y + skip * xs).reshape(n_req * length, heads, head_dim))
+        write_state(conv_pool, group, conv_next)
+        write_state(ssm_pool, group, state)
 
     normed = module.norm(scan.reshape(n_tok, inner), gate)
     return module.out_proj(normed.to(dtype)).unsqueeze(0)
