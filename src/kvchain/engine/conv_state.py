@@ -20,11 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .batch import ForwardBatch
-
-#: a prefill bucket takes the next longest chunk while its padded tokens stay within this many times
-#: its real ones: few buckets (each is one batched scan) without padding a short chunk to a long one
-PAD_FACTOR = 2
+from .batch import ForwardBatch, pad_buckets
 
 
 @dataclass(frozen=True)
@@ -75,21 +71,6 @@ class StateGroup:
         return index.expand(-1, channels, -1)
 
 
-def _buckets(lengths: np.ndarray) -> list[np.ndarray]:
-    """The prefill chunks (indices into `lengths`) in buckets, longest first (`PAD_FACTOR`)."""
-    order = np.argsort(-lengths, kind="stable")
-    buckets: list[np.ndarray] = []
-    lo = 0
-    while lo < len(order):
-        width, real, hi = int(lengths[order[lo]]), int(lengths[order[lo]]), lo + 1
-        while hi < len(order) and (hi - lo + 1) * width <= PAD_FACTOR * (real + int(lengths[order[hi]])):
-            real += int(lengths[order[hi]])
-            hi += 1
-        buckets.append(np.sort(order[lo:hi]))
-        lo = hi
-    return buckets
-
-
 def _slot_tensors(batch: ForwardBatch, requests: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     if batch.state_slots is None:
         raise InputError("a batch through recurrent layers needs state_slots")
@@ -123,7 +104,7 @@ def _group(batch: ForwardBatch, requests: np.ndarray, starts: np.ndarray, length
 
 def state_groups(batch: ForwardBatch) -> list[StateGroup]:
     """The decodes as one group (every request with one new token), then the longer chunks in
-    buckets (`PAD_FACTOR`); computed once per forward and shared by its recurrent layers."""
+    buckets (`batch.pad_buckets`); computed once per forward and shared by its recurrent layers."""
     found = batch.__dict__.get("_state_groups")
     if found is not None:
         return found
@@ -136,7 +117,7 @@ def state_groups(batch: ForwardBatch) -> list[StateGroup]:
     if len(decodes):
         groups.append(_group(batch, decodes, starts[decodes], new_lens[decodes]))
     chunks = np.flatnonzero(new_lens > 1)
-    for bucket in _buckets(new_lens[chunks]):
+    for bucket in pad_buckets(new_lens[chunks]):
         reqs = chunks[bucket]
         groups.append(_group(batch, reqs, starts[reqs], new_lens[reqs]))
     batch.__dict__["_state_groups"] = groups
