@@ -164,11 +164,25 @@ def causal_conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor, bias:
     if past.shape[-1] != keep:
         raise InputError(f"conv state keeps {past.shape[-1]} inputs, the kernel of width {kernel} needs {keep}")
     full = torch.cat([past.to(weight.dtype), x.to(weight.dtype)], dim=-1)
-    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    out = _depthwise(full, weight, bias)
     tails = None if group is None else group.tail_index(keep, full.shape[1])
     if tails is None:
         return out, full[..., full.shape[-1] - keep:]
     return out, full.gather(2, tails)
+
+
+def _depthwise(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.conv1d(full, weight[:, None], bias, groups=C)` (no padding) as K shifted multiply-adds:
+    the kernel is a few taps wide, and a grouped conv1d call costs more than the taps themselves."""
+    kernel = weight.shape[-1]
+    length = full.shape[-1] - kernel + 1
+    if length == 1:  # a decode: one dot product per channel
+        out = (full * weight).sum(-1, keepdim=True)
+    else:
+        out = full[..., :length] * weight[:, :1]
+        for k in range(1, kernel):
+            out = out + full[..., k:k + length] * weight[:, k:k + 1]
+    return out if bias is None else out + bias[:, None]
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -36,25 +36,25 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
              state: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM over L tokens for B sequences, in float32: x `[B, L, H, P]`, dt `[B, L, H]`, a `[H]`
     (negative), b and c `[B, L, H, N]` (repeated to the heads), state `[B, H, P, N]`. Returns
-    `y = h C` (no D skip) `[B, L, H, P]` and the final state."""
+    `y = h C` (no D skip) `[B, L, H, P]` and the final state. Computed head-major (`[B, H, L, .]`),
+    so every product is a batched matmul."""
+    x, b, c = x.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)  # [B, H, L, .]
+    dt = dt.transpose(1, 2)  # [B, H, L]
     out = torch.empty_like(x)
-    length = x.shape[1]
+    length = x.shape[2]
     for lo in range(0, length, block):
         hi = min(lo + block, length)
-        xdt = x[:, lo:hi] * dt[:, lo:hi, :, None]
-        b_blk, c_blk = b[:, lo:hi], c[:, lo:hi]
-        cum = torch.cumsum(dt[:, lo:hi] * a, dim=1)  # [B, l, H], non-increasing
-        seg = cum[:, :, None, :] - cum[:, None, :, :]  # [B, t, s, H]: decay from s to t
+        dt_blk = dt[:, :, lo:hi]
+        xdt = x[:, :, lo:hi] * dt_blk[..., None]
+        b_blk, c_blk = b[:, :, lo:hi], c[:, :, lo:hi]
+        cum = torch.cumsum(dt_blk * a[:, None], dim=-1)  # [B, H, l], non-increasing
         causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=x.device).tril()
-        decay = torch.where(causal[None, :, :, None], seg, float("-inf")).exp()
-        scores = torch.einsum("bthn,bshn->btsh", c_blk, b_blk) * decay
-        y = torch.einsum("btsh,bshp->bthp", scores, xdt)
-        y = y + cum.exp()[..., None] * torch.einsum("bthn,bhpn->bthp", c_blk, state)
-        out[:, lo:hi] = y
-        to_end = (cum[:, -1:] - cum).exp()  # [B, l, H]
-        state = cum[:, -1].exp()[..., None, None] * state + torch.einsum(
-            "bsh,bshp,bshn->bhpn", to_end, xdt, b_blk)
-    return out, state
+        decay = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()  # s to t
+        scores = (c_blk @ b_blk.transpose(-1, -2)) * decay  # [B, H, t, s]
+        out[:, :, lo:hi] = scores @ xdt + cum.exp()[..., None] * (c_blk @ state.transpose(-1, -2))
+        to_end = (cum[..., -1:] - cum).exp()  # [B, H, l]
+        state = cum[..., -1].exp()[..., None, None] * state + (xdt * to_end[..., None]).transpose(-1, -2) @ b_blk
+    return out.transpose(1, 2), state
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -63,7 +63,7 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     h = exp(dt A) h + dt x B^T, y = h C."""
     x, dt, b, c = x[:, 0], dt[:, 0], b[:, 0], c[:, 0]  # [B, H, P], [B, H], [B, H, N]
     state = (dt * a).exp()[..., None, None] * state + (x * dt[..., None])[..., None] * b[:, :, None, :]
-    return torch.einsum("bhpn,bhn->bhp", state, c)[:, None], state
+    return (state @ c[..., None])[..., 0][:, None], state  # [B, 1, H, P]
 
 
 def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
