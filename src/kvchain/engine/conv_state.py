@@ -30,7 +30,8 @@ class StateGroup:
     - `requests` (host, `[B]`): indices into the batch; `lengths` (host, `[B]`): each one's new
       tokens; `length`: the group's tokens per request, its longest (pads fill the others' ends);
     - `tokens` (host, `[B * length]`): the packed rows the group reads, request-major; a pad repeats
-      its request's last row; `rows`: the same on the device;
+      its request's last row; `rows`: the same on the device, and `span` the same as a slice when
+      they are consecutive rows (no pads), so reading and writing them is a view, not a gather;
     - `pad` (`[B, length]` bool, or None when no request is padded): which of them are pads;
     - `real` (or None when no pads): the positions in `tokens` that are real tokens, and
       `real_rows` their packed rows (where the outputs go);
@@ -41,6 +42,7 @@ class StateGroup:
     length: int
     tokens: np.ndarray
     rows: torch.Tensor
+    span: slice | None
     pad: torch.Tensor | None
     real: torch.Tensor | None
     real_rows: torch.Tensor
@@ -52,9 +54,16 @@ class StateGroup:
     def size(self) -> int:
         return len(self.requests)
 
+    def take(self, packed: torch.Tensor) -> torch.Tensor:
+        """The group's rows of `packed` (`[T, ...]`): `[B * length, ...]`, request-major."""
+        return packed[self.span] if self.span is not None else packed.index_select(0, self.rows)
+
     def scatter(self, out: torch.Tensor, values: torch.Tensor) -> None:
         """Put the group's outputs `values` (`[B * length, ...]`, request-major) into their packed
         rows of `out`, pads dropped."""
+        if self.span is not None:
+            out[self.span] = values
+            return
         if self.real is not None:
             values = values.index_select(0, self.real)
         out.index_copy_(0, self.real_rows, values)
@@ -90,6 +99,8 @@ def _group(batch: ForwardBatch, requests: np.ndarray, starts: np.ndarray, length
     step = np.arange(width, dtype=np.int64)
     tokens = (starts[:, None] + np.minimum(step, lengths[:, None] - 1)).reshape(-1)
     rows = torch.from_numpy(tokens).to(device)
+    lo = int(tokens[0])
+    span = slice(lo, lo + len(tokens)) if bool((tokens == np.arange(lo, lo + len(tokens))).all()) else None
     pad = real = None
     real_rows = rows
     if (lengths != width).any():
@@ -99,7 +110,7 @@ def _group(batch: ForwardBatch, requests: np.ndarray, starts: np.ndarray, length
         real = torch.from_numpy(keep).to(device)
         real_rows = torch.from_numpy(tokens[keep]).to(device)
     slots, fresh = _slot_tensors(batch, requests)
-    return StateGroup(requests, lengths, width, tokens, rows, pad, real, real_rows, slots, fresh)
+    return StateGroup(requests, lengths, width, tokens, rows, span, pad, real, real_rows, slots, fresh)
 
 
 def state_groups(batch: ForwardBatch) -> list[StateGroup]:
@@ -134,8 +145,19 @@ def all_requests(batch: ForwardBatch) -> StateGroup:
         slots, fresh = _slot_tensors(batch, requests)
         rows = torch.from_numpy(starts).to(slots.device)
         found = batch.__dict__["_state_all"] = StateGroup(
-            requests, np.ones(len(requests), np.int64), 1, starts, rows, None, None, rows, slots, fresh)
+            requests, np.ones(len(requests), np.int64), 1, starts, rows, None, None, None, rows, slots, fresh)
     return found
+
+
+def assemble(groups: list[StateGroup], parts: list[torch.Tensor], n_tok: int) -> torch.Tensor:
+    """The packed outputs `[T, ...]` from each group's `[B * length, ...]` part: the part itself when
+    one group reads every row in order, else the parts scattered into their rows."""
+    if len(groups) == 1 and groups[0].span == slice(0, n_tok):
+        return parts[0]
+    out = parts[0].new_empty((n_tok, *parts[0].shape[1:]))
+    for group, part in zip(groups, parts, strict=True):
+        group.scatter(out, part)
+    return out
 
 
 def read_state(store: torch.Tensor, group: StateGroup, dtype: torch.dtype) -> torch.Tensor:
@@ -144,8 +166,7 @@ def read_state(store: torch.Tensor, group: StateGroup, dtype: torch.dtype) -> to
     state = store.index_select(0, group.slots)
     if state.dtype != dtype:
         state = state.to(dtype)
-    mask = group.fresh.view(-1, *([1] * (state.dim() - 1)))
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=state.device), state)
+    return torch.where(group.fresh.view(-1, *([1] * (state.dim() - 1))), 0.0, state)
 
 
 def write_state(store: torch.Tensor, group: StateGroup, state: torch.Tensor) -> None:

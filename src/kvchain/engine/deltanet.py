@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .batch import ForwardBatch
 from .conv_state import (
     activation,
+    assemble,
     causal_conv,
     conv_store,
     packed_input,
@@ -105,10 +106,11 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
     weight = module.conv1d.weight.squeeze(1)
     act = activation(module.activation)
-    core = torch.empty(n_tok, nv, dv, dtype=torch.float32, device=x.device)
-    for group in state_groups(batch):
+    steps = state_groups(batch)
+    parts = []
+    for group in steps:
         n_req, length = group.size, group.length
-        seq = mixed.index_select(0, group.rows).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        seq = group.take(mixed).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
         conv_past = read_state(conv_pool, group, dtype)
         conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
         conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
@@ -116,17 +118,17 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
         q_c = _l2norm(q_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2) / dk**0.5
         k_c = _l2norm(k_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2)
         v_c = v_c.reshape(n_req, length, nv, dv).float()
-        step_g = g.index_select(0, group.rows).view(n_req, length, nv)
-        step_beta = beta.index_select(0, group.rows).view(n_req, length, nv).float()
+        step_g = group.take(g).view(n_req, length, nv)
+        step_beta = group.take(beta).view(n_req, length, nv).float()
         if group.pad is not None:
             step_g = step_g.masked_fill(group.pad[..., None], 0.0)
             step_beta = step_beta.masked_fill(group.pad[..., None], 0.0)
         state = read_state(ssm_pool, group, torch.float32)
         scan = gated_delta_scan if length == 1 else gated_delta_chunked
         out, state = scan(q_c, k_c, v_c, step_g, step_beta, state)
-        group.scatter(core, out.reshape(n_req * length, nv, dv))
+        parts.append(out.reshape(n_req * length, nv, dv))
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)
 
-    normed = module.norm(core.to(dtype).reshape(-1, dv), z.reshape(-1, dv))
+    normed = module.norm(assemble(steps, parts, n_tok).to(dtype).reshape(-1, dv), z.reshape(-1, dv))
     return module.out_proj(normed.reshape(1, n_tok, nv * dv))

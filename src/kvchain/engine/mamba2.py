@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .batch import ForwardBatch
 from .conv_state import (
     activation,
+    assemble,
     causal_conv,
     conv_store,
     packed_input,
@@ -32,38 +33,52 @@ def mamba2_module_types() -> tuple[type, ...]:
     return transformers_classes("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")
 
 
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """`[B, H, ...]` -> `[B, G, H/G, ...]` (a view): head h in group h // (H/G), as B and C serve them."""
+    return x.view(x.shape[0], groups, x.shape[1] // groups, *x.shape[2:])
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM over L tokens for B sequences, in float32: x `[B, L, H, P]`, dt `[B, L, H]`, a `[H]`
-    (negative), b and c `[B, L, H, N]` (repeated to the heads), state `[B, H, P, N]`. Returns
-    `y = h C` (no D skip) `[B, L, H, P]` and the final state. Computed head-major (`[B, H, L, .]`),
-    so every product is a batched matmul."""
-    x, b, c = x.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)  # [B, H, L, .]
-    dt = dt.transpose(1, 2)  # [B, H, L]
+    (negative), b and c `[B, L, G, N]` (group g serving heads g H/G .. (g+1) H/G - 1; G = H
+    serves each head its own), state `[B, H, P, N]`. Returns `y = h C` (no D skip) `[B, L, H, P]`
+    and the final state. Computed head-major (`[B, G, H/G, L, .]`), so every product is a batched
+    matmul and C B^T is formed once per group."""
+    n, length, heads, p = x.shape
+    groups = b.shape[2]
+    x = _grouped(x.transpose(1, 2), groups)  # [B, G, R, L, P]
+    dt = _grouped(dt.transpose(1, 2), groups)  # [B, G, R, L]
+    b, c = b.transpose(1, 2)[:, :, None], c.transpose(1, 2)[:, :, None]  # [B, G, 1, L, N]
+    a = a.view(groups, heads // groups, 1)
+    state = _grouped(state, groups)  # [B, G, R, P, N]
     out = torch.empty_like(x)
-    length = x.shape[2]
     for lo in range(0, length, block):
         hi = min(lo + block, length)
-        dt_blk = dt[:, :, lo:hi]
-        xdt = x[:, :, lo:hi] * dt_blk[..., None]
-        b_blk, c_blk = b[:, :, lo:hi], c[:, :, lo:hi]
-        cum = torch.cumsum(dt_blk * a[:, None], dim=-1)  # [B, H, l], non-increasing
+        dt_blk = dt[..., lo:hi]
+        xdt = x[..., lo:hi, :] * dt_blk[..., None]
+        b_blk, c_blk = b[..., lo:hi, :], c[..., lo:hi, :]
+        cum = torch.cumsum(dt_blk * a, dim=-1)  # [B, G, R, l], non-increasing
         causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=x.device).tril()
         decay = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()  # s to t
-        scores = (c_blk @ b_blk.transpose(-1, -2)) * decay  # [B, H, t, s]
-        out[:, :, lo:hi] = scores @ xdt + cum.exp()[..., None] * (c_blk @ state.transpose(-1, -2))
-        to_end = (cum[..., -1:] - cum).exp()  # [B, H, l]
+        scores = (c_blk @ b_blk.transpose(-1, -2)) * decay  # [B, G, R, t, s]
+        out[..., lo:hi, :] = scores @ xdt + cum.exp()[..., None] * (c_blk @ state.transpose(-1, -2))
+        to_end = (cum[..., -1:] - cum).exp()  # [B, G, R, l]
         state = cum[..., -1].exp()[..., None, None] * state + (xdt * to_end[..., None]).transpose(-1, -2) @ b_blk
-    return out.transpose(1, 2), state
+    return out.reshape(n, heads, length, p).transpose(1, 2), state.reshape(n, heads, p, -1)
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the SSM for B sequences (the decode step; `ssd_scan`'s arguments with L = 1):
     h = exp(dt A) h + dt x B^T, y = h C."""
-    x, dt, b, c = x[:, 0], dt[:, 0], b[:, 0], c[:, 0]  # [B, H, P], [B, H], [B, H, N]
-    state = (dt * a).exp()[..., None, None] * state + (x * dt[..., None])[..., None] * b[:, :, None, :]
-    return (state @ c[..., None])[..., 0][:, None], state  # [B, 1, H, P]
+    n, _one, heads, p = x.shape
+    groups = b.shape[2]
+    x, dt = _grouped(x[:, 0], groups), _grouped(dt[:, 0], groups)  # [B, G, R, P], [B, G, R]
+    b, c = b[:, 0, :, None, None, :], c[:, 0, :, None, :, None]  # [B, G, 1, 1, N], [B, G, 1, N, 1]
+    state = _grouped(state, groups)  # [B, G, R, P, N]
+    state = (dt * a.view(groups, -1)).exp()[..., None, None] * state + (x * dt[..., None])[..., None] * b
+    return (state @ c).view(n, 1, heads, p), state.view(n, heads, p, -1)
 
 
 def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -86,18 +101,19 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
     weight = module.conv1d.weight.squeeze(1)
     act = activation(module.activation)
-    scan = torch.empty(n_tok, heads, head_dim, dtype=torch.float32, device=x.device)
-    for group in state_groups(batch):
+    steps = state_groups(batch)
+    parts = []
+    for group in steps:
         n_req, length = group.size, group.length
-        seq = xbc.index_select(0, group.rows).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        seq = group.take(xbc).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
         conv_past = read_state(conv_pool, group, dtype)
         conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
         conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
         xs, b, c = torch.split(conv_out, [inner, groups * d_state, groups * d_state], dim=-1)
         xs = xs.reshape(n_req, length, heads, head_dim).float()
-        b = b.reshape(n_req, length, groups, d_state).float().repeat_interleave(heads // groups, dim=2)
-        c = c.reshape(n_req, length, groups, d_state).float().repeat_interleave(heads // groups, dim=2)
-        step_dt = dt.index_select(0, group.rows).view(n_req, length, heads)
+        b = b.reshape(n_req, length, groups, d_state).float()
+        c = c.reshape(n_req, length, groups, d_state).float()
+        step_dt = group.take(dt).view(n_req, length, heads)
         if group.pad is not None:
             step_dt = step_dt.masked_fill(group.pad[..., None], 0.0)
         state = read_state(ssm_pool, group, torch.float32)
@@ -105,9 +121,9 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
             y, state = ssd_step(xs, step_dt, a, b, c, state)
         else:
             y, state = ssd_scan(xs, step_dt, a, b, c, state, module.chunk_size)
-        group.scatter(scan, (y + skip * xs).reshape(n_req * length, heads, head_dim))
+        parts.append((y + skip * xs).reshape(n_req * length, heads * head_dim))
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)
 
-    normed = module.norm(scan.reshape(n_tok, inner), gate)
+    normed = module.norm(assemble(steps, parts, n_tok), gate)
     return module.out_proj(normed.to(dtype)).unsqueeze(0)
