@@ -75,7 +75,7 @@ class StateGroup:
             return None
         index = self._tails.get(keep)
         if index is None:
-            cols = torch.from_numpy(self.lengths[:, None] + np.arange(keep, dtype=np.int64)).to(self.rows.device)
+            cols = _on(torch.from_numpy(self.lengths[:, None] + np.arange(keep, dtype=np.int64)), self.rows.device)
             index = self._tails[keep] = cols[:, None, :]
         return index.expand(-1, channels, -1)
 
@@ -84,12 +84,12 @@ def _slot_tensors(batch: ForwardBatch, requests: np.ndarray) -> tuple[torch.Tens
     if batch.state_slots is None:
         raise InputError("a batch through recurrent layers needs state_slots")
     device = batch.state_slots.device
-    index = torch.from_numpy(np.ascontiguousarray(requests, dtype=np.int64)).to(device)
-    slots = batch.state_slots.index_select(0, index).long()
+    index = _on(torch.from_numpy(np.ascontiguousarray(requests, dtype=np.int64)), device)
+    slots = cast(batch.state_slots.index_select(0, index), torch.long)
     if batch.state_fresh is None:
         fresh = torch.zeros(len(requests), dtype=torch.bool, device=device)
     else:
-        fresh = batch.state_fresh.to(device).index_select(0, index).bool()
+        fresh = cast(_on(batch.state_fresh, device).index_select(0, index), torch.bool)
     return slots, fresh
 
 
@@ -98,17 +98,17 @@ def _group(batch: ForwardBatch, requests: np.ndarray, starts: np.ndarray, length
     width = int(lengths.max())
     step = np.arange(width, dtype=np.int64)
     tokens = (starts[:, None] + np.minimum(step, lengths[:, None] - 1)).reshape(-1)
-    rows = torch.from_numpy(tokens).to(device)
+    rows = _on(torch.from_numpy(tokens), device)
     lo = int(tokens[0])
     span = slice(lo, lo + len(tokens)) if bool((tokens == np.arange(lo, lo + len(tokens))).all()) else None
     pad = real = None
     real_rows = rows
     if (lengths != width).any():
         is_pad = step[None, :] >= lengths[:, None]
-        pad = torch.from_numpy(is_pad).to(device)
+        pad = _on(torch.from_numpy(is_pad), device)
         keep = np.flatnonzero(~is_pad.reshape(-1))
-        real = torch.from_numpy(keep).to(device)
-        real_rows = torch.from_numpy(tokens[keep]).to(device)
+        real = _on(torch.from_numpy(keep), device)
+        real_rows = _on(torch.from_numpy(tokens[keep]), device)
     slots, fresh = _slot_tensors(batch, requests)
     return StateGroup(requests, lengths, width, tokens, rows, span, pad, real, real_rows, slots, fresh)
 
@@ -143,7 +143,7 @@ def all_requests(batch: ForwardBatch) -> StateGroup:
         requests = np.arange(batch.batch_size, dtype=np.int64)
         starts = np.asarray(batch.q_starts[:-1], dtype=np.int64)
         slots, fresh = _slot_tensors(batch, requests)
-        rows = torch.from_numpy(starts).to(slots.device)
+        rows = _on(torch.from_numpy(starts), slots.device)
         found = batch.__dict__["_state_all"] = StateGroup(
             requests, np.ones(len(requests), np.int64), 1, starts, rows, None, None, None, rows, slots, fresh)
     return found
@@ -164,14 +164,13 @@ def read_state(store: torch.Tensor, group: StateGroup, dtype: torch.dtype) -> to
     """The group's state from `store` (`[n_slots, ...]`) as `dtype`, zeros for a fresh request: its
     slot's old bytes are never used (a select, so even NaN garbage does not leak through)."""
     state = store.index_select(0, group.slots)
-    if state.dtype != dtype:
-        state = state.to(dtype)
+    state = cast(state, dtype)
     return torch.where(group.fresh.view(-1, *([1] * (state.dim() - 1))), 0.0, state)
 
 
 def write_state(store: torch.Tensor, group: StateGroup, state: torch.Tensor) -> None:
     """Write the group's final state back into its slots of `store` (the pool's bytes)."""
-    store.index_copy_(0, group.slots, state if state.dtype == store.dtype else state.to(store.dtype))
+    store.index_copy_(0, group.slots, cast(state, store.dtype))
 
 
 def causal_conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -184,7 +183,7 @@ def causal_conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor, bias:
     keep = kernel - 1
     if past.shape[-1] != keep:
         raise InputError(f"conv state keeps {past.shape[-1]} inputs, the kernel of width {kernel} needs {keep}")
-    full = torch.cat([past.to(weight.dtype), x.to(weight.dtype)], dim=-1)
+    full = torch.cat([cast(past, weight.dtype), cast(x, weight.dtype)], dim=-1)
     out = _depthwise(full, weight, bias)
     tails = None if group is None else group.tail_index(keep, full.shape[1])
     if tails is None:
@@ -204,6 +203,15 @@ def _depthwise(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         for k in range(1, kernel):
             out = out + full[..., k:k + length] * weight[:, k:k + 1]
     return out if bias is None else out + bias[:, None]
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as `dtype`, without a dispatch when it already is (the hot path is many small ops)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x if x.device == device else x.to(device)
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

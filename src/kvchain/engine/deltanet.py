@@ -18,6 +18,7 @@ from .batch import ForwardBatch
 from .conv_state import (
     activation,
     assemble,
+    cast,
     causal_conv,
     conv_store,
     packed_input,
@@ -27,6 +28,8 @@ from .conv_state import (
     transformers_classes,
     write_state,
 )
+
+f32 = torch.float32
 
 
 def deltanet_module_types() -> tuple[type, ...]:
@@ -99,7 +102,7 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
     b, a = torch.split(ba, [rep, rep], dim=-1)
     z = z.reshape(n_tok, nv, dv)
     beta = b.reshape(n_tok, nv).sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.reshape(n_tok, nv).float() + module.dt_bias)
+    g = -cast(module.A_log, f32).exp() * F.softplus(cast(a.reshape(n_tok, nv), f32) + module.dt_bias)
     mixed = torch.cat([q.reshape(n_tok, -1), k.reshape(n_tok, -1), v.reshape(n_tok, -1)], dim=-1)
 
     layer = module.layer_idx
@@ -113,13 +116,13 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
         seq = group.take(mixed).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
         conv_past = read_state(conv_pool, group, dtype)
         conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
-        conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
+        conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
         q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        q_c = _l2norm(q_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2) / dk**0.5
-        k_c = _l2norm(k_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2)
-        v_c = v_c.reshape(n_req, length, nv, dv).float()
+        q_c = _l2norm(cast(q_c.reshape(n_req, length, nk, dk), f32)).repeat_interleave(rep, dim=2) / dk**0.5
+        k_c = _l2norm(cast(k_c.reshape(n_req, length, nk, dk), f32)).repeat_interleave(rep, dim=2)
+        v_c = cast(v_c.reshape(n_req, length, nv, dv), f32)
         step_g = group.take(g).view(n_req, length, nv)
-        step_beta = group.take(beta).view(n_req, length, nv).float()
+        step_beta = cast(group.take(beta).view(n_req, length, nv), f32)
         if group.pad is not None:
             step_g = step_g.masked_fill(group.pad[..., None], 0.0)
             step_beta = step_beta.masked_fill(group.pad[..., None], 0.0)
@@ -130,5 +133,5 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)
 
-    normed = module.norm(assemble(steps, parts, n_tok).to(dtype).reshape(-1, dv), z.reshape(-1, dv))
+    normed = module.norm(cast(assemble(steps, parts, n_tok), dtype).reshape(-1, dv), z.reshape(-1, dv))
     return module.out_proj(normed.reshape(1, n_tok, nv * dv))

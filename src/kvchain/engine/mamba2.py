@@ -17,6 +17,7 @@ from .batch import ForwardBatch
 from .conv_state import (
     activation,
     assemble,
+    cast,
     causal_conv,
     conv_store,
     packed_input,
@@ -31,6 +32,13 @@ from .conv_state import (
 def mamba2_module_types() -> tuple[type, ...]:
     """The mixer classes `mamba2_forward` serves (none when transformers lacks them)."""
     return transformers_classes("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")
+
+
+#: the scan's shortest block: any block length gives the same numbers (the state is carried exactly
+#: from block to block), so a model's small kernel tile is not copied; on a CPU a block is a few
+#: dozen small ops whatever its length, and a prefill chunk rarely needs more than one or two
+MIN_BLOCK = 64
+f32 = torch.float32
 
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -93,9 +101,9 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
 
     gate, xbc, dt = module.in_proj(x).split([inner, module.conv_dim, heads], dim=-1)
     lo_limit, hi_limit = module.time_step_limit
-    dt = F.softplus(dt + module.dt_bias).clamp(min=lo_limit, max=hi_limit).float()
-    a = -torch.exp(module.A_log.float())
-    skip = module.D.float()[:, None]
+    dt = cast(F.softplus(dt + module.dt_bias).clamp(min=lo_limit, max=hi_limit), f32)
+    a = -torch.exp(cast(module.A_log, f32))
+    skip = cast(module.D, f32)[:, None]
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
@@ -108,11 +116,11 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
         seq = group.take(xbc).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
         conv_past = read_state(conv_pool, group, dtype)
         conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
-        conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
+        conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
         xs, b, c = torch.split(conv_out, [inner, groups * d_state, groups * d_state], dim=-1)
-        xs = xs.reshape(n_req, length, heads, head_dim).float()
-        b = b.reshape(n_req, length, groups, d_state).float()
-        c = c.reshape(n_req, length, groups, d_state).float()
+        xs = cast(xs.reshape(n_req, length, heads, head_dim), f32)
+        b = cast(b.reshape(n_req, length, groups, d_state), f32)
+        c = cast(c.reshape(n_req, length, groups, d_state), f32)
         step_dt = group.take(dt).view(n_req, length, heads)
         if group.pad is not None:
             step_dt = step_dt.masked_fill(group.pad[..., None], 0.0)
@@ -120,10 +128,10 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
         if length == 1:
             y, state = ssd_step(xs, step_dt, a, b, c, state)
         else:
-            y, state = ssd_scan(xs, step_dt, a, b, c, state, module.chunk_size)
+            y, state = ssd_scan(xs, step_dt, a, b, c, state, max(module.chunk_size, MIN_BLOCK))
         parts.append((y + skip * xs).reshape(n_req * length, heads * head_dim))
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)
 
     normed = module.norm(assemble(steps, parts, n_tok), gate)
-    return module.out_proj(normed.to(dtype)).unsqueeze(0)
+    return module.out_proj(cast(normed, dtype)).unsqueeze(0)

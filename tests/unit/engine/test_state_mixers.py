@@ -43,7 +43,8 @@ def _qwen3_next() -> object:
 
 
 def _nemotron_h() -> object:
-    # chunk_size 4: both HF's chunked scan and ours cross block boundaries within a prompt chunk
+    # chunk_size 4: HF's chunked scan crosses block boundaries within a prompt chunk (ours takes blocks of
+    # at least `mamba2.MIN_BLOCK`; its block crossings are held in test_blocked_scans_match_the_token_by_token_recurrence)
     return nemotron_h.NemotronHConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         hybrid_override_pattern="M-M-", mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
