@@ -43,18 +43,23 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence token by token for B independent sequences, in float32: q, k `[B, L, H, Dk]`
-    (already normalised, scaled and repeated to the value heads), v `[B, L, H, Dv]`, g and beta
-    `[B, L, H]`, state `[B, H, Dk, Dv]`. Returns the outputs `[B, L, H, Dv]` and the final state."""
+    """The recurrence token by token for B independent sequences, in float32: q, k `[B, L, G, Dk]`
+    (already normalised and scaled; key head j serving value heads j H/G .. (j+1) H/G - 1, G = H
+    for one each), v `[B, L, H, Dv]`, g and beta `[B, L, H]`, state `[B, H, Dk, Dv]`. Returns the
+    outputs `[B, L, H, Dv]` and the final state. Grouped (`[B, G, H/G, ...]`), so the key heads
+    broadcast over their value heads instead of being repeated."""
+    n, length, heads, dv = v.shape
+    groups = k.shape[2]
+    state = state.reshape(n, groups, heads // groups, *state.shape[2:])  # [B, G, R, Dk, Dv]
     out = torch.empty_like(v)
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t]
-        recalled = torch.einsum("bhkv,bhk->bhv", state, k_t)
-        delta = (v[:, t] - recalled) * beta[:, t, :, None]
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-    return out, state
+    for t in range(length):
+        k_t, q_t = k[:, t, :, None, None, :], q[:, t, :, None, None, :]  # [B, G, 1, 1, Dk]
+        v_t = v[:, t].view(n, groups, -1, 1, dv)  # [B, G, R, 1, Dv]
+        state = state * g[:, t].exp().view(n, groups, -1, 1, 1)
+        delta = (v_t - k_t @ state) * beta[:, t].view(n, groups, -1, 1, 1)  # [B, G, R, 1, Dv]
+        state = state + k_t.transpose(-1, -2) @ delta
+        out[:, t] = (q_t @ state).view(n, heads, dv)
+    return out, state.view(n, heads, *state.shape[3:])
 
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -118,8 +123,8 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
         conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
         conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
         q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        q_c = _l2norm(cast(q_c.reshape(n_req, length, nk, dk), f32)).repeat_interleave(rep, dim=2) / dk**0.5
-        k_c = _l2norm(cast(k_c.reshape(n_req, length, nk, dk), f32)).repeat_interleave(rep, dim=2)
+        q_c = _l2norm(cast(q_c.reshape(n_req, length, nk, dk), f32)) / dk**0.5
+        k_c = _l2norm(cast(k_c.reshape(n_req, length, nk, dk), f32))
         v_c = cast(v_c.reshape(n_req, length, nv, dv), f32)
         step_g = group.take(g).view(n_req, length, nv)
         step_beta = cast(group.take(beta).view(n_req, length, nv), f32)
@@ -127,8 +132,11 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
             step_g = step_g.masked_fill(group.pad[..., None], 0.0)
             step_beta = step_beta.masked_fill(group.pad[..., None], 0.0)
         state = read_state(ssm_pool, group, torch.float32)
-        scan = gated_delta_scan if length == 1 else gated_delta_chunked
-        out, state = scan(q_c, k_c, v_c, step_g, step_beta, state)
+        if length == 1:  # a decode: the key heads broadcast over their value heads
+            out, state = gated_delta_scan(q_c, k_c, v_c, step_g, step_beta, state)
+        else:
+            q_c, k_c = q_c.repeat_interleave(rep, dim=2), k_c.repeat_interleave(rep, dim=2)
+            out, state = gated_delta_chunked(q_c, k_c, v_c, step_g, step_beta, state)
         parts.append(out.reshape(n_req * length, nv, dv))
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)

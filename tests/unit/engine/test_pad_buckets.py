@@ -12,7 +12,7 @@ import torch
 
 from kvchain.engine.batch import PAD_FACTOR, ForwardBatch, pad_buckets
 from kvchain.engine.conv_state import causal_conv, state_groups
-from kvchain.engine.deltanet import gated_delta_chunked
+from kvchain.engine.deltanet import gated_delta_chunked, gated_delta_scan
 from kvchain.engine.mamba2 import ssd_scan, ssd_step
 
 
@@ -118,3 +118,19 @@ def test_ssd_step_is_one_token_of_the_scan():
     want_y, want = ssd_scan(x, dt, a, b, c, h0, block=1)
     got_y, got = ssd_step(x, dt, a, b, c, h0)
     assert torch.allclose(got_y, want_y, atol=1e-5) and torch.allclose(got, want, atol=1e-5)
+
+
+def test_grouped_delta_step_is_the_repeated_heads_step():
+    """A decode's key heads broadcast over their value heads (`gated_delta_scan` with G < H): the
+    same numbers as repeating each key head to its value heads."""
+    gen = torch.Generator().manual_seed(7)
+    n, length, groups, rep, dk, dv = 3, 2, 2, 3, 4, 5
+    q = torch.nn.functional.normalize(torch.randn(n, length, groups, dk, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(n, length, groups, dk, generator=gen), dim=-1)
+    v = torch.randn(n, length, groups * rep, dv, generator=gen)
+    g = -torch.randn(n, length, groups * rep, generator=gen).abs()
+    beta = torch.randn(n, length, groups * rep, generator=gen).sigmoid()
+    s0 = torch.randn(n, groups * rep, dk, dv, generator=gen)
+    want_o, want = gated_delta_scan(q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2), v, g, beta, s0)
+    got_o, got = gated_delta_scan(q, k, v, g, beta, s0)
+    assert torch.allclose(got_o, want_o, atol=1e-6) and torch.allclose(got, want, atol=1e-6)
