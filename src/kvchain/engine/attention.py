@@ -6,8 +6,9 @@ locations, reads every request's keys back through its page table and attends wi
 conventions (GQA head sharing, scaling, Gemma 2 logit softcap, sliding window, gpt-oss sinks).
 
 The pool is the only KV the model sees, so one forward serves several requests at different lengths:
-the decode requests share one batched computation (keys padded to the longest and masked), and each
-prefill chunk gets its own. Keys are selected by position, never by multiplying with a mask, so the
+the decode requests share one batched computation (keys padded to the longest and masked), and the
+prefill chunks are attended in buckets (`batch.pad_buckets`), each chunk's queries padded at its end
+with copies of its last query, whose outputs are dropped. Keys are selected by position, never by multiplying with a mask, so the
 bytes of pages a request does not own (a retired window row reads its sub-pool's sink page) cannot
 leak into the result even when they hold NaN or inf; a request whose keys are padded to the longest
 reads its own last page again there, masked."""
@@ -21,17 +22,20 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .batch import ForwardBatch
+from .batch import ForwardBatch, pad_buckets
 
 NAME = "kvchain_paged"
 
 
 @dataclass(frozen=True)
 class _Group:
-    """Requests attended in one computation, each with `n` query tokens; built once per step for a
-    (sub-pool, window) and shared by all its layers, so per-layer work is only gathers and the kernel.
+    """Requests attended in one computation, each with `n` query tokens (a shorter chunk's last
+    query repeated to `n`); built once per step for a (sub-pool, window) and shared by all its
+    layers, so per-layer work is only gathers and the kernel.
 
     - `rows`: their query rows in the packed sequence, request-major (a slice when contiguous);
+    - `real` (or None when no request is padded): the positions of the real queries among the
+      group's `b * n`, and `real_rows` their rows in the packed sequence;
     - `pages` (`[b*C]`): the physical pages read for each request, flattened request-major: its
       page-table columns from the first one the window needs. A request with fewer columns than the
       group's widest pads with its own last page again: its keys there are masked by position, and a
@@ -48,6 +52,8 @@ class _Group:
     - `visible` (host, `[b, n, C*page_size]`): the same as a boolean, for the explicit path."""
 
     rows: slice | torch.Tensor
+    real: torch.Tensor | None
+    real_rows: torch.Tensor | None
     b: int
     n: int
     cols: int
@@ -66,12 +72,13 @@ def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
     return torch.from_numpy(rows).to(device)
 
 
-def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray, n: int, sinks: bool) -> _Group:
-    """The positions and pages for requests `reqs` (each with `n` new tokens) in sub-pool `pool`."""
+def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray, lens: np.ndarray,
+           sinks: bool) -> _Group:
+    """The positions and pages for requests `reqs` (with `lens` new tokens each) in sub-pool `pool`."""
     table = batch.page_tables[pool]
     device = table.device
     ps = batch.page_size
-    b = len(reqs)
+    b, n = len(reqs), int(lens.max())
     prefix = batch.prefix_lens[reqs]
     last_col = (batch.seq_lens[reqs] - 1) // ps
     # the lowest position any of the request's queries sees: its first query's window start
@@ -80,8 +87,9 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
     span = n_cols * ps
     cols = np.minimum(first_col[:, None] + np.arange(n_cols), last_col[:, None])  # [b, C]; pads: own last page
     flat = (reqs[:, None] * table.shape[1] + cols).reshape(-1)
-    # key slot j of a request sits at position first_col*ps + j; query i at prefix + i
-    q_pos = prefix[:, None] + np.arange(n)  # [b, n]
+    # key slot j of a request sits at position first_col*ps + j; query i at prefix + min(i, its last)
+    step = np.minimum(np.arange(n), lens[:, None] - 1)  # [b, n]: a pad repeats the last query
+    q_pos = prefix[:, None] + step
     rel = (first_col * ps)[:, None, None] + np.arange(span) - q_pos[:, :, None]  # key - query, [b, n, L]
     visible = rel <= 0  # causal; positions past the request's length are past every query
     if window is not None:
@@ -91,10 +99,14 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
     if sinks:
         bias[:, :, (n_cols - 1) * ps] = 0.0
         zero = torch.from_numpy(np.arange(b, dtype=np.int64) * n_cols + n_cols - 1).to(device)
-    rows = (batch.q_starts[reqs][:, None] + np.arange(n)).reshape(-1)
+    rows = (batch.q_starts[reqs][:, None] + step).reshape(-1)
+    real = real_rows = None
+    if (lens != n).any():
+        keep = np.flatnonzero((np.arange(n) < lens[:, None]).reshape(-1))
+        real, real_rows = torch.from_numpy(keep).to(device), torch.from_numpy(rows[keep]).to(device)
     pages = torch.take(table, torch.from_numpy(flat).to(device))  # the page table's [req, col] entries
-    return _Group(rows=_rows(rows, device), b=b, n=n, cols=n_cols, pages=pages, zero=zero,
-                  bias=torch.from_numpy(bias[:, None]).to(device), visible=visible, sink_col=sinks)
+    return _Group(rows=_rows(rows, device), real=real, real_rows=real_rows, b=b, n=n, cols=n_cols, pages=pages,
+                  zero=zero, bias=torch.from_numpy(bias[:, None]).to(device), visible=visible, sink_col=sinks)
 
 
 def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> tuple[list[_Group], bool]:
@@ -110,12 +122,13 @@ def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> 
         groups = []
         decode = np.flatnonzero(new == 1)
         if len(decode):
-            groups.append(_group(batch, pool, window, decode, 1, sinks))
-        for b in np.flatnonzero(new > 1):
-            groups.append(_group(batch, pool, window, np.array([b]), int(new[b]), sinks))
+            groups.append(_group(batch, pool, window, decode, new[decode], sinks))
+        chunks = np.flatnonzero(new > 1)
+        for bucket in pad_buckets(new[chunks]):
+            groups.append(_group(batch, pool, window, chunks[bucket], new[chunks[bucket]], sinks))
         end = 0
         for g in groups:
-            if not isinstance(g.rows, slice) or g.rows.start != end:
+            if not isinstance(g.rows, slice) or g.real is not None or g.rows.start != end:
                 end = -1
                 break
             end = g.rows.stop
@@ -251,7 +264,9 @@ def paged_attention(
     dtype = torch.promote_types(query.dtype, torch.float32)
     out = query.new_empty((n_tokens, n_heads, value.shape[-1]), dtype=dtype)
     for g, part in zip(groups, parts, strict=True):
-        if isinstance(g.rows, slice):
+        if g.real is not None:
+            out.index_copy_(0, g.real_rows, part.reshape(-1, n_heads, part.shape[-1]).index_select(0, g.real))
+        elif isinstance(g.rows, slice):
             out[g.rows].view(part.shape).copy_(part)
         else:
             out.index_copy_(0, g.rows, part.reshape(-1, n_heads, part.shape[-1]))

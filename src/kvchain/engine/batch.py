@@ -15,6 +15,28 @@ import torch
 
 from ..layout.views import SubPoolView
 
+#: a bucket of prefill chunks (stepped together, each padded at its end to the bucket's longest)
+#: takes the next longest chunk while its padded tokens stay within this many times its real ones:
+#: few buckets (each is one batched kernel) without padding a short chunk to a long one
+PAD_FACTOR = 2
+
+
+def pad_buckets(lengths: np.ndarray, factor: float = PAD_FACTOR) -> list[np.ndarray]:
+    """Indices into `lengths` (each > 0) in buckets, longest first, each bucket's indices in order:
+    a bucket of b chunks padded to its longest L holds b * L <= factor * (its real tokens)."""
+    order = np.argsort(-lengths, kind="stable")
+    buckets: list[np.ndarray] = []
+    lo = 0
+    while lo < len(order):
+        width = real = int(lengths[order[lo]])
+        hi = lo + 1
+        while hi < len(order) and (hi - lo + 1) * width <= factor * (real + int(lengths[order[hi]])):
+            real += int(lengths[order[hi]])
+            hi += 1
+        buckets.append(np.sort(order[lo:hi]))
+        lo = hi
+    return buckets
+
 
 @dataclass
 class ForwardBatch:

@@ -6,7 +6,8 @@ Per value head the state S (`[key_dim, value_dim]`) follows the gated delta rule
 it by exp(g), then corrects what it recalls for the token's key towards the token's value with step
 beta (S += k (beta (v - S^T k))^T), and the output reads it with the query (S^T q). q and k are
 l2-normalised and q is scaled by 1/sqrt(key_dim); each q/k head serves a run of consecutive value
-heads."""
+heads. A padded group's pads get g = 0 and beta = 0: no decay and no correction, so they leave the
+state as it is."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from .batch import ForwardBatch
 from .conv_state import (
     activation,
+    assemble,
+    cast,
     causal_conv,
     conv_store,
     packed_input,
@@ -25,6 +28,8 @@ from .conv_state import (
     transformers_classes,
     write_state,
 )
+
+f32 = torch.float32
 
 
 def deltanet_module_types() -> tuple[type, ...]:
@@ -38,18 +43,23 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence token by token for B independent sequences, in float32: q, k `[B, L, H, Dk]`
-    (already normalised, scaled and repeated to the value heads), v `[B, L, H, Dv]`, g and beta
-    `[B, L, H]`, state `[B, H, Dk, Dv]`. Returns the outputs `[B, L, H, Dv]` and the final state."""
+    """The recurrence token by token for B independent sequences, in float32: q, k `[B, L, G, Dk]`
+    (already normalised and scaled; key head j serving value heads j H/G .. (j+1) H/G - 1, G = H
+    for one each), v `[B, L, H, Dv]`, g and beta `[B, L, H]`, state `[B, H, Dk, Dv]`. Returns the
+    outputs `[B, L, H, Dv]` and the final state. Grouped (`[B, G, H/G, ...]`), so the key heads
+    broadcast over their value heads instead of being repeated."""
+    n, length, heads, dv = v.shape
+    groups = k.shape[2]
+    state = state.reshape(n, groups, heads // groups, *state.shape[2:])  # [B, G, R, Dk, Dv]
     out = torch.empty_like(v)
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t]
-        recalled = torch.einsum("bhkv,bhk->bhv", state, k_t)
-        delta = (v[:, t] - recalled) * beta[:, t, :, None]
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-    return out, state
+    for t in range(length):
+        k_t, q_t = k[:, t, :, None, None, :], q[:, t, :, None, None, :]  # [B, G, 1, 1, Dk]
+        v_t = v[:, t].view(n, groups, -1, 1, dv)  # [B, G, R, 1, Dv]
+        state = state * g[:, t].exp().view(n, groups, -1, 1, 1)
+        delta = (v_t - k_t @ state) * beta[:, t].view(n, groups, -1, 1, 1)  # [B, G, R, 1, Dv]
+        state = state + k_t.transpose(-1, -2) @ delta
+        out[:, t] = (q_t @ state).view(n, heads, dv)
+    return out, state.view(n, heads, *state.shape[3:])
 
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -97,32 +107,39 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
     b, a = torch.split(ba, [rep, rep], dim=-1)
     z = z.reshape(n_tok, nv, dv)
     beta = b.reshape(n_tok, nv).sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.reshape(n_tok, nv).float() + module.dt_bias)
+    g = -cast(module.A_log, f32).exp() * F.softplus(cast(a.reshape(n_tok, nv), f32) + module.dt_bias)
     mixed = torch.cat([q.reshape(n_tok, -1), k.reshape(n_tok, -1), v.reshape(n_tok, -1)], dim=-1)
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
     weight = module.conv1d.weight.squeeze(1)
     act = activation(module.activation)
-    core = torch.empty(n_tok, nv, dv, dtype=torch.float32, device=x.device)
-    for group in state_groups(batch):
-        n_req, length = len(group.requests), group.length
-        tokens = torch.as_tensor(group.tokens, device=x.device)
-        seq = mixed[tokens].view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
-        conv_past = read_state(conv_pool, batch, group.requests, dtype)
-        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias)
-        conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
+    steps = state_groups(batch)
+    parts = []
+    for group in steps:
+        n_req, length = group.size, group.length
+        seq = group.take(mixed).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        conv_past = read_state(conv_pool, group, dtype)
+        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
+        conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
         q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-        q_c = _l2norm(q_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2) / dk**0.5
-        k_c = _l2norm(k_c.reshape(n_req, length, nk, dk).float()).repeat_interleave(rep, dim=2)
-        v_c = v_c.reshape(n_req, length, nv, dv).float()
-        state = read_state(ssm_pool, batch, group.requests, torch.float32)
-        scan = gated_delta_scan if length == 1 else gated_delta_chunked
-        out, state = scan(q_c, k_c, v_c, g[tokens].view(n_req, length, nv),
-                          beta[tokens].view(n_req, length, nv).float(), state)
-        core[tokens] = out.reshape(n_req * length, nv, dv)
-        write_state(conv_pool, batch, group.requests, conv_next)
-        write_state(ssm_pool, batch, group.requests, state)
+        q_c = _l2norm(cast(q_c.reshape(n_req, length, nk, dk), f32)) / dk**0.5
+        k_c = _l2norm(cast(k_c.reshape(n_req, length, nk, dk), f32))
+        v_c = cast(v_c.reshape(n_req, length, nv, dv), f32)
+        step_g = group.take(g).view(n_req, length, nv)
+        step_beta = cast(group.take(beta).view(n_req, length, nv), f32)
+        if group.pad is not None:
+            step_g = step_g.masked_fill(group.pad[..., None], 0.0)
+            step_beta = step_beta.masked_fill(group.pad[..., None], 0.0)
+        state = read_state(ssm_pool, group, torch.float32)
+        if length == 1:  # a decode: the key heads broadcast over their value heads
+            out, state = gated_delta_scan(q_c, k_c, v_c, step_g, step_beta, state)
+        else:
+            q_c, k_c = q_c.repeat_interleave(rep, dim=2), k_c.repeat_interleave(rep, dim=2)
+            out, state = gated_delta_chunked(q_c, k_c, v_c, step_g, step_beta, state)
+        parts.append(out.reshape(n_req * length, nv, dv))
+        write_state(conv_pool, group, conv_next)
+        write_state(ssm_pool, group, state)
 
-    normed = module.norm(core.to(dtype).reshape(-1, dv), z.reshape(-1, dv))
+    normed = module.norm(cast(assemble(steps, parts, n_tok), dtype).reshape(-1, dv), z.reshape(-1, dv))
     return module.out_proj(normed.reshape(1, n_tok, nv * dv))

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from .batch import ForwardBatch
 from .conv_state import (
     activation,
+    assemble,
+    cast,
     causal_conv,
     conv_store,
     packed_input,
@@ -32,33 +34,64 @@ def mamba2_module_types() -> tuple[type, ...]:
     return transformers_classes("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")
 
 
+#: the scan's shortest block: any block length gives the same numbers (the state is carried exactly
+#: from block to block), so a model's small kernel tile is not copied; on a CPU a block is a few
+#: dozen small ops whatever its length, and a prefill chunk rarely needs more than one or two
+MIN_BLOCK = 64
+f32 = torch.float32
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """`[B, H, ...]` -> `[B, G, H/G, ...]` (a view): head h in group h // (H/G), as B and C serve them."""
+    return x.view(x.shape[0], groups, x.shape[1] // groups, *x.shape[2:])
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM over L tokens for B sequences, in float32: x `[B, L, H, P]`, dt `[B, L, H]`, a `[H]`
-    (negative), b and c `[B, L, H, N]` (repeated to the heads), state `[B, H, P, N]`. Returns
-    `y = h C` (no D skip) `[B, L, H, P]` and the final state."""
+    (negative), b and c `[B, L, G, N]` (group g serving heads g H/G .. (g+1) H/G - 1; G = H
+    serves each head its own), state `[B, H, P, N]`. Returns `y = h C` (no D skip) `[B, L, H, P]`
+    and the final state. Computed head-major (`[B, G, H/G, L, .]`), so every product is a batched
+    matmul and C B^T is formed once per group."""
+    n, length, heads, p = x.shape
+    groups = b.shape[2]
+    x = _grouped(x.transpose(1, 2), groups)  # [B, G, R, L, P]
+    dt = _grouped(dt.transpose(1, 2), groups)  # [B, G, R, L]
+    b, c = b.transpose(1, 2)[:, :, None], c.transpose(1, 2)[:, :, None]  # [B, G, 1, L, N]
+    a = a.view(groups, heads // groups, 1)
+    state = _grouped(state, groups)  # [B, G, R, P, N]
     out = torch.empty_like(x)
-    length = x.shape[1]
     for lo in range(0, length, block):
         hi = min(lo + block, length)
-        xdt = x[:, lo:hi] * dt[:, lo:hi, :, None]
-        b_blk, c_blk = b[:, lo:hi], c[:, lo:hi]
-        cum = torch.cumsum(dt[:, lo:hi] * a, dim=1)  # [B, l, H], non-increasing
-        seg = cum[:, :, None, :] - cum[:, None, :, :]  # [B, t, s, H]: decay from s to t
+        dt_blk = dt[..., lo:hi]
+        xdt = x[..., lo:hi, :] * dt_blk[..., None]
+        b_blk, c_blk = b[..., lo:hi, :], c[..., lo:hi, :]
+        cum = torch.cumsum(dt_blk * a, dim=-1)  # [B, G, R, l], non-increasing
         causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=x.device).tril()
-        decay = torch.where(causal[None, :, :, None], seg, float("-inf")).exp()
-        scores = torch.einsum("bthn,bshn->btsh", c_blk, b_blk) * decay
-        y = torch.einsum("btsh,bshp->bthp", scores, xdt)
-        y = y + cum.exp()[..., None] * torch.einsum("bthn,bhpn->bthp", c_blk, state)
-        out[:, lo:hi] = y
-        to_end = (cum[:, -1:] - cum).exp()  # [B, l, H]
-        state = cum[:, -1].exp()[..., None, None] * state + torch.einsum(
-            "bsh,bshp,bshn->bhpn", to_end, xdt, b_blk)
-    return out, state
+        decay = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()  # s to t
+        scores = (c_blk @ b_blk.transpose(-1, -2)) * decay  # [B, G, R, t, s]
+        out[..., lo:hi, :] = scores @ xdt + cum.exp()[..., None] * (c_blk @ state.transpose(-1, -2))
+        to_end = (cum[..., -1:] - cum).exp()  # [B, G, R, l]
+        state = cum[..., -1].exp()[..., None, None] * state + (xdt * to_end[..., None]).transpose(-1, -2) @ b_blk
+    return out.reshape(n, heads, length, p).transpose(1, 2), state.reshape(n, heads, p, -1)
+
+
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the SSM for B sequences (the decode step; `ssd_scan`'s arguments with L = 1):
+    h = exp(dt A) h + dt x B^T, y = h C."""
+    n, _one, heads, p = x.shape
+    groups = b.shape[2]
+    x, dt = _grouped(x[:, 0], groups), _grouped(dt[:, 0], groups)  # [B, G, R, P], [B, G, R]
+    b, c = b[:, 0, :, None, None, :], c[:, 0, :, None, :, None]  # [B, G, 1, 1, N], [B, G, 1, N, 1]
+    state = _grouped(state, groups)  # [B, G, R, P, N]
+    state = (dt * a.view(groups, -1)).exp()[..., None, None] * state + (x * dt[..., None])[..., None] * b
+    return (state @ c).view(n, 1, heads, p), state.view(n, heads, p, -1)
 
 
 def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """`module` (a `NemotronHMamba2Mixer`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`."""
+    """`module` (a `NemotronHMamba2Mixer`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`.
+    A padded group's pads get dt = 0: no decay and no input, so they leave the state as it is."""
     x = packed_input(hidden_states, batch)
     dtype = x.dtype
     n_tok = x.shape[0]
@@ -68,30 +101,37 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
 
     gate, xbc, dt = module.in_proj(x).split([inner, module.conv_dim, heads], dim=-1)
     lo_limit, hi_limit = module.time_step_limit
-    dt = F.softplus(dt + module.dt_bias).clamp(min=lo_limit, max=hi_limit).float()
-    a = -torch.exp(module.A_log.float())
+    dt = cast(F.softplus(dt + module.dt_bias).clamp(min=lo_limit, max=hi_limit), f32)
+    a = -torch.exp(cast(module.A_log, f32))
+    skip = cast(module.D, f32)[:, None]
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
     weight = module.conv1d.weight.squeeze(1)
     act = activation(module.activation)
-    scan = torch.empty(n_tok, heads, head_dim, dtype=torch.float32, device=x.device)
-    for group in state_groups(batch):
-        n_req, length = len(group.requests), group.length
-        tokens = torch.as_tensor(group.tokens, device=x.device)
-        seq = xbc[tokens].view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
-        conv_past = read_state(conv_pool, batch, group.requests, dtype)
-        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias)
-        conv_out = act(conv_out).to(dtype).transpose(1, 2)  # [B, L, C]
+    steps = state_groups(batch)
+    parts = []
+    for group in steps:
+        n_req, length = group.size, group.length
+        seq = group.take(xbc).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
+        conv_past = read_state(conv_pool, group, dtype)
+        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
+        conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
         xs, b, c = torch.split(conv_out, [inner, groups * d_state, groups * d_state], dim=-1)
-        xs = xs.reshape(n_req, length, heads, head_dim).float()
-        b = b.reshape(n_req, length, groups, d_state).float().repeat_interleave(heads // groups, dim=2)
-        c = c.reshape(n_req, length, groups, d_state).float().repeat_interleave(heads // groups, dim=2)
-        state = read_state(ssm_pool, batch, group.requests, torch.float32)
-        y, state = ssd_scan(xs, dt[tokens].view(n_req, length, heads), a, b, c, state, module.chunk_size)
-        scan[tokens] = (y + module.D.float()[:, None] * xs).reshape(n_req * length, heads, head_dim)
-        write_state(conv_pool, batch, group.requests, conv_next)
-        write_state(ssm_pool, batch, group.requests, state)
+        xs = cast(xs.reshape(n_req, length, heads, head_dim), f32)
+        b = cast(b.reshape(n_req, length, groups, d_state), f32)
+        c = cast(c.reshape(n_req, length, groups, d_state), f32)
+        step_dt = group.take(dt).view(n_req, length, heads)
+        if group.pad is not None:
+            step_dt = step_dt.masked_fill(group.pad[..., None], 0.0)
+        state = read_state(ssm_pool, group, torch.float32)
+        if length == 1:
+            y, state = ssd_step(xs, step_dt, a, b, c, state)
+        else:
+            y, state = ssd_scan(xs, step_dt, a, b, c, state, max(module.chunk_size, MIN_BLOCK))
+        parts.append((y + skip * xs).reshape(n_req * length, heads * head_dim))
+        write_state(conv_pool, group, conv_next)
+        write_state(ssm_pool, group, state)
 
-    normed = module.norm(scan.reshape(n_tok, inner), gate)
-    return module.out_proj(normed.to(dtype)).unsqueeze(0)
+    normed = module.norm(assemble(steps, parts, n_tok), gate)
+    return module.out_proj(cast(normed, dtype)).unsqueeze(0)

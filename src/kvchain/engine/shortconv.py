@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InputError
 from .batch import ForwardBatch
-from .conv_state import conv_store, packed_input, read_state, transformers_classes, write_state
+from .conv_state import all_requests, conv_store, packed_input, read_state, transformers_classes, write_state
 
 
 def shortconv_module_types() -> tuple[type, ...]:
@@ -54,9 +54,9 @@ def shortconv_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batc
     b, c, xs = module.in_proj(x).chunk(3, dim=-1)
     weight = module.conv.weight.squeeze(1)  # [hidden, K]
     kernel = weight.shape[-1]
-    requests = np.arange(batch.batch_size)
+    everyone = all_requests(batch)
     pool = conv_store(batch, module.layer_idx)
-    past = read_state(pool, batch, requests, weight.dtype)  # [B, hidden, K-1]
+    past = read_state(pool, everyone, weight.dtype)  # [B, hidden, K-1]
     if past.shape[-1] != kernel - 1:
         raise InputError(f"conv state keeps {past.shape[-1]} inputs, the kernel of width {kernel} needs {kernel - 1}")
     rows = torch.cat([past.transpose(1, 2).reshape(-1, weight.shape[0]), (b * xs).to(weight.dtype)])
@@ -66,5 +66,5 @@ def shortconv_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batc
         conv = conv + rows[taps[:, k]] * weight[:, k]
     if module.conv.bias is not None:
         conv = conv + module.conv.bias
-    write_state(pool, batch, requests, rows[tails].transpose(1, 2))
+    write_state(pool, everyone, rows[tails].transpose(1, 2))
     return module.out_proj(c * conv.to(dtype)).unsqueeze(0)

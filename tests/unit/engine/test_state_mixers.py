@@ -14,6 +14,7 @@ import torch
 
 from kvchain.build import build_kv_storage
 from kvchain.engine.batch import ForwardBatch
+from kvchain.engine.conv_state import state_groups
 from kvchain.engine.deltanet import deltanet_forward, gated_delta_chunked, gated_delta_scan
 from kvchain.engine.mamba2 import mamba2_forward, ssd_scan
 from kvchain.engine.mixers import install_state_mixers
@@ -43,7 +44,8 @@ def _qwen3_next() -> object:
 
 
 def _nemotron_h() -> object:
-    # chunk_size 4: both HF's chunked scan and ours cross block boundaries within a prompt chunk
+    # chunk_size 4: HF's chunked scan crosses block boundaries within a prompt chunk (ours takes blocks of
+    # at least `mamba2.MIN_BLOCK`; its block crossings are held in test_blocked_scans_match_the_token_by_token_recurrence)
     return nemotron_h.NemotronHConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         hybrid_override_pattern="M-M-", mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
@@ -264,3 +266,32 @@ def test_blocked_scans_match_the_token_by_token_recurrence():
     want, want_state = ssd_scan(x, dt, a, b, c, h0, block=1)
     got, got_state = ssd_scan(x, dt, a, b, c, h0, block=8)
     assert max(_diff(got, want), _diff(got_state, want_state)) < 1e-4
+
+
+def _states(batch: ForwardBatch, layer: int) -> list[torch.Tensor]:
+    view = batch.pool_of(layer)
+    return [view.state(layer, name)[batch.state_slots].clone() for name in ("conv", "ssm")]
+
+
+def test_a_padded_bucket_leaves_every_state_as_its_chunk_alone(case):
+    """Two prompt chunks of different lengths stepped in one padded bucket: the conv and SSM states
+    left in their slots are those of each chunk run alone. Held on the states themselves, since the
+    D skip can dwarf a state error in the outputs."""
+    config, _model, mixers, forward = case
+    layer, module = next(iter(mixers.items()))
+    lengths = [3, 9]
+    gen = torch.Generator().manual_seed(8)
+    inputs = [torch.randn(n, config.hidden_size, generator=gen) for n in lengths]
+    with torch.no_grad():
+        server = Server(config)
+        rows = [server.storage.alloc_row() for _ in lengths]
+        together = server.step(rows, [0, 0], lengths, [True, True])
+        assert [g.length for g in state_groups(together)] == [9]  # one bucket, the short chunk padded
+        forward(module, torch.cat(inputs)[None], together)
+        got = _states(together, layer)
+        for b, x in enumerate(inputs):
+            alone_server = Server(config)
+            alone = alone_server.step([alone_server.storage.alloc_row()], [0], [lengths[b]], [True])
+            forward(module, x[None], alone)
+            for ours, want in zip(got, _states(alone, layer), strict=True):
+                assert _diff(ours[b], want[0]) < 1e-4 * want[0].abs().max().item()  # relative: states are small
