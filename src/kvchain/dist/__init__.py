@@ -1,4 +1,8 @@
-"""Distributed pieces over torch.distributed (gloo on CPU, NCCL on GPU)."""
+"""Distributed pieces: tensor-parallel ranks, pipeline stages and PD nodes as processes.
+
+Their control planes run on torch.distributed's gloo backend, which carries the host values they
+exchange (digests, MIN-reduced judgements, ids); PD's page bytes go through a transfer engine
+(`transfer.py`: NIXL, or gloo staging buffers)."""
 
 from .reduce import all_ranks_done
 
