@@ -29,7 +29,6 @@ from ..errors import InputError, InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 
-
 #: above every rank a reuse map gives (a queue position)
 _REUSE_TIERS = 1 << 40
 

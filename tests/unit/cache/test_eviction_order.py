@@ -80,8 +80,8 @@ def test_what_a_known_future_match_needs_goes_after_every_other_victim():
 
 
 def test_among_known_future_matches_the_one_needed_latest_goes_first():
-    """A, then B, both matched by waiting requests: B's by the head (rank 0), A's by the one
-    behind it (rank 1). Asked for 8 pages the tree gives A's, though B's are the newer."""
+    """A, then B, both matched by waiting requests: A's by the head (rank 0), B's by the one
+    behind it (rank 1). Asked for 8 pages the tree gives B's, though A's are the older."""
     storage = small_storage(page_size=2, windows=(), state=False, context=128, chain_kib=64)
     tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
     owner = tree.plan.owner.name
@@ -89,9 +89,9 @@ def test_among_known_future_matches_the_one_needed_latest_goes_first():
     b = np.arange(100, 116, dtype=np.int32)
     node_a = cache_sequence(storage, tree, a)
     node_b = cache_sequence(storage, tree, b)
-    tree.reuse = lambda: {id(node_b): 0, id(node_a): 1}
+    tree.reuse = lambda: {id(node_a): 0, id(node_b): 1}
     tree.evict(lambda pages: pages.get(owner, 0) >= 8)
-    assert node_a.parent is None and tree.match_prefix(b).length == 16
+    assert node_b.parent is None and tree.match_prefix(a).length == 16
     tree.verify()
 
 
