@@ -47,6 +47,18 @@ def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_
             "wall_s": round(time.time() - t0, 1), "results": [r.to_dict() for r in result.results]}
 
 
+def trace(preset: str, workload: str, requests: int, pool: str, eviction: str = "lru") -> dict:
+    """Where `pool`'s prefix hits are lost on this row (`kvchain.sim.hit_trace`): shares of all
+    prompt tokens admitted."""
+    from kvchain.sim.compare import _make
+    from kvchain.sim.hit_trace import trace_hits
+
+    name, params = WORKLOADS[workload]
+    cfg = PoolConfig(BUDGETS.get(preset, DEFAULT_BUDGET), eviction=eviction)
+    return trace_hits(_make(pool, model_from_preset(preset).decls, cfg, None),
+                      workload_from_name(name, requests, 0, **params)).summary()
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | workload | budget | pool | steps | kvchain/pool | seconds | hit rate | preempted | "
             "recomputed |\n| - | - | - | - | - | - | - | - | - | - |")
@@ -137,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
     p.add_argument("--waiting-order", default="fcfs", help="kvchain's waiting order (fcfs or longest-prefix)")
     p.add_argument("--eviction", default="lru", help="kvchain's eviction order (lru or waiting-aware)")
+    p.add_argument("--trace-hits", action="store_true",
+                   help="trace where each pool's prefix hits are lost (kvchain.sim.hit_trace; one process, slow)")
     p.add_argument("--memory-time", action="store_true",
                    help="print each preset and workload's memory-time bound in steps (no simulation)")
     p.add_argument("--wide", action="store_true", help="print the one-line-a-row table of docs/simulate.md")
@@ -150,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.presets.split(","):
             for workload in args.workloads.split(","):
                 print(f"{preset} {workload}: {memory_time_bound(preset, workload, args.requests):,.0f} steps")
+        return 0
+    if args.trace_hits:
+        for preset in args.presets.split(","):
+            for workload in args.workloads.split(","):
+                for pool in pools:
+                    print(json.dumps({"preset": preset, "workload": workload, "pool": pool,
+                                      **trace(preset, workload, args.requests, pool, args.eviction)}), flush=True)
         return 0
     rows = []
     for preset in args.presets.split(","):

@@ -100,3 +100,26 @@ def test_a_request_overtaken_four_times_goes_next():
     order = sorted([x, *ys], key=lambda r: r.admitted_step)
     assert order == [*ys[:4], x, ys[4]]
     assert all(y.cached == 24 for y in ys)
+
+
+def test_the_hit_trace_names_the_admission_that_evicted_a_waiting_request_s_prefix():
+    """The case above, least recently used, traced (`sim/hit_trace.py`): Y's 24 tokens were held
+    before it was admitted and it matched none; they went as a leaf, to make room for X's
+    admission, while Y waited second in the queue. With waiting-aware eviction nothing is lost."""
+    from kvchain.sim.hit_trace import trace_hits
+
+    def traced(eviction):
+        pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+        pool.eviction = eviction
+        a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+        b = ScheduledRequest(1, 1, np.arange(100, 116, dtype=np.int32), 1, 1)
+        x = ScheduledRequest(2, 5, np.arange(500, 532, dtype=np.int32), 1, 1)
+        y = ScheduledRequest(3, 5, np.concatenate([a.prompt, np.arange(900, 904, dtype=np.int32)]), 1, 1)
+        return {t.rid: t for t in trace_hits(pool, [a, b, x, y], max_batched_tokens=64, max_running=1).admissions}
+
+    y = traced("lru")[3]
+    assert (y.held, y.matched, y.lost) == (24, 0, 24)
+    assert (y.lost_to.kind, y.lost_to.cause, y.lost_to.protected) == ("leaf", "admit", False)
+    assert y.lost_to.waiting == (2, 3) and y.when() == "while it waited, in the first 8"
+    y = traced("waiting-aware")[3]
+    assert (y.held, y.matched, y.lost, y.lost_to) == (24, 24, 0, None)
