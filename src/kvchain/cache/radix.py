@@ -172,9 +172,6 @@ class UnifiedRadixCache:
         #: future match needs (rank 0 soonest); those go after every other victim, the one needed
         #: latest first (`kvchain.sim.waiting.WaitingReuse`). None: plain LRU
         self.reuse = None
-        #: nodes split so far: with the page and slot counters, tells a caller that remembers
-        #: nodes whether the tree may have changed under it
-        self.splits = 0
 
     def _index_slots(self) -> list[str]:
         """Sub-pool names in `tree_slots` order: full, the primary window (the generic window slot),
@@ -210,7 +207,6 @@ class UnifiedRadixCache:
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Split `node` after its first `k` pages; returns the new upper node."""
         ps = self.ps
-        self.splits += 1
         self._account(node, -1)
         upper = TreeNode(node.parent, node.key[: k * ps], node.vpages[:k], len(self.windows), node.start)
         upper.window_lo = np.minimum(node.window_lo, k)

@@ -48,42 +48,24 @@ class WaitingReuse:
     its state, the window rows behind its end), ranked by queue position.
 
     Why: a request admitted after every waiting one (any request not yet arrived, under first come
-    first served) reuses nothing sooner than they do, so evicting what they will match before
-    anything else is evicting the content needed soonest. Least recently used alone evicts a
+    first served) reuses nothing sooner than they do, so evicting everything else before what
+    they will match evicts the content needed latest first. Least recently used alone evicts a
     waiting turn's previous turn (finished long ago, so old) for a stranger's first chunk, and the
     turn then recomputes it. Among the waiting, the last in the queue gives way first. Asked only
-    when an eviction is planned; it walks the tree for each of those requests (`match_needs`),
-    and keeps each request's answer until the tree changes (a version as `LongestPrefixScheduler`
-    keeps, with splits and window rows: both move what a match needs)."""
+    when an eviction is planned; it walks the tree for each of those requests (`match_needs`)."""
 
     def __init__(self, scheduler: Scheduler, tree) -> None:
         self.scheduler = scheduler
         self.tree = tree
         self.lookahead = LOOKAHEAD
-        self._memo: dict[int, tuple[tuple, list[int]]] = {}
-
-    def _version(self) -> tuple:
-        tree = self.tree
-        stats = tree.stats
-        return (stats["inserted_pages"], stats["evicted_pages"], stats["evicted_window_pages"],
-                stats["evicted_state_slots"], tree.splits, tuple(tree._held))
 
     def __call__(self) -> dict[int, int]:
-        version = self._version()
         ranks: dict[int, int] = {}
-        memo: dict[int, tuple[tuple, list[int]]] = {}
         for i, req in enumerate(self.scheduler.waiting):
             if i >= self.lookahead:
                 break
-            seen = self._memo.get(req.rid)
-            if seen is not None and seen[0] == version:
-                needs = seen[1]
-            else:
-                needs = [id(n) for n in self.tree.match_needs(req.tokens(max(req.input_len - 1, 0)))]
-            memo[req.rid] = (version, needs)
-            for key in needs:
-                ranks.setdefault(key, i)
-        self._memo = memo
+            for node in self.tree.match_needs(req.tokens(max(req.input_len - 1, 0))):
+                ranks.setdefault(id(node), i)
         return ranks
 
 
