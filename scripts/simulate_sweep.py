@@ -35,15 +35,28 @@ WORKLOADS = {
 
 
 def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0,
-        waiting_order: str = "fcfs") -> dict:
+        waiting_order: str = "fcfs", eviction: str = "lru") -> dict:
     name, params = WORKLOADS[workload]
     reqs = workload_from_name(name, requests, 0, **params)
     budget = BUDGETS.get(preset, DEFAULT_BUDGET)
     t0 = time.time()
-    result = compare(model_from_preset(preset).decls, PoolConfig(budget, host_budget=host_budget, waiting_order=waiting_order), reqs, pools,
+    result = compare(model_from_preset(preset).decls, PoolConfig(budget, host_budget=host_budget, waiting_order=waiting_order,
+                                                                  eviction=eviction), reqs, pools,
                      SchedulerConfig(step_time=StepTimeModel()), jobs=jobs)
     return {"preset": preset, "workload": workload, "budget_gib": budget / GiB, "requests": requests,
             "wall_s": round(time.time() - t0, 1), "results": [r.to_dict() for r in result.results]}
+
+
+def trace(preset: str, workload: str, requests: int, pool: str, eviction: str = "lru") -> dict:
+    """Where `pool`'s prefix hits are lost on this row (`kvchain.sim.hit_trace`): shares of all
+    prompt tokens admitted."""
+    from kvchain.sim.compare import _make
+    from kvchain.sim.hit_trace import trace_hits
+
+    name, params = WORKLOADS[workload]
+    cfg = PoolConfig(BUDGETS.get(preset, DEFAULT_BUDGET), eviction=eviction)
+    return trace_hits(_make(pool, model_from_preset(preset).decls, cfg, None),
+                      workload_from_name(name, requests, 0, **params)).summary()
 
 
 def table(rows: list[dict]) -> str:
@@ -135,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a previous --out JSON: pools not run here are taken from its matching rows")
     p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
     p.add_argument("--waiting-order", default="fcfs", help="kvchain's waiting order (fcfs or longest-prefix)")
+    p.add_argument("--eviction", default="lru", help="kvchain's eviction order (lru or waiting-aware)")
+    p.add_argument("--trace-hits", action="store_true",
+                   help="trace where each pool's prefix hits are lost (kvchain.sim.hit_trace; one process, slow)")
     p.add_argument("--memory-time", action="store_true",
                    help="print each preset and workload's memory-time bound in steps (no simulation)")
     p.add_argument("--wide", action="store_true", help="print the one-line-a-row table of docs/simulate.md")
@@ -149,10 +165,18 @@ def main(argv: list[str] | None = None) -> int:
             for workload in args.workloads.split(","):
                 print(f"{preset} {workload}: {memory_time_bound(preset, workload, args.requests):,.0f} steps")
         return 0
+    if args.trace_hits:
+        for preset in args.presets.split(","):
+            for workload in args.workloads.split(","):
+                for pool in pools:
+                    print(json.dumps({"preset": preset, "workload": workload, "pool": pool,
+                                      **trace(preset, workload, args.requests, pool, args.eviction)}), flush=True)
+        return 0
     rows = []
     for preset in args.presets.split(","):
         for workload in args.workloads.split(","):
-            rows.append(run(preset, workload, args.requests, args.jobs, pools, args.host_budget, args.waiting_order))
+            rows.append(run(preset, workload, args.requests, args.jobs, pools, args.host_budget, args.waiting_order,
+                            args.eviction))
             if previous:
                 rows[-1:] = merge(rows[-1:], previous)
             print(f"{preset} {workload}: {rows[-1]['wall_s']} s", file=sys.stderr, flush=True)

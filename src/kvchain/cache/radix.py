@@ -29,6 +29,9 @@ from ..errors import InputError, InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 
+#: above every rank a reuse map gives (a queue position)
+_REUSE_TIERS = 1 << 40
+
 
 class CheckpointStrategy(enum.Enum):
     """How recurrent state reaches the tree (`--mamba-radix-cache-strategy`)."""
@@ -165,6 +168,10 @@ class UnifiedRadixCache:
         #: called as `on_evict(kind, node)` before an eviction frees anything (a host tier backs
         #: the node up there: `kvchain.sim.host_tier`)
         self.on_evict = None
+        #: called as `reuse()` when an eviction is planned: {id(node): rank} for the nodes a known
+        #: future match needs (rank 0 soonest); those go after every other victim, the one needed
+        #: latest first (`kvchain.sim.waiting.WaitingReuse`). None: plain LRU
+        self.reuse = None
 
     def _index_slots(self) -> list[str]:
         """Sub-pool names in `tree_slots` order: full, the primary window (the generic window slot),
@@ -254,6 +261,26 @@ class UnifiedRadixCache:
             return MatchResult(length, vpages[:end_page].copy(), node, window_lo, state,
                                branch if branch > length else 0)
         return empty
+
+    def match_needs(self, tokens: np.ndarray) -> list[TreeNode]:
+        """The nodes the match `match_prefix(tokens)` would find now needs kept: the node it ends in
+        (its pages, its state) and those holding the window rows behind its end. Changes nothing
+        (no split, no recency): what a known future match protects from eviction (`reuse`)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        path = self._walk(tokens)
+        if not path:
+            return []
+        n_pages = sum(k for _n, k in path)
+        bound = [np.concatenate([np.arange(k) >= n.window_lo[w] for n, k in path]) for w in range(len(self.windows))]
+        for end_page, node_index in self._candidate_ends(path, self._covered_ends(bound, n_pages)):
+            floor = self._window_floor(end_page * self.ps)
+            needs = [path[node_index][0]]
+            for node, _k in path[node_index - 1 :: -1] if node_index else ():
+                if node.start + node.n_pages * self.ps <= floor:
+                    break
+                needs.append(node)
+            return needs
+        return []
 
     def _candidate_ends(self, path: list[tuple[TreeNode, int]], covered: np.ndarray) -> Iterator[tuple[int, int]]:
         """(end page, index of the node it ends in) of the ends whose windows are covered, longest first."""
@@ -608,9 +635,14 @@ class UnifiedRadixCache:
         the pages and states still in use. Nothing is freed while planning."""
         # only nodes that can give something now start in the heap (a running request's nodes
         # mostly cannot); an unlocked parent joins once its children are planned away
-        heap = [(min(n.hits, 1), n.last_access, n.seq, False, n) for n in self._nodes()
+        reuse = self.reuse() if self.reuse is not None else {}
+        def tier(n: TreeNode) -> int:  # 0: no known reuse; then the reuse needed latest first
+            rank = reuse.get(id(n))
+            return 0 if rank is None else _REUSE_TIERS - rank
+
+        heap = [(tier(n), min(n.hits, 1), n.last_access, n.seq, False, n) for n in self._nodes()
                 if (n.lock_ref == 0 and not n.children) or (n.window_lock == 0 and n.window_held)]
-        heap += [(0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
+        heap += [(tier(n), 0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
         heapq.heapify(heap)
         planned_away: dict[int, int] = {}  # children planned away, per parent
         window_done: set[int] = set()
@@ -635,7 +667,8 @@ class UnifiedRadixCache:
                 if parent is not None and parent is not self.root:
                     up = planned_away[id(parent)] = planned_away.get(id(parent), 0) + 1
                     if up == len(parent.children) and parent.lock_ref == 0:
-                        heapq.heappush(heap, (min(parent.hits, 1), parent.last_access, parent.seq, False, parent))
+                        heapq.heappush(heap, (tier(parent), min(parent.hits, 1), parent.last_access, parent.seq,
+                                              False, parent))
                 continue
             if key not in window_done and node.window_lock == 0 and node.window_held:
                 window_done.add(key)

@@ -78,6 +78,11 @@ class PoolConfig:
     waiting_order: str = "fcfs"
     #: bytes of the host tier behind kvchain's prefix tree (`sim/host_tier.py`), 0 for none
     host_budget: int = 0
+    #: how kvchain's prefix tree (and the layout-only baselines') picks what to evict
+    #: (`sim/waiting.py`): `lru`, least recently used alone (the default, as the engines' pools
+    #: and `ideal` always evict), or `waiting-aware`, what waiting requests will match kept until
+    #: last: more hits on multi-turn chat, but more steps on the state models (docs/simulate.md)
+    eviction: str = "lru"
 
 
 #: How each pool's prefix tree caches recurrent state when `PoolConfig.strategy` is None. kvchain
@@ -115,6 +120,7 @@ def kvchain_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPool:
                        checkpoint_interval=_checkpoint(plan, cfg), policy=admission_policy(cfg.admission))
     pool.name = "kvchain"
     pool.waiting_order = cfg.waiting_order
+    pool.eviction = cfg.eviction
     if cfg.host_budget:
         from .host_tier import with_host_tier
 
@@ -174,6 +180,7 @@ def static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, split: StaticSpli
     pool.name = name
     pool.split = split
     pool.waiting_order = cfg.waiting_order
+    pool.eviction = cfg.eviction
     return pool
 
 
@@ -182,6 +189,7 @@ def sglang_static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChain
     pool = static_pool(decls, cfg, name="sglang-static")
     pool.policy = SglangPolicy()
     pool.waiting_order = "fcfs"
+    pool.eviction = "lru"
     return pool
 
 
@@ -273,6 +281,7 @@ def uniform_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig, name: str = "uni
     pool.name = name
     pool.uniform = layout
     pool.waiting_order = cfg.waiting_order
+    pool.eviction = cfg.eviction
     return pool
 
 
@@ -283,6 +292,7 @@ def vllm_hybrid_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPo
     pool = uniform_pool(decls, cfg, name="vllm-hybrid")
     pool.policy = VllmPolicy()
     pool.waiting_order = "fcfs"
+    pool.eviction = "lru"
     return pool
 
 

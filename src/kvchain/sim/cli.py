@@ -23,7 +23,7 @@ from ..cli_common import byte_size as _byte_size
 from ..cli_common import positive_int as _positive_int
 from ..engine.policies import ADMISSION_MODES
 from ..errors import InputError
-from .waiting import WAITING_ORDERS
+from .waiting import EVICTION_ORDERS, WAITING_ORDERS
 from .workloads import MAX_REQUEST_TOKENS
 
 #: requests a run may generate or replay: each holds its prompt and output tokens in memory
@@ -77,6 +77,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="kvchain's waiting order: fcfs (default, as the engines' pools and ideal) or longest-prefix "
                         "(the waiting request the prefix tree holds most of first, among the first 64; a request "
                         "overtaken 4 times goes next)")
+    p.add_argument("--eviction", default="lru", choices=list(EVICTION_ORDERS),
+                   help="what kvchain's prefix tree evicts first: lru (default, as the engines' pools and ideal) or "
+                        "waiting-aware (least recently used, but what the first 64 waiting requests will match goes "
+                        "last, the one needed latest first)")
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
     p.add_argument("--ms-per-step", type=positive_float, default=50.0,
@@ -178,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = PoolConfig(args.budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
                      strategy=None if args.strategy == "auto" else CheckpointStrategy(args.strategy),
-                     admission=args.admission, waiting_order=args.waiting_order, host_budget=args.host_budget)
+                     admission=args.admission, waiting_order=args.waiting_order, host_budget=args.host_budget,
+                     eviction=args.eviction)
     sched = SchedulerConfig(args.max_batched_tokens, args.max_running, step_time, priority=args.priority,
                             decode_tokens=decode_tokens)
     with progress(disable=args.json, unit="requests") as bar:

@@ -37,7 +37,50 @@ LOOKAHEAD = 64
 MAX_OVERTAKEN = 4
 
 
-class LongestPrefixScheduler(Scheduler):
+#: how the prefix tree picks what to evict (`PoolConfig.eviction`, `--eviction`): least recently
+#: used alone, or with what waiting requests will match kept until last (`WaitingReuse`)
+EVICTION_ORDERS = ("waiting-aware", "lru")
+
+
+class WaitingReuse:
+    """What the waiting queue will match, for the tree's eviction order (`UnifiedRadixCache.reuse`):
+    the nodes each of the first `LOOKAHEAD` waiting requests' matches need (the node it ends in,
+    its state, the window rows behind its end), ranked by queue position.
+
+    Why: a request admitted after every waiting one (any request not yet arrived, under first come
+    first served) reuses nothing sooner than they do, so evicting everything else before what
+    they will match evicts the content needed latest first. Least recently used alone evicts a
+    waiting turn's previous turn (finished long ago, so old) for a stranger's first chunk, and the
+    turn then recomputes it. Among the waiting, the last in the queue gives way first. Asked only
+    when an eviction is planned; it walks the tree for each of those requests (`match_needs`)."""
+
+    def __init__(self, scheduler: Scheduler, tree) -> None:
+        self.scheduler = scheduler
+        self.tree = tree
+        self.lookahead = LOOKAHEAD
+
+    def __call__(self) -> dict[int, int]:
+        ranks: dict[int, int] = {}
+        for i, req in enumerate(self.scheduler.waiting):
+            if i >= self.lookahead:
+                break
+            for node in self.tree.match_needs(req.tokens(max(req.input_len - 1, 0))):
+                ranks.setdefault(id(node), i)
+        return ranks
+
+
+class ReuseAwareScheduler(Scheduler):
+    """The scheduler loop with the pool's prefix tree told what waiting requests will match, when
+    the pool's `eviction` is `waiting-aware` (`WaitingReuse`); the loop itself is unchanged."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        tree = getattr(self.pool, "tree", None)
+        if tree is not None and getattr(self.pool, "eviction", "lru") == "waiting-aware":
+            tree.reuse = WaitingReuse(self, tree)
+
+
+class LongestPrefixScheduler(ReuseAwareScheduler):
     """The scheduler loop with the waiting head chosen by cached prefix length (module doc).
     Under priority scheduling priority still comes first; the prefix decides among equals."""
 
@@ -107,4 +150,6 @@ class LongestPrefixScheduler(Scheduler):
 
 def scheduler_class(pool) -> type[Scheduler]:
     """The loop `pool` is run with: its `waiting_order` (kvchain's pools), else first come first served."""
-    return LongestPrefixScheduler if getattr(pool, "waiting_order", "fcfs") == "longest-prefix" else Scheduler
+    if getattr(pool, "waiting_order", "fcfs") == "longest-prefix":
+        return LongestPrefixScheduler
+    return ReuseAwareScheduler if getattr(pool, "eviction", "lru") == "waiting-aware" else Scheduler

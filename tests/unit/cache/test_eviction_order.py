@@ -58,3 +58,55 @@ def test_a_plan_counts_window_rows_once_when_a_node_goes_whole_after_them():
     freed = tree.evict(lambda pages: pages.get(window, 0) >= held[window])
     assert freed.pages[window] == held[window]
     tree.verify()
+
+
+def test_what_a_known_future_match_needs_goes_after_every_other_victim():
+    """A (16 tokens) is cached before B (16 others), so least recently used alone gives A's 8
+    pages first. Told that a waiting request will match A (`reuse`), the tree gives B's and
+    keeps A, whose match then still finds all 16 tokens."""
+    storage = small_storage(page_size=2, windows=(), state=False, context=128, chain_kib=64)
+    tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
+    owner = tree.plan.owner.name
+    a = np.arange(1, 17, dtype=np.int32)
+    b = np.arange(100, 116, dtype=np.int32)
+    node_a = cache_sequence(storage, tree, a)
+    node_b = cache_sequence(storage, tree, b)
+    assert tree.match_needs(np.concatenate([a, [7, 7]])) == [node_a]
+    tree.reuse = lambda: {id(node_a): 0}
+    freed = tree.evict(lambda pages: pages.get(owner, 0) >= 8)
+    assert freed.pages == {owner: 8}
+    assert node_b.parent is None and tree.match_prefix(a).length == 16
+    tree.verify()
+
+
+def test_among_known_future_matches_the_one_needed_latest_goes_first():
+    """A, then B, both matched by waiting requests: A's by the head (rank 0), B's by the one
+    behind it (rank 1). Asked for 8 pages the tree gives B's, though A's are the older."""
+    storage = small_storage(page_size=2, windows=(), state=False, context=128, chain_kib=64)
+    tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
+    owner = tree.plan.owner.name
+    a = np.arange(1, 17, dtype=np.int32)
+    b = np.arange(100, 116, dtype=np.int32)
+    node_a = cache_sequence(storage, tree, a)
+    node_b = cache_sequence(storage, tree, b)
+    tree.reuse = lambda: {id(node_a): 0, id(node_b): 1}
+    tree.evict(lambda pages: pages.get(owner, 0) >= 8)
+    assert node_b.parent is None and tree.match_prefix(a).length == 16
+    tree.verify()
+
+
+def test_a_future_match_needs_the_nodes_holding_the_window_rows_behind_its_end():
+    """Window of 8 tokens, pages of 2: a 24-token sequence cached as a 16-token node and an
+    8-token child. A match at 24 reads the window rows of tokens 16..23, all in the child, so it
+    needs the child alone; a match at 20 (a 20-token node split off the child) reads 12..19,
+    which reach into the parent, so it needs both."""
+    storage = small_storage(page_size=2, windows=(8,), state=False, context=128, chain_kib=64)
+    tree = UnifiedRadixCache(storage, CheckpointStrategy.NO_BUFFER, None)
+    tokens = np.arange(1, 25, dtype=np.int32)
+    parent = cache_sequence(storage, tree, tokens[:16])
+    child = cache_sequence(storage, tree, tokens)
+    assert child.parent is parent
+    assert tree.match_needs(np.concatenate([tokens, [9, 9]])) == [child]
+    needs = tree.match_needs(np.concatenate([tokens[:20], [9, 9]]))
+    assert needs == [child, parent]
+    assert tree.match_prefix(np.concatenate([tokens, [9, 9]])).length == 24  # match_needs split nothing

@@ -8,7 +8,7 @@ import numpy as np
 from kvchain.engine.request import Phase, ScheduledRequest
 from kvchain.engine.scheduler import Scheduler
 from kvchain.sim.baselines import PoolConfig, kvchain_pool, vllm_hybrid_pool
-from kvchain.sim.waiting import LongestPrefixScheduler, scheduler_class
+from kvchain.sim.waiting import LongestPrefixScheduler, ReuseAwareScheduler, scheduler_class
 from support.simworld import world
 
 
@@ -46,7 +46,39 @@ def test_kvchain_pools_take_the_order_asked_and_the_engines_first_come_first_ser
     lpm = PoolConfig(2**30, waiting_order="longest-prefix")
     assert scheduler_class(kvchain_pool(decls, lpm)) is LongestPrefixScheduler
     assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is Scheduler  # the default
+    aware = PoolConfig(2**30, eviction="waiting-aware")
+    assert scheduler_class(kvchain_pool(decls, aware)) is ReuseAwareScheduler
+    assert scheduler_class(vllm_hybrid_pool(decls, aware)) is Scheduler
     assert scheduler_class(vllm_hybrid_pool(decls, lpm)) is Scheduler
+
+
+def _evict_for_a_stranger(cls, eviction):
+    """A (24 tokens, 6 pages) and then B (16 tokens, 4 pages) run and leave their pages in the
+    tree; 5 of the 15 pages are free. X (32 unrelated tokens: 8 pages) and Y (A's 24 tokens and
+    4 more) arrive in that order. X's admission must evict 3 pages: least recently used gives
+    A's (older than B's), so Y finds nothing; waiting-aware eviction knows Y, waiting behind X,
+    will match A, and gives B's instead, so Y matches 24 tokens. The order stays first come
+    first served: X is admitted first either way."""
+    pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+    pool.eviction = eviction
+    a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+    b = ScheduledRequest(1, 1, np.arange(100, 116, dtype=np.int32), 1, 1)
+    x = ScheduledRequest(2, 5, np.arange(500, 532, dtype=np.int32), 1, 1)
+    y = ScheduledRequest(3, 5, np.concatenate([a.prompt, np.arange(900, 904, dtype=np.int32)]), 1, 1)
+    sched = cls(pool, max_batched_tokens=64, max_running=1)
+    sched.add([a, b, x, y])
+    sched.run()
+    assert all(r.phase is Phase.FINISHED for r in (a, b, x, y))
+    assert x.admitted_step < y.admitted_step
+    return y
+
+
+def test_lru_eviction_gives_a_waiting_request_s_prefix_to_the_stranger_ahead_of_it():
+    assert _evict_for_a_stranger(Scheduler, "lru").cached == 0
+
+
+def test_waiting_aware_eviction_keeps_the_prefix_a_waiting_request_will_match():
+    assert _evict_for_a_stranger(ReuseAwareScheduler, "waiting-aware").cached == 24
 
 
 def test_a_request_overtaken_four_times_goes_next():
@@ -68,3 +100,26 @@ def test_a_request_overtaken_four_times_goes_next():
     order = sorted([x, *ys], key=lambda r: r.admitted_step)
     assert order == [*ys[:4], x, ys[4]]
     assert all(y.cached == 24 for y in ys)
+
+
+def test_the_hit_trace_names_the_admission_that_evicted_a_waiting_request_s_prefix():
+    """The case above, least recently used, traced (`sim/hit_trace.py`): Y's 24 tokens were held
+    before it was admitted and it matched none; they went as a leaf, to make room for X's
+    admission, while Y waited second in the queue. With waiting-aware eviction nothing is lost."""
+    from kvchain.sim.hit_trace import trace_hits
+
+    def traced(eviction):
+        pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+        pool.eviction = eviction
+        a = ScheduledRequest(0, 0, np.arange(1, 25, dtype=np.int32), 1, 1)
+        b = ScheduledRequest(1, 1, np.arange(100, 116, dtype=np.int32), 1, 1)
+        x = ScheduledRequest(2, 5, np.arange(500, 532, dtype=np.int32), 1, 1)
+        y = ScheduledRequest(3, 5, np.concatenate([a.prompt, np.arange(900, 904, dtype=np.int32)]), 1, 1)
+        return {t.rid: t for t in trace_hits(pool, [a, b, x, y], max_batched_tokens=64, max_running=1).admissions}
+
+    y = traced("lru")[3]
+    assert (y.held, y.matched, y.lost) == (24, 0, 24)
+    assert (y.lost_to.kind, y.lost_to.cause, y.lost_to.protected) == ("leaf", "admit", False)
+    assert y.lost_to.waiting == (2, 3) and y.when() == "while it waited, in the first 8"
+    y = traced("waiting-aware")[3]
+    assert (y.held, y.matched, y.lost, y.lost_to) == (24, 24, 0, None)
