@@ -38,7 +38,7 @@ from ..models.small import small_hybrid
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import fixed_allocations, size_plan
 from . import DEFAULT_PRESSURE
-from .boundary_cost import TimerCost, measure_boundary_cost, pool_time_step
+from .boundary_cost import TimerCost, measure_boundary_cost, measure_twin_cost, pool_time_step
 from .static_pool import PeakTrackingPool, StaticPagedPool
 from .workload import BenchRequest, decode_heavy
 
@@ -297,6 +297,8 @@ def run_alloc_bench(iters: int = 2000, batch: int = 256, page_size: int = 64, se
     big_sizing, big_pages = roomy_static(plan, batch)
     peak = dry_run(PeakTrackingPool(plan, big_sizing, big_pages), False, batch, stream, steps).pool.peak_bytes
     pairs = {}
+    #: per profile, three twins of the chain driver for the whole run's boundary cost
+    twins: dict[str, list[_Driver]] = {}
     for name in profiles:
         chain_bytes = int(peak * ROOMY_HEADROOM) if name == "roomy" else int(peak * pressure)
         budget = budget_for_chain(plan, chain_bytes, batch)
@@ -306,6 +308,8 @@ def run_alloc_bench(iters: int = 2000, batch: int = 256, page_size: int = 64, se
         kv = _Driver(build_kv_storage(plan, sizing, "meta"), True, batch, stream)
         static = _Driver(StaticPagedPool(plan, sizing, tracker.peak_pages), False, batch, stream, script)
         pairs[name] = (budget, kv, static)
+        twins[name] = [_Driver(build_kv_storage(plan, sizing, "meta"), True, batch, stream, clock=BOUNDARY_CLOCK)
+                       for _ in range(3)]
     for _ in range(warmup):
         for _budget, kv, static in pairs.values():
             kv.step()
@@ -346,6 +350,15 @@ def run_alloc_bench(iters: int = 2000, batch: int = 256, page_size: int = 64, se
             cost = measure_boundary_cost(pool_time_step(kv), kv.pool, rounds=min(BOUNDARY_ROUNDS, iters),
                                          timer=timer, clock=BOUNDARY_CLOCK)
             results[name]["boundary"] = cost.as_dict()
+            checked, bypassed, control = twins[name]
+            for _ in range(warmup):
+                for twin in twins[name]:
+                    twin.step()
+            twin_cost = measure_twin_cost(pool_time_step(checked), (pool_time_step(bypassed), bypassed.pool),
+                                          pool_time_step(control), rounds=min(BOUNDARY_ROUNDS, iters))
+            if not checked.log == bypassed.log == control.log:
+                raise RuntimeError(f"{name}: the boundary's twins decided otherwise than each other")
+            results[name]["boundary"]["twins"] = twin_cost.as_dict()
             results[name]["boundary_ratio"] = results[name]["boundary"]["own_ratio"]
     finally:
         gc.unfreeze()

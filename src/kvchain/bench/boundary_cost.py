@@ -23,6 +23,13 @@ only this measurement touches them, on the one `KVStorage` it is handed:
   different work (a request arrives in one and not the next), so this figure's spread across runs
   is several times the checks' cost; it tells a gross error in the own-time figure, not 3%.
 
+- **twins** (the whole run's cost): three copies of the same workload on three pools built alike,
+  stepped in lockstep, so every round's iteration does the same work on the same pool state on
+  each: one checked, one with the checks bypassed, and a second checked one, the order rotating
+  every round. Checked over bypassed is what the same run pays for its checks, the cache misses
+  the checks cause included and none charged to them that the body pays anyway; checked over
+  checked (A/A) is the figure's own noise, printed beside it.
+
 A bypassed iteration is safe only for a workload whose calls are valid: the checks never change the
 pool, so both sides see the same pool states."""
 
@@ -275,6 +282,61 @@ def measure_boundary_cost(step: Step, storage, rounds: int = 1000,
         raise InputError("the workload reported no pool time beside its checks")
     return BoundaryCost(tuple(checked), tuple(own), tuple(warm), tuple(spent[True]), tuple(spent[False]),
                         by_check, timer, group)
+
+
+@dataclass(frozen=True)
+class TwinCost:
+    """Per round, the pool time of the same iteration on the checked twin, the bypassed twin and
+    the second checked twin (A/A)."""
+
+    checked_ns: tuple[float, ...]
+    bypassed_ns: tuple[float, ...]
+    control_ns: tuple[float, ...]
+
+    @staticmethod
+    def _ratios(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, float]:
+        per_round = [x / y for x, y in zip(a, b, strict=True) if y > 0]
+        return sum(a) / sum(b), statistics.median(per_round)
+
+    @property
+    def ratio(self) -> float:
+        """Checked over bypassed, in total over the rounds: 1.03 is a 3% cost."""
+        return self._ratios(self.checked_ns, self.bypassed_ns)[0]
+
+    @property
+    def control_ratio(self) -> float:
+        """Checked over the second checked twin: what the figure moves with no cost to find."""
+        return self._ratios(self.checked_ns, self.control_ns)[0]
+
+    def as_dict(self) -> dict:
+        ratio, median = self._ratios(self.checked_ns, self.bypassed_ns)
+        control, control_median = self._ratios(self.checked_ns, self.control_ns)
+        n = len(self.checked_ns)
+        return {"rounds": n, "ratio": round(ratio, 4), "median_ratio": round(median, 4),
+                "control_ratio": round(control, 4), "control_median_ratio": round(control_median, 4),
+                "checked_us_per_iter": round(sum(self.checked_ns) / n / 1e3, 2),
+                "bypassed_us_per_iter": round(sum(self.bypassed_ns) / n / 1e3, 2)}
+
+
+def measure_twin_cost(checked: Step, bypassed: tuple[Step, object], control: Step, rounds: int = 1000,
+                      bypass: Callable[[object], contextlib.AbstractContextManager] = checks_bypassed,
+                      ) -> TwinCost:
+    """`rounds` rounds of one iteration on each of three twins of one workload (`bypassed` with its
+    storage, whose checks are bypassed for the whole measurement), the order rotating each round
+    so no twin always goes first."""
+    if rounds < 1:
+        raise InputError(f"a twin cost needs at least one round, got {rounds}")
+    step_b, storage_b = bypassed
+    sides: list[Step] = [checked, step_b, control]
+    spent: list[list[float]] = [[], [], []]
+    with bypass(storage_b):
+        for r in range(rounds):
+            for k in range(3):
+                i = (r + k) % 3
+                spent[i].append(float(sides[i]()))
+    if min(sum(x) for x in spent) <= 0:
+        raise InputError("the workload reported no pool time")
+    return TwinCost(tuple(spent[0]), tuple(spent[1]), tuple(spent[2]))
 
 
 def pool_time_step(driver, step: Callable[[], None] | None = None) -> Step:

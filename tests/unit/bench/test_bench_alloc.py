@@ -24,8 +24,11 @@ PROFILE_KEYS = {
     "preemptions", "admissions", "refused_takes", "boundary", "boundary_ratio",
 }
 BOUNDARY_KEYS = {"own_ratio", "own_ratio_warm", "own_ratio_total", "own_ratio_groups", "iterations", "pool_us_per_iter",
-                 "checks_us_per_iter", "checks_warm_us_per_iter", "per_check", "samples_per_call", "timer_ns", "paired"}
+                 "checks_us_per_iter", "checks_warm_us_per_iter", "per_check", "samples_per_call", "timer_ns", "paired",
+                 "twins"}
 PAIRED_KEYS = {"rounds", "checked_us_per_iter", "bypassed_us_per_iter", "ratio", "median_ratio"}
+TWIN_KEYS = {"rounds", "ratio", "median_ratio", "control_ratio", "control_median_ratio", "checked_us_per_iter",
+             "bypassed_us_per_iter"}
 #: the hot operations' checks the boundary's cost times, each called by the bench's iterations
 HOT_CHECKS = {"_check_decode", "_check_written", "_check_iteration_ids", "_check_runner_ids", "_check_advance",
               "_check_free_rows", "_check_extend", "_check_flush"}
@@ -48,7 +51,8 @@ def test_json_schema(result: dict) -> None:
         assert row["profile"] == name
         boundary = row["boundary"]
         assert set(boundary) == BOUNDARY_KEYS and set(boundary["paired"]) == PAIRED_KEYS, name
-        assert boundary["iterations"] == boundary["paired"]["rounds"] == ITERS
+        assert set(boundary["twins"]) == TWIN_KEYS, name
+        assert boundary["iterations"] == boundary["paired"]["rounds"] == boundary["twins"]["rounds"] == ITERS
         assert row["boundary_ratio"] == boundary["own_ratio"] > 1 and boundary["own_ratio_warm"] > 1
         assert boundary["own_ratio_groups"]["min"] <= boundary["own_ratio"] <= boundary["own_ratio_groups"]["max"]
         assert {n for n, c in boundary["per_check"].items() if c["calls_per_iter"] > 0} >= HOT_CHECKS, name

@@ -17,6 +17,7 @@ from kvchain.bench.boundary_cost import (
     checks_bypassed,
     checks_clocked,
     measure_boundary_cost,
+    measure_twin_cost,
     pool_time_step,
 )
 from kvchain.errors import InputError
@@ -160,3 +161,36 @@ def test_a_storage_workload_measures_its_checks_and_leaves_the_pool_intact():
     assert storage.seq_len(int(rows[0])) == 3 + 60 and cost.own_ratio > 1 and SAMPLES > 1
     storage.free_rows(rows)
     storage.check_idle()
+
+
+def test_twins_run_the_same_round_on_each_side_in_rotating_order_with_one_side_bypassed():
+    """`measure_twin_cost`: every round steps each twin once, the first rotating; the bypassed
+    twin's checks are off for the whole measurement and back on after; its ratios are checked
+    over bypassed and checked over checked, in total and as the median round."""
+    order: list[str] = []
+
+    class Storage:
+        _checked = True
+
+    bypassed = Storage()
+    seen: list[bool] = []
+
+    def side(name: str, ns: list[int], storage=None):
+        def step() -> int:
+            order.append(name)
+            if storage is not None:
+                seen.append(storage._checked)
+            return ns[len([o for o in order if o == name]) - 1]
+        return step
+
+    cost = measure_twin_cost(side("a", [12, 12, 12]), (side("b", [10, 10, 20], bypassed), bypassed),
+                             side("c", [12, 12, 12]), rounds=3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert seen == [False] * 3 and bypassed._checked is True
+    assert cost.ratio == pytest.approx(36 / 40) and cost.control_ratio == pytest.approx(1.0)
+    d = cost.as_dict()
+    assert d["median_ratio"] == pytest.approx(1.2) and d["control_median_ratio"] == pytest.approx(1.0)
+    assert d["rounds"] == 3 and d["checked_us_per_iter"] == pytest.approx(0.01)
+    order.clear()
+    with pytest.raises(InputError):
+        measure_twin_cost(side("a", [0]), (side("b", [0], bypassed), bypassed), side("c", [0]), rounds=1)
