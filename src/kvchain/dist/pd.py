@@ -79,16 +79,17 @@ ASYNC_DEVICES = (CudaDevice, ThreadDevice)
 PUBLISH_STREAM = "publish"
 
 
-def deferred_publication(device: Device, *, overlap: bool, pipeline_stages: int = 1) -> bool:
+def deferred_publication(device: Device | None, *, overlap: bool, pipeline_stages: int = 1) -> bool:
     """Whether a decode node defers publication: `KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH` is
     on. Then only under the overlap scheduler, on a device of `ASYNC_DEVICES`, without pipeline
-    parallelism (PD-12); anything else is refused, never silently served synchronously."""
+    parallelism (PD-12); anything else is refused, never silently served synchronously. A `device`
+    of None (not built yet: asked before the nodes start) is judged by the rest alone."""
     if not env.get("KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH"):
         return False
     why = []
     if not overlap:
         why.append("the overlap scheduler is off")
-    if not isinstance(device, ASYNC_DEVICES):
+    if device is not None and not isinstance(device, ASYNC_DEVICES):
         why.append(f"the {type(device).__name__} runs no stream apart from the host")
     if pipeline_stages > 1:
         why.append(f"pipeline parallelism is on ({pipeline_stages} stages)")

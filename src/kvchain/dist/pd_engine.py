@@ -32,7 +32,7 @@ from ..engine.serve import (
     GenerateStats,
 )
 from ..errors import KVChainError
-from .pd import DecodeNode, PrefillNode, Received, Refused, layout_digest
+from .pd import DecodeNode, PrefillNode, Received, Refused, deferred_publication, layout_digest
 from .pd_auth import PDListener
 from .pd_link import PDLink, hello
 from .pp import run_stage_processes
@@ -208,6 +208,10 @@ def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, reques
     return _decode(port, path, config, kind, secret)
 
 
+#: the PD processes by their stage index
+NODE_NAMES = ("prefill", "decode")
+
+
 def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequest], kind: str = "nixl",
                 timeout_s: float = 600.0, report: dict | None = None) -> GenerateResult:
     """Serve `requests` with a prefill process and a decode process on this machine (loopback);
@@ -216,13 +220,16 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     (decode steps run while the prefill node still had hand-offs to make) and whether the decode
     node deferred publication (`deferred_publication`)."""
     requests = list(requests)
+    deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
     secret = os.urandom(32)
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     t0 = time.perf_counter()
     out = run_stage_processes(_node, 2, (str(path), config, requests, kind, secret), timeout_s=timeout_s, env=env)
     bad = {s: v for s, v in out.items() if v[0] != "ok"}
-    if bad:
-        raise KVChainError(f"generate --pd: {bad}")
+    if bad:  # one line: each failed node's first line, the decode node's first (its failure ends the prefill's)
+        raise KVChainError("generate --pd: " + "; ".join(
+            f"the {NODE_NAMES[s]} node: {str(bad[s][1]).splitlines()[0] if bad[s][1] else bad[s][0]}"
+            for s in sorted(bad, reverse=True)))
     pre, dec = out[0][1], out[1][1]
     if report is not None:
         report.update(prefill_seconds=pre["seconds"], decode_seconds=dec["seconds"], decode_steps=dec["steps"],

@@ -85,3 +85,19 @@ def _same_outputs_and_overlapped(config, requests) -> dict:
     assert 0 < report["overlapped_steps"] < report["decode_steps"], report
     assert not mp.active_children()
     return report
+
+
+def test_deferred_publication_without_overlap_is_one_line_before_any_node_starts(monkeypatch, capsys):
+    """PD-12 on the command line: the switch on with `--no-overlap` is refused in one line and exit
+    2 before the prefill and decode processes start (none is left running)."""
+    from kvchain.dist import pd_engine
+
+    monkeypatch.setenv("KVCHAIN_ENABLE_DISAGG_DECODE_DEFERRED_PUBLISH", "1")
+    monkeypatch.setattr(pd_engine, "run_stage_processes", lambda *a, **k: pytest.fail("a PD node started"))
+    path = checkpoint_dir("gemma3")
+    capsys.readouterr()
+    code = main(["generate", "--model-path", str(path), "--prompt", "ab", "--pd", "--pd-engine", "gloo",
+                 "--no-overlap"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "the overlap scheduler is off" in err, err
+    assert not mp.active_children()
