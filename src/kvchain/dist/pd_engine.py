@@ -8,7 +8,7 @@ rows decode keeps, the state slot, and the first token. The decode process decod
 still arrive: between two of its steps it takes an offer that waits (`DecodeNode.offer_waiting`,
 `receive`) into a row of its own, and the request joins its scheduler as a running decode from
 the token after the first, while the prefill node goes on with the others. Outputs are the single-process
-engine's (tests/unit/dist/test_pd_engine.py). Both engines run without the prefix cache: a
+engine's (tests/unit/distributed/test_pd_engine.py). Both engines run without the prefix cache: a
 received row's windows are retired as a fresh row's are (`advance` with no checkpoint), which is
 how the prefill node's were retired only without a tree."""
 

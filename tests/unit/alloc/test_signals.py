@@ -1,5 +1,5 @@
 """`NetworkTransferWaiter` on one rank: a host wait releases the transfers it waited, and past the
-deadline it raises naming the transfers still in flight (the two-rank round is in tests/unit/dist)."""
+deadline it raises naming the transfers still in flight (the two-rank round is in tests/unit/distributed)."""
 
 from __future__ import annotations
 
