@@ -22,15 +22,22 @@ import torch
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
-from .pp import StageLink, run_stage_processes
-from ..errors import InputError, InvariantError
-from ..plan import plan_stages, stage_layer_ranges
-from ..sizing import size_stages
 from ..engine.batch import ForwardBatch
 from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
-from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, open_checkpoint, pool_options
+from ..engine.serve import (
+    Engine,
+    EngineConfig,
+    GenerateRequest,
+    GenerateResult,
+    open_checkpoint,
+    pool_options,
+)
+from ..errors import InputError, InvariantError
+from ..plan import plan_stages, stage_layer_ranges
+from ..sizing import size_stages
+from .pp import StageLink, run_stage_processes
 
 
 class PassThroughLayer(torch.nn.Module):

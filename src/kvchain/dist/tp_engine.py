@@ -18,19 +18,26 @@ from dataclasses import dataclass, replace
 
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
-from .pp import run_stage_processes
-from .tp import RankLink, check_rank_agreement, check_same_layout, digest
-from .tp_shard import check_split, shard_model
+from ..engine.checkpoint import LoadedCheckpoint
+from ..engine.model_pool import ModelPool
+from ..engine.runner import ModelRunner
+from ..engine.serve import (
+    Engine,
+    EngineConfig,
+    GenerateRequest,
+    GenerateResult,
+    open_checkpoint,
+    pool_options,
+)
 from ..errors import InputError
 from ..models.registry import model_from_config
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from ..units import dtype_name
-from ..engine.checkpoint import LoadedCheckpoint
-from ..engine.model_pool import ModelPool
+from .pp import run_stage_processes
 from .pp_engine import _as_tensors, _by_value, _stage_error
-from ..engine.runner import ModelRunner
-from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, open_checkpoint, pool_options
+from .tp import RankLink, check_rank_agreement, check_same_layout, digest
+from .tp_shard import check_split, shard_model
 
 
 def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int) -> None:

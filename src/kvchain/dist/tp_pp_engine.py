@@ -28,7 +28,14 @@ from ..alloc.stage_capacity import StageGeometry, check_stage_agreement, shared_
 from ..build import build_kv_storage
 from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
-from ..engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult, open_checkpoint, pool_options
+from ..engine.serve import (
+    Engine,
+    EngineConfig,
+    GenerateRequest,
+    GenerateResult,
+    open_checkpoint,
+    pool_options,
+)
 from ..errors import InputError
 from ..models.registry import model_from_config
 from ..plan import plan_stages, stage_layer_ranges

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from kvchain.alloc.stage_capacity import StageGeometry
 from kvchain.cli import main
 from kvchain.dist import tp_engine as tp
-from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.dist.tp_engine import generate_in_ranks
+from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import KVChainError
 from support.engine import LOGIT_TOL, checkpoint_dir, workload
 
