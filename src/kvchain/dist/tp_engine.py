@@ -79,19 +79,23 @@ class RankEngine(Engine):
     def generate(self, requests: Sequence[GenerateRequest],
                  progress: Callable[[int, int], None] | None = None) -> GenerateResult:
         """Serve every request; after each step the ranks compare their decision digests."""
-        chain, link = self.storage.allocator, self.link
-
         def step_done(done: int, total: int) -> None:
-            log, chain.decisions = chain.decisions, []
-            counts = shared_counts(chain)
-            log.append(("held", counts.held, counts.virtual_held, counts.slots_held, done))
-            self.digests.append(digest(log))
-            check_rank_agreement(link.all_gather(self.digests[-1]), len(self.digests) - 1,
-                                 lambda: link.all_gather(log))
+            agree_with_ranks(self.storage.allocator, self.link, self.digests, done)
             if progress is not None:
                 progress(done, total)
 
         return super().generate(requests, progress=step_done)
+
+
+def agree_with_ranks(chain, ranks, digests: list[str], done: int) -> None:
+    """A step's end on one rank: its allocator's decisions and the units it holds digested (into
+    `digests`) and compared with every rank of `ranks` (anything with `all_gather`), which
+    `tp.rank_agreement` fails naming the first differing decision."""
+    log, chain.decisions = chain.decisions, []
+    counts = shared_counts(chain)
+    log.append(("held", counts.held, counts.virtual_held, counts.slots_held, done))
+    digests.append(digest(log))
+    check_rank_agreement(ranks.all_gather(digests[-1]), len(digests) - 1, lambda: ranks.all_gather(log))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..alloc.stage_capacity import StageGeometry, check_stage_agreement, shared_counts
+from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
@@ -43,8 +43,8 @@ from ..sizing import size_stages
 from ..units import dtype_name
 from .pp import StageLink, loopback_env, run_stage_processes
 from .pp_engine import StageRunner, _as_tensors, _by_value, _stage_error, check_stage_split
-from .tp import RankLink, check_rank_agreement, check_same_layout, digest
-from .tp_engine import check_tp_split, shard_model
+from .tp import RankLink, check_same_layout
+from .tp_engine import agree_with_ranks, check_tp_split, shard_model
 
 
 class GroupRankLink(RankLink):
@@ -130,12 +130,7 @@ class StageRankEngine(Engine):
             if previous is not None:
                 check_stage_agreement(mine, previous, stages.stage, len(self.stage_digests) - 1)
             stages.send_next(mine)
-            log, chain.decisions = chain.decisions, []
-            counts = shared_counts(chain)
-            log.append(("held", counts.held, counts.virtual_held, counts.slots_held, done))
-            self.rank_digests.append(digest(log))
-            check_rank_agreement(ranks.all_gather(self.rank_digests[-1]), len(self.rank_digests) - 1,
-                                 lambda: ranks.all_gather(log))
+            agree_with_ranks(chain, ranks, self.rank_digests, done)
             if progress is not None:
                 progress(done, total)
 

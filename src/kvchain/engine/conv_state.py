@@ -191,6 +191,17 @@ def causal_conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor, bias:
     return out, full.gather(2, tails)
 
 
+def group_conv(module: torch.nn.Module, pool: torch.Tensor, group: StateGroup, x: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixer's depthwise causal conv (`module.conv1d`, then `module.activation`) over one state
+    group's tokens of the packed `x` `[T, C]`, from each request's conv state in `pool`: the output
+    `[B, L, C]` in `dtype`, and the conv state it leaves (for `write_state`)."""
+    seq = group.take(x).view(group.size, group.length, -1).transpose(1, 2)  # [B, C, L]
+    past = read_state(pool, group, dtype)
+    out, state = causal_conv(seq, past, module.conv1d.weight.squeeze(1), module.conv1d.bias, group)
+    return cast(activation(module.activation)(out), dtype).transpose(1, 2), state
+
+
 def _depthwise(full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.conv1d(full, weight[:, None], bias, groups=C)` (no padding) as K shifted multiply-adds:
     the kernel is a few taps wide, and a grouped conv1d call costs more than the taps themselves."""

@@ -16,11 +16,10 @@ import torch.nn.functional as F
 
 from .batch import ForwardBatch
 from .conv_state import (
-    activation,
     assemble,
     cast,
-    causal_conv,
     conv_store,
+    group_conv,
     packed_input,
     read_state,
     ssm_store,
@@ -112,16 +111,11 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
-    weight = module.conv1d.weight.squeeze(1)
-    act = activation(module.activation)
     steps = state_groups(batch)
     parts = []
     for group in steps:
         n_req, length = group.size, group.length
-        seq = group.take(mixed).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
-        conv_past = read_state(conv_pool, group, dtype)
-        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
-        conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
+        conv_out, conv_next = group_conv(module, conv_pool, group, mixed, dtype)  # [B, L, C]
         q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
         q_c = _l2norm(cast(q_c.reshape(n_req, length, nk, dk), f32)) / dk**0.5
         k_c = _l2norm(cast(k_c.reshape(n_req, length, nk, dk), f32))

@@ -15,11 +15,10 @@ import torch.nn.functional as F
 
 from .batch import ForwardBatch
 from .conv_state import (
-    activation,
     assemble,
     cast,
-    causal_conv,
     conv_store,
+    group_conv,
     packed_input,
     read_state,
     ssm_store,
@@ -107,16 +106,11 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
-    weight = module.conv1d.weight.squeeze(1)
-    act = activation(module.activation)
     steps = state_groups(batch)
     parts = []
     for group in steps:
         n_req, length = group.size, group.length
-        seq = group.take(xbc).view(n_req, length, -1).transpose(1, 2)  # [B, C, L]
-        conv_past = read_state(conv_pool, group, dtype)
-        conv_out, conv_next = causal_conv(seq, conv_past, weight, module.conv1d.bias, group)
-        conv_out = cast(act(conv_out), dtype).transpose(1, 2)  # [B, L, C]
+        conv_out, conv_next = group_conv(module, conv_pool, group, xbc, dtype)  # [B, L, C]
         xs, b, c = torch.split(conv_out, [inner, groups * d_state, groups * d_state], dim=-1)
         xs = cast(xs.reshape(n_req, length, heads, head_dim), f32)
         b = cast(b.reshape(n_req, length, groups, d_state), f32)
