@@ -5,6 +5,7 @@ passed to the next stage."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 
 from kvchain.dist.pp import StageLink, run_stage_processes
 from kvchain.sim.pp import stage_process
@@ -67,4 +68,27 @@ def test_two_stage_processes_keep_micro_batches_in_flight_and_agree():
     assert len(first["digests"]) == 200 and first["digests"] == second["digests"]
     assert first["mismatches"] == second["mismatches"] == []
     assert first["aborted_in_flight"] > 5 and first["finished"] > 10
+    assert not mp.active_children()
+
+
+#: set by the caller below: a stage process forked from the caller would inherit it
+CALLER_MARK: str | None = None
+
+
+def _report_mark(stage: int, n: int, port: int) -> tuple:
+    import os
+
+    return CALLER_MARK, os.environ.get("KVCHAIN_TEST_CALLER_ENV")
+
+
+def test_stage_processes_start_clean_with_the_callers_environment(monkeypatch):
+    """Stage processes come from the fork server: nothing the caller set after its imports reaches
+    them (so no library state a caller's model run left, such as MKL's allocator table), while the
+    caller's environment at the call does. A plain fork, the control, inherits the caller's state."""
+    monkeypatch.setattr(sys.modules[__name__], "CALLER_MARK", "set in the caller")
+    monkeypatch.setenv("KVCHAIN_TEST_CALLER_ENV", "now")
+    clean = run_stage_processes(_report_mark, 2, timeout_s=60)
+    assert clean == {0: ("ok", (None, "now")), 1: ("ok", (None, "now"))}, clean
+    forked = run_stage_processes(_report_mark, 2, timeout_s=60, start_method="fork")
+    assert forked[0] == ("ok", ("set in the caller", "now")), forked
     assert not mp.active_children()

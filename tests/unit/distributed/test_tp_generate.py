@@ -75,9 +75,10 @@ def test_a_layer_left_whole_is_refused_before_any_rank_starts(monkeypatch):
         tp.check_tp_split(checkpoint, _config(), 2)
 
 
-def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
-    """Rank 1 reports one more live page than it holds: the first step's digests differ and both
-    ranks fail `tp.rank_agreement`, naming the differing decision."""
+def _skewed_rank(*args):
+    """A rank process whose rank 1 reports one more live page than it holds."""
+    from kvchain.dist import tp_engine
+
     real = tp.shared_counts
 
     def skewed(chain):
@@ -87,7 +88,16 @@ def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
                                   counts.frees_pend)
         return counts
 
-    monkeypatch.setattr(tp, "shared_counts", skewed)  # the rank processes fork with it
+    tp.shared_counts = skewed
+    return tp_engine.generate_rank_process(*args)
+
+
+def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
+    """Rank 1 reports one more live page than it holds: the first step's digests differ and both
+    ranks fail `tp.rank_agreement`, naming the differing decision."""
+    from kvchain.dist import tp_engine
+
+    monkeypatch.setattr(tp_engine, "generate_rank_process", _skewed_rank)  # what each rank process runs
     with pytest.raises(KVChainError, match=r"tp.rank_agreement: iteration 0: rank 1's .*rank 0 \('held'"):
         generate_in_ranks(str(checkpoint_dir("llama")), _config(), workload(4), 2)
     assert not mp.active_children()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvchain.alloc.stage_capacity import StageGeometry
-from kvchain.dist.pp import run_stage_processes
+from kvchain.dist.pp import run_stage_processes, start_stage_server
 from kvchain.dist.tp import RankLayoutError, RankLink, check_same_layout, first_difference
 from kvchain.errors import InputError, InvariantError
 from kvchain.sim.tp import (
@@ -134,6 +134,7 @@ def _silent_rank(rank: int, n_ranks: int, port: int) -> int | str:
 
 def test_a_silent_rank_makes_the_collective_raise():
     """A rank whose peer never joins the reduce raises within the group's bound instead of hanging."""
+    start_stage_server()  # its start (seconds, once per process) is not the bound under test
     start = time.monotonic()
     out = run_stage_processes(_silent_rank, 2, timeout_s=30)
     assert out[0][0] == "error" and "timed out" in out[0][1].lower(), out
