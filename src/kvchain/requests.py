@@ -105,6 +105,19 @@ class RequestTable:
         """Give rows back (vectorised `free_row`). `checked=False` skips the in-use check, for a
         caller that has just made it."""
         rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == 1:  # an admission refused, a preemption, one finish: scalar writes
+            row = rows.item()
+            if checked and not self.active.item(row):
+                raise InvariantError("requests.row_state", f"rows freed while not in use: [{row}]")
+            self.active[row] = False
+            self.row_frees += 1
+            self.page_table[row] = 0
+            self.seq_lens[row] = 0
+            self.state_slot[row] = NO_SLOT
+            self.window_lo[row] = 0
+            self.shared_pages[row] = 0
+            self._free.push(rows)
+            return
         if checked and count_true(self.active[rows]) != len(rows):
             raise InvariantError("requests.row_state", f"rows freed while not in use: {rows[~self.active[rows]].tolist()}")
         self.active[rows] = False

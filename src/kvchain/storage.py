@@ -309,6 +309,12 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         ps = self.page_size
         if (counts == 1).all():  # decode
             return self.table.page_table[rows, old_lens // ps] * ps + old_lens % ps
+        if len(rows) == 1:  # an admission's prefill: its pages' token ids laid out, then sliced
+            old, new = old_lens.item(), new_lens.item()
+            first = old // ps
+            pages = self.table.page_table[rows.item(), first : -(-new // ps)]
+            tokens = (pages[:, None] * ps + np.arange(ps)).ravel()
+            return tokens[old - first * ps : new - first * ps]
         row_idx, pos = expand_runs(rows, old_lens, counts)
         return self.table.page_table[row_idx, pos // ps] * ps + pos % ps
 

@@ -282,6 +282,8 @@ class ChainAllocator:
             # every band serves its share from holes and pending pages: the in-place plan holds
             # with no growth, so there is nothing to price
             return [self.take_from(band, n) if n else _NO_PAGES for band, n in zip(bands, pages)]
+        if self._past_chain_bytes(pages):
+            raise CapacityError(self._shortfall_message(pages))
         if len(growers) == 1:
             # one band grows and no other band's span changes, so its in-place layout against its
             # neighbours as they stand is the in-place plan's answer for it
@@ -305,6 +307,19 @@ class ChainAllocator:
         # the in-place plan ran take_layout on each band in chain order on the current state:
         # hand its per-band result to the take instead of computing it again
         return [self.take_from(band, n, after) for band, n, after in zip(self.bands, pages, in_place.after)]
+
+    def _past_chain_bytes(self, pages: tuple[int, ...]) -> bool:
+        """A full pool's refusal without a snapshot: with no fixed or vacated page in any band, every
+        snapshot mode counts each band's live pages alone, so this is `pricing.fits_bytes`'s no on
+        the snapshot `feasible` would read, and it is every layout's no, the in-place plan's too
+        (spans are disjoint inside the chain and each holds its live and taken pages). Otherwise
+        (fixed or vacated pages) it says nothing and pricing decides."""
+        need = 0
+        for band, n in zip(self.bands, pages):
+            if band.n_fixed or band.n_vacated:
+                return False
+            need += (band.n_live + n) * band.page_bytes
+        return need > self.layout.arena_bytes - self.layout.chain_lo
 
     def _stage_take(self, pages: tuple[int, ...]) -> list[np.ndarray]:
         """A take under pipeline parallelism: refused when some stage's simulated snapshot refuses it
