@@ -45,6 +45,8 @@ log = logging.getLogger("kvchain.storage")
 
 #: row arrays up to this long are checked with Python's list operations, not a bincount over the table
 _FEW_ROWS = 8
+#: the shape of one admission's or one finish's row array
+_ONE = (1,)
 
 
 def _operation(fn):
@@ -103,6 +105,9 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         self._owner = plan.owner.name
         #: per length 0..context_len, whether a token still fits: a gather checks lengths, no ufunc
         self._below_context = np.arange(table.context_len + 1) < table.context_len
+        #: one entry per length a token still fits after (0..context_len - 1): indexing it with a
+        #: row's length raises at the context length, so the decode check is one gather, no count
+        self._context_probe = np.zeros(table.context_len, dtype=np.int8)
         # The bytes of the last row array found inside the table and free of repeats, of the last one
         # found inside it, and of the last token ids the pool wrote: a step names the same rows to
         # every call and hands back the ids it was given, and what an array's bytes passed once
@@ -144,8 +149,9 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
                 if n and (min(listed) < 0 or max(listed) >= table.rows):
                     raise _unknown_rows(table, rows)
                 named = np.bincount(rows, minlength=table.rows) if len(set(listed)) != n else None
-                marks = table.active
-                all_in_use = all(marks[r] for r in listed)
+                # inside the table (just checked), so a gather of the in-use marks reads each row's own
+                # mark; one gather and a count cost less as a step runs them than a generator of reads
+                all_in_use = count_true(table.active[rows]) == n
             else:
                 try:
                     active = table.active[rows]
@@ -254,11 +260,19 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         """`alloc_extend`'s inputs: rows in use, named once, one length each in [current, context]."""
         if not self._checked:
             return rows, new_lens
+        table = self.table
+        if (type(rows) is np.ndarray and type(new_lens) is np.ndarray and rows.dtype is INT64
+                and new_lens.dtype is INT64 and rows.shape == _ONE and new_lens.shape == _ONE):
+            # an admission: one row inside the table and in use, one length in [current, context];
+            # anything else (or any of these failing) takes the general path, which names it
+            row = rows.item()
+            if (0 <= row < table.rows and table.active.item(row)
+                    and table.seq_lens.item(row) <= new_lens.item() <= table.context_len):
+                return rows, new_lens
         rows = self._rows(rows, "alloc_extend")
         new_lens = boundary.id_array(new_lens, "alloc_extend lengths")
         if len(rows) != len(new_lens):
             raise InputError(f"{len(rows)} rows but {len(new_lens)} lengths")
-        table = self.table
         # a row's length is never negative, so new >= old is new >= 0 too; past the context, the
         # gather of `_below_context` fails
         try:
@@ -322,13 +336,19 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         """`alloc_decode`'s rows (in use, named once, each below the context length) and their
         lengths, which the check reads and the step needs. The checks a one-token step needs and
         no more: this is every decode step's path."""
-        if not self._checked:
-            return rows, self.table.seq_lens[rows]
-        rows = self._rows(rows, "alloc_decode")
         table = self.table
+        if not self._checked:
+            return rows, table.seq_lens[rows]
+        # `_rows`' remembered answer, read here: the bytes it found inside the table, named once and
+        # in use, while no row has left use since (its `in_use` test, in the same order)
+        if not (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
+                and self._once_in_use == table.row_frees and rows.tobytes() == self._rows_once):
+            rows = self._rows(rows, "alloc_decode")
         lens = table.seq_lens[rows]
-        if count_true(self._below_context[lens]) != len(rows):
-            raise InputError(f"a row is at the context length {table.context_len}")
+        try:  # a length is never negative, so only one at the context length falls outside the probe
+            self._context_probe[lens]
+        except IndexError:
+            raise InputError(f"a row is at the context length {table.context_len}") from None
         return rows, lens
 
     @_operation
@@ -365,7 +385,9 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         and one checkpoint per row in [0, context]."""
         if not self._checked:
             return rows, checkpoints
-        rows = self._rows(rows, "advance", in_use=False)
+        if not (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
+                and rows.tobytes() == self._rows_once):  # `_rows`' remembered bytes, read here
+            rows = self._rows(rows, "advance", in_use=False)
         if checkpoints is not None:
             checkpoints = boundary.id_array(checkpoints, "advance checkpoints")
             boundary.same_count(rows, checkpoints, "advance rows and checkpoints")
@@ -381,6 +403,11 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         """`free_rows`'s rows named once, inside the table and (`InvariantError`) in use."""
         if not self._checked:
             return rows
+        if type(rows) is np.ndarray and rows.dtype is INT64 and rows.shape == _ONE:
+            row = rows.item()  # a finish's one row: inside the table and in use, else the general path
+            table = self.table
+            if 0 <= row < table.rows and table.active.item(row):
+                return rows
         rows = self._rows(rows, "free_rows", in_use=False)
         if len(rows) and not self._in_use(rows):
             active = self.table.active[rows]
@@ -574,7 +601,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def flush_opportunistic(self, max_moves: int | None = None) -> int:
-        return self.allocator.flush_opportunistic(self._check_flush(max_moves))
+        # `None` (no limit) is the only value with nothing to check: the check runs on every other
+        return self.allocator.flush_opportunistic(None if max_moves is None else self._check_flush(max_moves))
 
     # -- host tier --------------------------------------------------------------------------------
 
@@ -658,11 +686,15 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         """Token ids inside the id space (or the ids the pool wrote last) and rows to read."""
         if not self._checked:
             return virtual_tokens, rows
-        if not boundary.is_ids(virtual_tokens):
+        if not (type(virtual_tokens) is np.ndarray and virtual_tokens.dtype is INT64 and virtual_tokens.ndim == 1):
             virtual_tokens = boundary.id_array(virtual_tokens, "iteration_ids tokens")
         if virtual_tokens.tobytes() != self._tokens_written:
             boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
-        return virtual_tokens, None if rows is None else self._any_rows(rows, "iteration_ids")
+        if rows is None:
+            return virtual_tokens, None
+        if type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1 and rows.tobytes() == self._rows_once:
+            return virtual_tokens, rows  # the bytes `_rows` passed last, read here (`_any_rows`' first test)
+        return virtual_tokens, self._any_rows(rows, "iteration_ids")
 
     def iteration_ids(self, virtual_tokens: np.ndarray, rows: np.ndarray | None = None) -> IterationIds:
         virtual_tokens, rows = self._check_iteration_ids(virtual_tokens, rows)
@@ -670,7 +702,10 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         return IterationIds.translate(self.allocator, virtual_tokens, slots)
 
     def _check_runner_ids(self, rows) -> np.ndarray:
-        return self._any_rows(rows, "runner_ids") if self._checked else rows
+        if not self._checked or (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
+                                 and rows.tobytes() == self._rows_once):
+            return rows  # unchecked, or the bytes `_rows` passed last, read here (`_any_rows`' first test)
+        return self._any_rows(rows, "runner_ids")
 
     def runner_ids(self, rows: np.ndarray) -> RunnerIds:
         return RunnerIds.translate(self.allocator, self.table, self._check_runner_ids(rows))
