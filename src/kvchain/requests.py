@@ -92,13 +92,8 @@ class RequestTable:
     def free_row(self, row: int) -> None:
         if not self.active[row]:
             raise InvariantError("requests.row_state", f"row {row} freed while not in use")
-        self.active[row] = False
-        self.row_frees += 1
         self.page_table[row, : pages_for(int(self.seq_lens[row]), self.page_size)] = 0
-        self.seq_lens[row] = 0
-        self.state_slot[row] = NO_SLOT
-        self.window_lo[row] = 0
-        self.shared_pages[row] = 0
+        self._clear(row)
         self._free.push(np.array([row], dtype=np.int64))
 
     def release_rows(self, rows: np.ndarray, checked: bool = True) -> None:
@@ -106,28 +101,26 @@ class RequestTable:
         caller that has just made it."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == 1:  # an admission refused, a preemption, one finish: scalar writes
-            row = rows.item()
-            if checked and not self.active.item(row):
-                raise InvariantError("requests.row_state", f"rows freed while not in use: [{row}]")
-            self.active[row] = False
-            self.row_frees += 1
-            self.page_table[row] = 0
-            self.seq_lens[row] = 0
-            self.state_slot[row] = NO_SLOT
-            self.window_lo[row] = 0
-            self.shared_pages[row] = 0
-            self._free.push(rows)
-            return
-        if checked and count_true(self.active[rows]) != len(rows):
-            raise InvariantError("requests.row_state", f"rows freed while not in use: {rows[~self.active[rows]].tolist()}")
-        self.active[rows] = False
-        self.row_frees += 1
-        self.page_table[rows] = 0
-        self.seq_lens[rows] = 0
-        self.state_slot[rows] = NO_SLOT
-        self.window_lo[rows] = 0
-        self.shared_pages[rows] = 0
+            idx = rows.item()
+            if checked and not self.active.item(idx):
+                raise InvariantError("requests.row_state", f"rows freed while not in use: [{idx}]")
+        else:
+            idx = rows
+            if checked and count_true(self.active[rows]) != len(rows):
+                raise InvariantError("requests.row_state",
+                                     f"rows freed while not in use: {rows[~self.active[rows]].tolist()}")
+        self.page_table[idx] = 0
+        self._clear(idx)
         self._free.push(rows)
+
+    def _clear(self, idx) -> None:
+        """A freed row's fields back to a free row's (`idx` one row or an array of rows)."""
+        self.active[idx] = False
+        self.row_frees += 1
+        self.seq_lens[idx] = 0
+        self.state_slot[idx] = NO_SLOT
+        self.window_lo[idx] = 0
+        self.shared_pages[idx] = 0
 
     def own_pages(self, rows: np.ndarray) -> np.ndarray:
         """The virtual pages the rows own (past their tree-shared prefix), concatenated row by row,

@@ -126,6 +126,12 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     # -- the boundary: ids checked on the host before anything changes ------------------------------
 
+    def _passed_last(self, rows) -> bool:
+        """Whether `rows` is an id array with the bytes `_rows` passed last: inside the table and
+        named once (what `_any_rows` tests first). A step names the same rows to every call."""
+        return (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
+                and rows.tobytes() == self._rows_once)
+
     def _rows(self, rows, what: str, in_use: bool = True) -> np.ndarray:
         """Request rows as int64, each inside the table, named once and (`in_use`) in use. Unless
         their bytes passed before: the gather of their in-use marks refuses a row past the table,
@@ -341,8 +347,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
             return rows, table.seq_lens[rows]
         # `_rows`' remembered answer, read here: the bytes it found inside the table, named once and
         # in use, while no row has left use since (its `in_use` test, in the same order)
-        if not (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
-                and self._once_in_use == table.row_frees and rows.tobytes() == self._rows_once):
+        if not (self._once_in_use == table.row_frees and self._passed_last(rows)):
             rows = self._rows(rows, "alloc_decode")
         lens = table.seq_lens[rows]
         try:  # a length is never negative, so only one at the context length falls outside the probe
@@ -385,8 +390,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         and one checkpoint per row in [0, context]."""
         if not self._checked:
             return rows, checkpoints
-        if not (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
-                and rows.tobytes() == self._rows_once):  # `_rows`' remembered bytes, read here
+        if not self._passed_last(rows):
             rows = self._rows(rows, "advance", in_use=False)
         if checkpoints is not None:
             checkpoints = boundary.id_array(checkpoints, "advance checkpoints")
@@ -692,8 +696,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
             boundary.in_range(virtual_tokens, 0, self._n_virtual * self.page_size, "iteration_ids tokens")
         if rows is None:
             return virtual_tokens, None
-        if type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1 and rows.tobytes() == self._rows_once:
-            return virtual_tokens, rows  # the bytes `_rows` passed last, read here (`_any_rows`' first test)
+        if self._passed_last(rows):
+            return virtual_tokens, rows
         return virtual_tokens, self._any_rows(rows, "iteration_ids")
 
     def iteration_ids(self, virtual_tokens: np.ndarray, rows: np.ndarray | None = None) -> IterationIds:
@@ -702,9 +706,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         return IterationIds.translate(self.allocator, virtual_tokens, slots)
 
     def _check_runner_ids(self, rows) -> np.ndarray:
-        if not self._checked or (type(rows) is np.ndarray and rows.dtype is INT64 and rows.ndim == 1
-                                 and rows.tobytes() == self._rows_once):
-            return rows  # unchecked, or the bytes `_rows` passed last, read here (`_any_rows`' first test)
+        if not self._checked or self._passed_last(rows):
+            return rows
         return self._any_rows(rows, "runner_ids")
 
     def runner_ids(self, rows: np.ndarray) -> RunnerIds:
