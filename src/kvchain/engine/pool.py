@@ -212,17 +212,27 @@ class KVChainPool:
         return [need_slot if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools]
 
     def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        """Grow each row to its new length; a step of one token per row (every decode) goes
+        through `alloc_decode`, the storage's one-token path: the same takes in the same order."""
+        storage = self.storage
+        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
         lens = np.array(new_lens, dtype=np.int64)
+        decode = bool((lens == storage.table.seq_lens[rows] + 1).all())
+
+        def grow() -> None:
+            if decode:
+                storage.alloc_decode(rows)
+            else:
+                storage.alloc_extend(rows, lens)
         try:
-            self.storage.alloc_extend(rows, lens)
+            grow()
             return
         except CapacityError:
             pass
         if not self._make_room(self._extend_demand(rows, lens)):
             raise PoolFull("the pool cannot grow the running requests")
         try:
-            self.storage.alloc_extend(rows, lens)
+            grow()
         except CapacityError as e:
             raise PoolFull(str(e)) from e
 
