@@ -772,6 +772,8 @@ class ChainAllocator:
         if not fits(0):
             return None if stages is None else stages.record_clip(input_len, max_new_tokens, None)
         lo, hi = 0, max_new_tokens
+        if fits(hi):  # the common case: the whole ask fits (fits is monotone in the output length)
+            lo = hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if fits(mid):

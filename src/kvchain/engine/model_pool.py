@@ -69,6 +69,7 @@ class ModelPool(KVChainPool):
         super().__init__(storage, prefix_cache=prefix_cache, strategy=strategy, checkpoint_interval=checkpoint_interval)
         self.runner = runner
         self.exact_checkpoints = True
+        self.batch_checkpoints = True
         self.steps = StepSequence(storage, depth=1 if overlap else 0, war_barrier=war_barrier,
                                   on_processed=self._record_outputs)
         self.eos = np.asarray(sorted(set(eos)), dtype=np.int64)
@@ -124,29 +125,32 @@ class ModelPool(KVChainPool):
         sample_reqs: list[ScheduledRequest] = []
         sample_index: list[int] = []
         sample_at: list[int] = []
-        for i, req in enumerate(reqs):
-            lo, hi = int(q_starts[i]), int(q_starts[i + 1])
-            s, e = int(starts[i]), int(ends[i])
+        known_outputs, in_flight = self._known, self._future
+        bounds = q_starts.tolist()
+        for i, (req, s, e) in enumerate(zip(reqs, starts.tolist(), ends.tolist())):
+            lo = bounds[i]
             p = req.prompt_len
             if s < p:
                 ids[lo: lo + min(e, p) - s] = req.prompt[s: min(e, p)]
             if e > p:  # output tokens fed back (decode): known ones from the host, the newest a future
-                known = self._known.get(req.rid, 0)
+                rid = req.rid
+                known = known_outputs.get(rid, 0)
                 for pos in range(max(s, p), e):
                     j = pos - p
                     if j < known:
                         ids[lo + pos - s] = req.output[j]
                     else:
-                        fut = self._future.get(req.rid)
+                        fut = in_flight.get(rid)
                         if fut is None or fut[1] != j:
-                            raise InvariantError("engine.future", f"request {req.rid}: output {j} is neither "
+                            raise InvariantError("engine.future", f"request {rid}: output {j} is neither "
                                                  "known nor sampled by a forward in flight")
                         futures.append((lo + pos - s, fut[0], fut[2]))
             req.pool_state["kv_len"] = e
-            if e >= req.input_len:  # this step samples the request's next output
+            g = req.generated
+            if e >= p + (g - 1 if g > 1 else 0):  # `input_len`: this step samples the next output
                 sample_reqs.append(req)
-                sample_index.append(req.generated - 1)
-                sample_at.append(hi - 1)
+                sample_index.append(g - 1)
+                sample_at.append(bounds[i + 1] - 1)
         device = self.runner.device
         outputs = StepOutputs(sample_reqs, sample_index)
         for k, req in enumerate(sample_reqs):

@@ -79,6 +79,9 @@ class KVChainPool:
         #: a model-free pool (the simulator) may count the state at a grid point inside a chunk, as an
         #: engine whose kernel saves it there would; a pool that runs a model holds only what it computed
         self.exact_checkpoints = False
+        #: take a step's checkpoints together (`_checkpoint_all`); the simulator takes them one by one,
+        #: so its allocation order (and every number it reports) stays as it was
+        self.batch_checkpoints = False
         self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0}
         #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
         #: simulator never flushes opportunistically (its numbers count no compaction between steps)
@@ -209,17 +212,27 @@ class KVChainPool:
         return [need_slot if p.kind is PoolKind.STATE else grow for p in self.plan.sub_pools]
 
     def extend(self, reqs: list[ScheduledRequest], new_lens: list[int]) -> None:
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
+        """Grow each row to its new length; a step of one token per row (every decode) goes
+        through `alloc_decode`, the storage's one-token path: the same takes in the same order."""
+        storage = self.storage
+        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
         lens = np.array(new_lens, dtype=np.int64)
+        decode = bool((lens == storage.table.seq_lens[rows] + 1).all())
+
+        def grow() -> None:
+            if decode:
+                storage.alloc_decode(rows)
+            else:
+                storage.alloc_extend(rows, lens)
         try:
-            self.storage.alloc_extend(rows, lens)
+            grow()
             return
         except CapacityError:
             pass
         if not self._make_room(self._extend_demand(rows, lens)):
             raise PoolFull("the pool cannot grow the running requests")
         try:
-            self.storage.alloc_extend(rows, lens)
+            grow()
         except CapacityError as e:
             raise PoolFull(str(e)) from e
 
@@ -430,19 +443,27 @@ class KVChainPool:
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         checkpoints = None
         if self.checkpoint_interval and self.tree is not None:
-            checkpoints = np.zeros(len(reqs), dtype=np.int64)
-            for i, req in enumerate(reqs):
-                grid = self.tree.swa_retain_floor(req.computed)
-                branch = req.pool_state.get("branch", 0)
-                if branch and branch <= req.computed:  # where later siblings will leave this branch
-                    del req.pool_state["branch"]
-                    if req.pool_state["checkpoint"] < branch < grid:
-                        self.checkpoint_into_tree(req, branch)
-                if grid > req.pool_state["checkpoint"]:
-                    if grid == req.computed or not self.exact_checkpoints:
-                        self.checkpoint_into_tree(req, grid)
-                    req.pool_state["checkpoint"] = grid  # taken or abandoned: never waited for
-                checkpoints[i] = req.pool_state["checkpoint"]
+            interval = self.checkpoint_interval
+            exact = self.exact_checkpoints
+            due: list[tuple[ScheduledRequest, int]] = []
+            floors = []
+            for req in reqs:
+                st = req.pool_state
+                computed = req.computed
+                grid = (computed // interval) * interval  # `swa_retain_floor`: the latest grid point
+                if "branch" in st:
+                    branch = st["branch"]
+                    if branch and branch <= computed:  # where later siblings will leave this branch
+                        del st["branch"]
+                        if st["checkpoint"] < branch < grid:
+                            due.append((req, branch))
+                if grid > st["checkpoint"]:
+                    if grid == computed or not exact:
+                        due.append((req, grid))
+                    st["checkpoint"] = grid  # taken or abandoned: never waited for
+                floors.append(st["checkpoint"])
+            self._checkpoint_all(due)
+            checkpoints = np.array(floors, dtype=np.int64)
         elif self.tree is not None and not self.has_state:
             for req in reqs:
                 if req.computed == req.input_len and req.generated <= 1:  # its prompt's prefill just ended
@@ -453,6 +474,41 @@ class KVChainPool:
                 st = req.pool_state
                 if st["window_lock"] is not None:
                     st["window_lock"] = self.tree.advance_window(st["window_lock"], req.computed)
+
+    def _checkpoint_all(self, due: list[tuple[ScheduledRequest, int]]) -> None:
+        """This step's checkpoints, in order. With `batch_checkpoints` (extra-buffer tracking), the
+        replacement tracking slots are taken in one allocator operation and the state copies run
+        as one `copy_state`, rather than one of each per checkpoint; when the slots cannot all be
+        had at once, each checkpoint goes its own way (`checkpoint_into_tree`), making room or
+        abandoning as it can."""
+        if not due:
+            return
+        if not self.batch_checkpoints or len(due) == 1 or self.strategy is not CheckpointStrategy.EXTRA_BUFFER:
+            for req, at in due:
+                self.checkpoint_into_tree(req, at)
+            return
+        storage = self.storage
+        try:
+            spare = storage.alloc_state_slots(len(due)).tolist()
+        except CapacityError:
+            for req, at in due:
+                self.checkpoint_into_tree(req, at)
+            return
+        copies: tuple[list[int], list[int]] = ([], [])
+        unused = []
+        counters = self.stats_counters
+        for (req, at), replacement in zip(due, spare, strict=True):
+            st = req.pool_state
+            if self._hand_prefix_to_tree(req, at, st["tracking"], copies=copies):
+                st["tracking"] = replacement
+                counters["checkpoints"] += 1
+            else:  # another request cached this prefix with its own pages first: keep ours
+                unused.append(replacement)
+                counters["checkpoint_stalls"] += 1
+        if copies[0]:
+            storage.copy_state(np.array(copies[0], dtype=np.int64), np.array(copies[1], dtype=np.int64))
+        if unused:
+            storage.free_state_slots(np.array(unused, dtype=np.int64))
 
     def checkpoint_into_tree(self, req: ScheduledRequest, at: int, source: int | None = None) -> None:
         """Hand the state at grid point `at` to the tree with the prefix behind it (WIN-14), if a
@@ -495,11 +551,13 @@ class KVChainPool:
         if at > int(self.storage.table.shared_pages[req.row]) * self.page_size:
             self._hand_prefix_to_tree(req, at, -1)
 
-    def _hand_prefix_to_tree(self, req: ScheduledRequest, at: int, slot: int, source: int | None = None) -> bool:
+    def _hand_prefix_to_tree(self, req: ScheduledRequest, at: int, slot: int, source: int | None = None,
+                             copies: tuple[list[int], list[int]] | None = None) -> bool:
         """Insert the row's first `at` tokens (whole pages) with state `slot` (-1: none), hand their
         pages to the tree and move the row's locks there (where the tree holds part of that prefix
         under other pages, the row moves onto them). False, with nothing changed, when the tree
-        cannot take it (`UnifiedRadixCache.insert_running`)."""
+        cannot take it (`UnifiedRadixCache.insert_running`). `copies`: (sources, destinations) the
+        state copy is queued on for the caller to run, instead of copying at once."""
         storage = self.storage
         table = storage.table
         st = req.pool_state
@@ -510,8 +568,12 @@ class KVChainPool:
             return False
         assert (slot < 0 or result.state_taken) and not len(result.duplicates)
         if slot >= 0:
-            src = table.state_slot[[row]] if source is None else np.array([source])
-            storage.copy_state(src, np.array([slot]))  # the state at the grid point
+            src = int(table.state_slot[row]) if source is None else source
+            if copies is not None:
+                copies[0].append(src)
+                copies[1].append(slot)
+            else:
+                storage.copy_state(np.array([src]), np.array([slot]))  # the state at the grid point
         storage.release_to_tree(row, n)
         self.tree.lock(result.node)
         if st["node"] is not None:

@@ -187,6 +187,8 @@ class Scheduler:
         admitted: list[tuple[ScheduledRequest, int]] = []
         if not self.waiting or ((self._retracted or self._paused) and not self.policy.admit_after_retract):
             return admitted  # memory is overcommitted already: new work would only add to it
+        if budget <= 0 or (len(self.running) >= self.max_running and not self.priority):
+            return admitted  # no admission could run this step: the pass is not priced
         ctx = self.pool.begin_pass(self.running, frees_coming=bool(self.running))
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self._next_waiting()
@@ -272,15 +274,14 @@ class Scheduler:
             self.pool.forward(stepped)
         elif hasattr(self.pool, "idle_step"):  # nothing to step: the pool processes what is in flight
             self.pool.idle_step()
-        for req in list(self.running):
-            if not req.prefilling and req.done:
-                self.pool.finish(req)
-                self.policy.on_finish(req)
-                self.running.remove(req)
-                req.phase = Phase.FINISHED
-                req.finished_step = self.step_no
-                self.stats.finished += 1
-                self.done.append(req)
+        for req in [r for r in self.running if r.done and not r.prefilling]:
+            self.pool.finish(req)
+            self.policy.on_finish(req)
+            self.running.remove(req)
+            req.phase = Phase.FINISHED
+            req.finished_step = self.step_no
+            self.stats.finished += 1
+            self.done.append(req)
         stats = self.pool.stats()
         record = StepRecord(self.step_no, len(self.running), len(self.waiting), out_tokens, prefill_tokens,
                             stats.utilisation)
