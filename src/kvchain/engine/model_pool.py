@@ -146,10 +146,9 @@ class ModelPool(KVChainPool):
                                                  "known nor sampled by a forward in flight")
                         futures.append((lo + pos - s, fut[0], fut[2]))
             req.pool_state["kv_len"] = e
-            g = req.generated
-            if e >= p + (g - 1 if g > 1 else 0):  # `input_len`: this step samples the next output
+            if e >= req.input_len:  # this step samples the request's next output
                 sample_reqs.append(req)
-                sample_index.append(g - 1)
+                sample_index.append(req.generated - 1)
                 sample_at.append(bounds[i + 1] - 1)
         device = self.runner.device
         outputs = StepOutputs(sample_reqs, sample_index)

@@ -443,14 +443,14 @@ class KVChainPool:
         rows = np.array([r.row for r in reqs], dtype=np.int64)
         checkpoints = None
         if self.checkpoint_interval and self.tree is not None:
-            interval = self.checkpoint_interval
+            floor_at = self.tree.swa_retain_floor
             exact = self.exact_checkpoints
             due: list[tuple[ScheduledRequest, int]] = []
             floors = []
             for req in reqs:
                 st = req.pool_state
                 computed = req.computed
-                grid = (computed // interval) * interval  # `swa_retain_floor`: the latest grid point
+                grid = floor_at(computed)  # the latest grid point at or before it
                 if "branch" in st:
                     branch = st["branch"]
                     if branch and branch <= computed:  # where later siblings will leave this branch
