@@ -20,6 +20,7 @@ from kvchain.models import list_presets, model_from_preset
 from kvchain.sim.baselines import PoolConfig
 from kvchain.sim.compare import SchedulerConfig, compare
 from kvchain.sim.runner import StepTimeModel
+from kvchain.sim.waiting import EVICTION_ORDERS, WAITING_ORDERS
 from kvchain.sim.workloads import MIXED_DEFAULTS, workload_from_name
 
 GiB = 2**30
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", default=None,
                    help="a previous --out JSON: pools not run here are taken from its matching rows")
     p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
-    p.add_argument("--waiting-order", default="fcfs", help="kvchain's waiting order (fcfs or longest-prefix)")
-    p.add_argument("--eviction", default="lru", help="kvchain's eviction order (lru or waiting-aware)")
+    p.add_argument("--waiting-order", default="fcfs", choices=list(WAITING_ORDERS),
+                   help="kvchain's waiting order (default fcfs)")
+    p.add_argument("--eviction", default="lru", choices=list(EVICTION_ORDERS),
+                   help="kvchain's eviction order (default lru)")
     p.add_argument("--trace-hits", action="store_true",
                    help="trace where each pool's prefix hits are lost (kvchain.sim.hit_trace; one process, slow)")
     p.add_argument("--memory-time", action="store_true",

@@ -20,7 +20,12 @@ The match length is what a walk of the tree finds (`UnifiedRadixCache._walk`, wh
 nothing), cut back to the deepest node holding a state on a model with recurrent state; windows
 are not checked, so it is an estimate of the hit, used for the order only. It is kept per request
 until the tree's contents change (pages inserted or evicted, a state slot taken or given back),
-so a step whose tree did not change walks nothing."""
+so a step whose tree did not change walks nothing.
+
+With `--eviction waiting-aware` as well (`LongestPrefixScheduler` is a `ReuseAwareScheduler`), the
+request the order moves ahead cannot evict the prefix of one it made wait: on multi-turn chat that
+puts kvchain's hit rate above vllm-hybrid's on the four presets docs/simulate.md measures, but it
+costs steps on two of their eight rows, so neither is the default."""
 
 from __future__ import annotations
 

@@ -123,3 +123,34 @@ def test_the_hit_trace_names_the_admission_that_evicted_a_waiting_request_s_pref
     assert y.lost_to.waiting == (2, 3) and y.when() == "while it waited, in the first 8"
     y = traced("waiting-aware")[3]
     assert (y.held, y.matched, y.lost, y.lost_to) == (24, 24, 0, None)
+
+
+def _overtaken_by_a_longer_match(eviction):
+    """The longest-prefix order together with waiting-aware eviction. A (16 tokens: 4 pages), C
+    (8: 2 pages) and B (20: 5 pages) run in that order and leave 11 of the 15 pages in the tree.
+    Then Y (A's 16 tokens and 4 more) and X (B's 20 tokens and 24 more: 11 pages) arrive in that
+    order. X matches 20 tokens and Y 16, so the longest-prefix order admits X first, and X's 6
+    new pages need 2 more than the 4 free. Least recently used gives A's 4 pages (the oldest), so
+    Y, the very request the order made wait, finds nothing; waiting-aware eviction knows Y will
+    match A and gives C's 2 pages instead, so Y matches its 16 tokens."""
+    pool = world(chain_kib=1, window=0, state=False, rows=8, prefix_cache=True)
+    pool.eviction = eviction
+    a = ScheduledRequest(0, 0, np.arange(1, 17, dtype=np.int32), 1, 1)
+    c = ScheduledRequest(1, 1, np.arange(300, 308, dtype=np.int32), 1, 1)
+    b = ScheduledRequest(2, 2, np.arange(100, 120, dtype=np.int32), 1, 1)
+    y = ScheduledRequest(3, 6, np.concatenate([a.prompt, np.arange(900, 904, dtype=np.int32)]), 1, 1)
+    x = ScheduledRequest(4, 6, np.concatenate([b.prompt, np.arange(500, 524, dtype=np.int32)]), 1, 1)
+    sched = LongestPrefixScheduler(pool, max_batched_tokens=64, max_running=1)
+    sched.add([a, c, b, y, x])
+    sched.run()
+    assert all(r.phase is Phase.FINISHED for r in (a, b, c, x, y))
+    assert x.admitted_step < y.admitted_step and x.cached == 20
+    return y
+
+
+def test_longest_prefix_order_alone_lets_the_overtaking_request_evict_the_overtaken_one_s_prefix():
+    assert _overtaken_by_a_longer_match("lru").cached == 0
+
+
+def test_longest_prefix_with_waiting_aware_eviction_keeps_the_overtaken_request_s_prefix():
+    assert _overtaken_by_a_longer_match("waiting-aware").cached == 16
