@@ -463,17 +463,16 @@ class KVChainPool:
         st = req.pool_state
         if self.strategy is CheckpointStrategy.EXTRA_BUFFER:
             slot = st["tracking"]
-            try:
-                replacement = int(storage.alloc_state_slots(1)[0])
-            except CapacityError:
-                if not self._make_room([1 if p.kind is PoolKind.STATE else 0 for p in self.plan.sub_pools]):
-                    self.stats_counters["checkpoint_stalls"] += 1
-                    return
-                replacement = int(storage.alloc_state_slots(1)[0])
+            replacement = self._take_state_slot()
+            if replacement is None:
+                self.stats_counters["checkpoint_stalls"] += 1
+                return
         else:  # lazy: a slot only at the grid point
-            try:
-                slot = int(storage.alloc_state_slots(1)[0])
-            except CapacityError:
+            # on a full pool the slot is made room for like any other take (CAP-2): the tree's least
+            # recently used entries go, which on a state model are mostly pages no match can use
+            # (a match needs a state); abandoning the checkpoint instead left the tree all pages
+            slot = self._take_state_slot()
+            if slot is None:
                 self.stats_counters["checkpoint_stalls"] += 1
                 return
             replacement = -1
@@ -485,6 +484,16 @@ class KVChainPool:
         if replacement >= 0:
             st["tracking"] = replacement
         self.stats_counters["checkpoints"] += 1
+
+    def _take_state_slot(self) -> int | None:
+        """One state slot for a checkpoint, the prefix cache evicting what it must to make room
+        (CAP-2); None when even that does not make room."""
+        try:
+            return int(self.storage.alloc_state_slots(1)[0])
+        except CapacityError:
+            if not self._make_room([1 if p.kind is PoolKind.STATE else 0 for p in self.plan.sub_pools]):
+                return None
+            return int(self.storage.alloc_state_slots(1)[0])
 
     def cache_prefill(self, req: ScheduledRequest) -> None:
         """Once a prompt is prefilled (a model without recurrent state), hand its whole pages to the
