@@ -79,7 +79,8 @@ class KVChainPool:
         #: a model-free pool (the simulator) may count the state at a grid point inside a chunk, as an
         #: engine whose kernel saves it there would; a pool that runs a model holds only what it computed
         self.exact_checkpoints = False
-        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0}
+        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0,
+                               "windows_revived": 0}
         #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
         #: simulator never flushes opportunistically (its numbers count no compaction between steps)
         self.steps: StepSequence[list[ScheduledRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
@@ -324,6 +325,10 @@ class KVChainPool:
                 state["node"] = match.node
                 state["window_lock"] = self.tree.lock_window(match.node, cached)
                 state["checkpoint"] = cached
+        if match is not None and not self.has_state and self.plan.windows:
+            shared = self._shared_len(req)
+            if shared > cached:  # the tree holds more of the prompt than it could match: revive it
+                state["revive"] = shared
         self.relieve()  # the lock just taken (if any) replaces the one the request held while waiting
         if cached:  # what the match just locked is no longer reclaimable
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
@@ -445,6 +450,12 @@ class KVChainPool:
                 checkpoints[i] = req.pool_state["checkpoint"]
         elif self.tree is not None and not self.has_state:
             for req in reqs:
+                revive = req.pool_state.get("revive", 0)
+                if revive and revive <= req.computed:  # this chunk recomputed the tree's prefix
+                    del req.pool_state["revive"]
+                    if revive > int(self.storage.table.shared_pages[req.row]) * self.page_size \
+                            and self._hand_prefix_to_tree(req, revive, -1):
+                        self.stats_counters["windows_revived"] += 1
                 if req.computed == req.input_len and req.generated <= 1:  # its prompt's prefill just ended
                     self.cache_prefill(req)
         self.stats_counters["window_retired"] += storage.advance(rows, checkpoints)
@@ -484,6 +495,12 @@ class KVChainPool:
         if replacement >= 0:
             st["tracking"] = replacement
         self.stats_counters["checkpoints"] += 1
+
+    def _shared_len(self, req: ScheduledRequest) -> int:
+        """Tokens (whole pages) of `req`'s prompt the tree holds, usable as a match or not: a model
+        with windows matches only where every window's rows behind the end are bound (WIN-9), and
+        the tree evicts window rows apart from the full-attention pages."""
+        return sum(k for _node, k in self.tree._walk(req.tokens(max(req.input_len - 1, 0)))) * self.page_size
 
     def _take_state_slot(self) -> int | None:
         """One state slot for a checkpoint, the prefix cache evicting what it must to make room
