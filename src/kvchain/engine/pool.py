@@ -4,10 +4,14 @@ Per request it keeps: the row, the tree node it holds a lock on (its deepest sha
 window locks behind it, and a tracking state slot when the tree checkpoints recurrent state.
 
 The checkpoint retention bound is exact (closing the reference design's known limitation): a
-checkpoint the tree cannot take (no replacement tracking slot, or no slot at a lazy grid point) is
-abandoned, not waited for: windows keep only the rows behind the latest grid point, so a request
+checkpoint the tree cannot take (no replacement tracking slot, or no slot at a lazy grid point,
+even once the prefix cache made what room it could) is abandoned, not waited for: windows keep only the rows behind the latest grid point, so a request
 never holds more window rows than `request_demand` priced (window + one interval + this pass's
-tail), and a stall costs a cache entry, never memory."""
+tail), and a stall costs a cache entry, never memory.
+
+A request that recomputes a prefix the tree holds but cannot match (its window rows were
+evicted, WIN-9) hands that prefix to the tree in the step its chunk passes the prefix's end,
+while its own window rows there are still bound, so the tree's copy is matchable again."""
 
 from __future__ import annotations
 
