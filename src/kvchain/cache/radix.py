@@ -183,6 +183,12 @@ class UnifiedRadixCache:
     def _page_key(self, tokens: np.ndarray, page: int) -> bytes:
         return tokens[page * self.ps : (page + 1) * self.ps].tobytes()
 
+    def path_pages(self, tokens: np.ndarray) -> int:
+        """Whole pages of `tokens` the tree holds along their path, usable as a match or not: a
+        model with windows matches only where every window's rows behind the end are bound (WIN-9),
+        and the tree evicts window rows apart from the full-attention pages."""
+        return sum(k for _node, k in self._walk(tokens))
+
     def _walk(self, tokens: np.ndarray) -> list[tuple[TreeNode, int]]:
         """The path `tokens` follows: (node, pages of the node matched), page-granular."""
         path = []

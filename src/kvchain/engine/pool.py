@@ -4,10 +4,14 @@ Per request it keeps: the row, the tree node it holds a lock on (its deepest sha
 window locks behind it, and a tracking state slot when the tree checkpoints recurrent state.
 
 The checkpoint retention bound is exact (closing the reference design's known limitation): a
-checkpoint the tree cannot take (no replacement tracking slot, or no slot at a lazy grid point) is
-abandoned, not waited for: windows keep only the rows behind the latest grid point, so a request
+checkpoint the tree cannot take (no replacement tracking slot, or no slot at a lazy grid point,
+even once the prefix cache made what room it could) is abandoned, not waited for: windows keep only the rows behind the latest grid point, so a request
 never holds more window rows than `request_demand` priced (window + one interval + this pass's
-tail), and a stall costs a cache entry, never memory."""
+tail), and a stall costs a cache entry, never memory.
+
+A request that recomputes a prefix the tree holds but cannot match (its window rows were
+evicted, WIN-9) hands that prefix to the tree in the step its chunk passes the prefix's end,
+while its own window rows there are still bound, so the tree's copy is matchable again."""
 
 from __future__ import annotations
 
@@ -82,7 +86,8 @@ class KVChainPool:
         #: take a step's checkpoints together (`_checkpoint_all`); the simulator takes them one by one,
         #: so its allocation order (and every number it reports) stays as it was
         self.batch_checkpoints = False
-        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0}
+        self.stats_counters = {"clipped": 0, "checkpoints": 0, "checkpoint_stalls": 0, "window_retired": 0,
+                               "windows_revived": 0}
         #: the one step sequence, synchronous: nothing runs ahead of the host in a simulation, and the
         #: simulator never flushes opportunistically (its numbers count no compaction between steps)
         self.steps: StepSequence[list[ScheduledRequest]] = StepSequence(storage, depth=0, on_processed=self._on_processed)
@@ -337,6 +342,10 @@ class KVChainPool:
                 state["node"] = match.node
                 state["window_lock"] = self.tree.lock_window(match.node, cached)
                 state["checkpoint"] = cached
+        if match is not None and not self.has_state and self.plan.windows:
+            shared = self._shared_len(req)
+            if shared > cached:  # the tree holds more of the prompt than it could match: revive it
+                state["revive"] = shared
         self.relieve()  # the lock just taken (if any) replaces the one the request held while waiting
         if cached:  # what the match just locked is no longer reclaimable
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
@@ -466,6 +475,12 @@ class KVChainPool:
             checkpoints = np.array(floors, dtype=np.int64)
         elif self.tree is not None and not self.has_state:
             for req in reqs:
+                revive = req.pool_state.get("revive", 0)
+                if revive and revive <= req.computed:  # this chunk recomputed the tree's prefix
+                    del req.pool_state["revive"]
+                    if revive > int(self.storage.table.shared_pages[req.row]) * self.page_size \
+                            and self._hand_prefix_to_tree(req, revive, -1):
+                        self.stats_counters["windows_revived"] += 1
                 if req.computed == req.input_len and req.generated <= 1:  # its prompt's prefill just ended
                     self.cache_prefill(req)
         self.stats_counters["window_retired"] += storage.advance(rows, checkpoints)
@@ -519,17 +534,16 @@ class KVChainPool:
         st = req.pool_state
         if self.strategy is CheckpointStrategy.EXTRA_BUFFER:
             slot = st["tracking"]
-            try:
-                replacement = int(storage.alloc_state_slots(1)[0])
-            except CapacityError:
-                if not self._make_room([1 if p.kind is PoolKind.STATE else 0 for p in self.plan.sub_pools]):
-                    self.stats_counters["checkpoint_stalls"] += 1
-                    return
-                replacement = int(storage.alloc_state_slots(1)[0])
+            replacement = self._take_state_slot()
+            if replacement is None:
+                self.stats_counters["checkpoint_stalls"] += 1
+                return
         else:  # lazy: a slot only at the grid point
-            try:
-                slot = int(storage.alloc_state_slots(1)[0])
-            except CapacityError:
+            # on a full pool the slot is made room for like any other take (CAP-2): the tree's least
+            # recently used entries go, which on a state model are mostly pages no match can use
+            # (a match needs a state); abandoning the checkpoint instead left the tree all pages
+            slot = self._take_state_slot()
+            if slot is None:
                 self.stats_counters["checkpoint_stalls"] += 1
                 return
             replacement = -1
@@ -541,6 +555,20 @@ class KVChainPool:
         if replacement >= 0:
             st["tracking"] = replacement
         self.stats_counters["checkpoints"] += 1
+
+    def _shared_len(self, req: ScheduledRequest) -> int:
+        """Tokens (whole pages) of `req`'s prompt the tree holds, usable as a match or not."""
+        return self.tree.path_pages(req.tokens(max(req.input_len - 1, 0))) * self.page_size
+
+    def _take_state_slot(self) -> int | None:
+        """One state slot for a checkpoint, the prefix cache evicting what it must to make room
+        (CAP-2); None when even that does not make room."""
+        try:
+            return int(self.storage.alloc_state_slots(1)[0])
+        except CapacityError:
+            if not self._make_room([1 if p.kind is PoolKind.STATE else 0 for p in self.plan.sub_pools]):
+                return None
+            return int(self.storage.alloc_state_slots(1)[0])
 
     def cache_prefill(self, req: ScheduledRequest) -> None:
         """Once a prompt is prefilled (a model without recurrent state), hand its whole pages to the
