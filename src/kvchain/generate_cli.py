@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from .cli_common import byte_size, positive_int, progress
@@ -146,13 +147,9 @@ def run_generate(args: argparse.Namespace) -> int:
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
-    if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
-        return 0
     hicache = engine.pool.hicache
-    _render(result, tokenizer, engine.storage.sizing.budget_bytes,
-            host_bytes=None if hicache is None else hicache.host.nbytes)
-    return 0
+    return _report(args, result, tokenizer, engine.storage.sizing.budget_bytes,
+                   host_bytes=None if hicache is None else hicache.host.nbytes)
 
 
 def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
@@ -167,11 +164,7 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
     if kind == "nixl" and nixl_available() is not None:
         raise InputError(f"--pd-engine nixl: {nixl_available()}")
     result = generate_pd(args.model_path, config, requests, kind=kind)
-    if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict()}))
-        return 0
-    _render(result, tokenizer, args.budget)
-    return 0
+    return _report(args, result, tokenizer, args.budget)
 
 
 def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
@@ -186,15 +179,10 @@ def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
     result = runs[-1].result
     stages = [{"stage": i, "first_layer": r.first_layer, "last_layer": r.last_layer, "arena_bytes": r.arena_bytes,
                "bytes_per_token": r.bytes_per_token, "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
-    if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
-                          "stages": stages}))
-        return 0
-    _render(result, tokenizer, config.budget_bytes)
-    for s in stages:
-        print(f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
-              f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps")
-    return 0
+    lines = [f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
+             f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps"
+             for s in stages]
+    return _report(args, result, tokenizer, config.budget_bytes, lines, stages=stages)
 
 
 def _run_grid(args: argparse.Namespace, checkpoint, config, requests) -> int:
@@ -212,16 +200,10 @@ def _run_grid(args: argparse.Namespace, checkpoint, config, requests) -> int:
     grid = [{"stage": r.stage, "rank": r.rank, "first_layer": r.first_layer, "last_layer": r.last_layer,
              "arena_bytes": r.arena_bytes, "bytes_per_token": r.bytes_per_token,
              "steps_checked": len(r.stage_digests)} for r in runs]
-    if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
-                          "processes": grid}))
-        return 0
-    _render(result, checkpoint.tokenizer, config.budget_bytes)
-    for g in grid:
-        print(f"stage {g['stage']} rank {g['rank']}: layers {g['first_layer']}..{g['last_layer']}, arena "
-              f"{g['arena_bytes']:,} B, {g['bytes_per_token']:,} B/token, capacity and decision digests compared "
-              f"after {g['steps_checked']} steps")
-    return 0
+    lines = [f"stage {g['stage']} rank {g['rank']}: layers {g['first_layer']}..{g['last_layer']}, arena "
+             f"{g['arena_bytes']:,} B, {g['bytes_per_token']:,} B/token, capacity and decision digests compared "
+             f"after {g['steps_checked']} steps" for g in grid]
+    return _report(args, result, checkpoint.tokenizer, config.budget_bytes, lines, processes=grid)
 
 
 def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
@@ -235,15 +217,9 @@ def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
     result = runs[0].result
     ranks = [{"rank": i, "arena_bytes": r.arena_bytes, "bytes_per_token": r.bytes_per_token,
               "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
-    if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
-                          "ranks": ranks}))
-        return 0
-    _render(result, checkpoint.tokenizer, config.budget_bytes)
-    for r in ranks:
-        print(f"rank {r['rank']}: arena {r['arena_bytes']:,} B, {r['bytes_per_token']:,} B/token (its shard of the "
-              f"KV heads), decision digests compared after {r['steps_checked']} steps")
-    return 0
+    lines = [f"rank {r['rank']}: arena {r['arena_bytes']:,} B, {r['bytes_per_token']:,} B/token (its shard of the "
+             f"KV heads), decision digests compared after {r['steps_checked']} steps" for r in ranks]
+    return _report(args, result, checkpoint.tokenizer, config.budget_bytes, lines, ranks=ranks)
 
 
 def _speculative(args: argparse.Namespace) -> dict:
@@ -253,6 +229,20 @@ def _speculative(args: argparse.Namespace) -> dict:
     if args.draft_model_path is None:
         return {}
     return {"draft_model_path": args.draft_model_path, "num_speculative_tokens": args.num_speculative_tokens}
+
+
+def _report(args: argparse.Namespace, result, tokenizer, budget_bytes: int, lines: Sequence[str] = (),
+            host_bytes: int | None = None, **processes) -> int:
+    """Print a run: with `--json` its outputs, stats and each process's figures (under their key in
+    `processes`), else the rendered table and one line a process."""
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                          **processes}))
+        return 0
+    _render(result, tokenizer, budget_bytes, host_bytes=host_bytes)
+    for line in lines:
+        print(line)
+    return 0
 
 
 def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None) -> None:

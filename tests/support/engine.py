@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -46,6 +47,13 @@ def workload(n: int, seed: int = 0) -> list[GenerateRequest]:
     prefixes = [rng.integers(0, 256, 24).tolist() for _ in range(3)]
     return [GenerateRequest(prefixes[i % 3] + rng.integers(0, 256, int(rng.integers(2, 40))).tolist(),
                             int(rng.integers(6, 29))) for i in range(n)]
+
+
+def write_prompts(path: Path, requests: list[GenerateRequest]) -> Path:
+    """`requests` as the JSON-lines prompts file `kvchain generate --prompts` reads, at `path`."""
+    path.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
+                                        "max_new_tokens": r.max_new_tokens}) + "\n" for r in requests))
+    return path
 
 
 @functools.cache

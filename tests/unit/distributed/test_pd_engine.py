@@ -14,7 +14,7 @@ from kvchain.cli import main
 from kvchain.dist.pd_engine import generate_pd
 from kvchain.dist.transfer import nixl_available
 from kvchain.engine.serve import Engine, EngineConfig
-from support.engine import PAGE, checkpoint_dir, workload
+from support.engine import PAGE, checkpoint_dir, workload, write_prompts
 
 NIXL_MISSING = nixl_available()
 CONFIG = EngineConfig(budget_bytes=8 * 2**20, page_size=PAGE, context_len=128, max_running=8, ignore_eos=True)
@@ -44,9 +44,7 @@ def test_generate_pd_on_the_command_line_matches_generate(tmp_path, capsys):
     """Gemma 3 over gloo, through `kvchain generate --pd`: without the window rows the decode
     diverges at once."""
     requests = workload(6, seed=3)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
-                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in requests))
+    prompts = write_prompts(tmp_path / "prompts.jsonl", requests)
     common = ["generate", "--model-path", str(checkpoint_dir("gemma3")), "--prompts", str(prompts), "--json",
               "--ignore-eos", "--page-size", str(PAGE), "--context", "128", "--budget", "8MiB", "--max-running", "8"]
     outputs = []

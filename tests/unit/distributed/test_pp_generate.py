@@ -16,7 +16,7 @@ from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.tiny import make_checkpoint
-from support.engine import checkpoint_dir, workload
+from support.engine import checkpoint_dir, workload, write_prompts
 
 #: Gemma 3's interleave over six layers: split 4/2, the stages hold 3 and 1 window layers
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -57,9 +57,7 @@ def test_two_stages_generate_what_one_process_does():
 
 def test_generate_cli_with_pp_prints_what_one_process_does(tmp_path, capsys):
     path = checkpoint_dir("gpt_oss")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
-                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
+    prompts = write_prompts(tmp_path / "p.jsonl", workload(3))
     argv = ["generate", "--model-path", str(path), "--prompts", str(prompts), "--budget", "4MiB", "--page-size", "4",
             "--ignore-eos", "--json"]
     assert main([*argv, "--no-overlap"]) == 0

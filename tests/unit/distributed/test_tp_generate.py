@@ -16,7 +16,7 @@ from kvchain.dist import tp_engine as tp
 from kvchain.dist.tp_engine import generate_in_ranks
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import KVChainError
-from support.engine import LOGIT_TOL, checkpoint_dir, workload
+from support.engine import LOGIT_TOL, checkpoint_dir, workload, write_prompts
 
 
 def _config(**kw) -> EngineConfig:
@@ -104,9 +104,7 @@ def test_a_rank_whose_counts_differ_fails_agreement(monkeypatch):
 
 
 def test_generate_cli_with_tp_prints_what_one_process_does(tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
-                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
+    prompts = write_prompts(tmp_path / "p.jsonl", workload(3))
     argv = ["generate", "--model-path", str(checkpoint_dir("llama")), "--prompts", str(prompts), "--budget", "4MiB",
             "--page-size", "4", "--ignore-eos", "--no-overlap", "--json"]
     assert main(argv) == 0

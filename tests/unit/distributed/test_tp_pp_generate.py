@@ -16,7 +16,7 @@ from kvchain.cli import main
 from kvchain.dist.tp_pp_engine import generate_in_grid
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.tiny import make_checkpoint
-from support.engine import checkpoint_dir, workload
+from support.engine import checkpoint_dir, workload, write_prompts
 
 CHECKS = {"KVCHAIN_INVARIANT_CHECK": "1"}
 
@@ -63,9 +63,7 @@ def test_two_stages_of_two_ranks_generate_what_one_process_does():
 
 
 def test_generate_cli_with_tp_and_pp_prints_what_one_process_does(tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_token_ids": list(r.prompt_token_ids),
-                                           "max_new_tokens": r.max_new_tokens}) + "\n" for r in workload(3)))
+    prompts = write_prompts(tmp_path / "p.jsonl", workload(3))
     argv = ["generate", "--model-path", str(checkpoint_dir("llama")), "--prompts", str(prompts), "--budget", "4MiB",
             "--page-size", "4", "--ignore-eos", "--no-overlap", "--json"]
     assert main(argv) == 0
