@@ -382,28 +382,31 @@ class FloatBand(Band):
         self.lo, self.hi = new_lo, new_hi
         return fences
 
-    def relocate(self, live: np.ndarray, dst: np.ndarray, lo: int, size: int, key: LaunchRecord | None) -> list[Fence]:
-        """Live pages `live` were copied, in order, to `dst`: the span becomes `[lo, lo + size)`, the
-        rest holes (COMP-23). Pages of the old block that leave the span keep their unfinished uses
-        as the returned fences; the old positions carry the forward in flight's hazard."""
-        keep = live != dst
-        if keep.any():
-            self.ids.rebind_physical(live[keep], dst[keep])
-            self.stats["moves"] += int(np.count_nonzero(keep))
-        if key is not None and len(live):
-            self.usage.record(PageUse(Hazard.FORWARD, live.copy(), writes=False, event=key.event, step=key.step,
-                                      vacated=True, label=f"relocated under step {key.step}"))
+    def relocate(self, src: np.ndarray, dst: np.ndarray, lo: int, size: int, key: LaunchRecord | None) -> list[Fence]:
+        """Live pages `src` were copied to the open pages `dst` of the new span `[lo, lo + size)`
+        (COMP-23); the other live pages stayed, and every other page of the span is a hole. The
+        copied pages' old positions carry the forward in flight's hazard; pages of the old block
+        that leave the span keep their unfinished uses as the returned fences."""
+        if len(src):
+            self.ids.rebind_physical(src, dst)
+            self.stats["moves"] += len(src)
+            if key is not None:
+                self.usage.record(PageUse(Hazard.FORWARD, src.copy(), writes=False, event=key.event, step=key.step,
+                                          vacated=True, label=f"relocated under step {key.step}"))
         old = np.arange(self.lo, self.hi, dtype=np.int64) if not self.parked else np.empty(0, dtype=np.int64)
         # the old block less the new span: both are ranges, so two ranges (no sort of the block)
         leaving = old[(old < lo) | (old >= lo + size)]
         fences = self.fences_leaving(leaving) if len(leaving) else []
+        span = self.state[lo : lo + size]
+        stays = span == LIVE  # read before the old block leaves: only its live pages are LIVE
         self.state[old] = OUT
-        self.holes.keep(np.zeros(self.holes.count, dtype=bool))
+        span[:] = HOLE
+        span[stays] = LIVE
         self.state[dst] = LIVE
-        tail = np.arange(lo + len(live), lo + size, dtype=np.int64)
-        self.state[tail] = HOLE
-        self.holes.push(tail)
-        self.n_holes = len(tail)
+        holes = lo + np.flatnonzero(span == HOLE)
+        self.holes.keep(np.zeros(self.holes.count, dtype=bool))
+        self.holes.push(holes)
+        self.n_holes = len(holes)
         self.parked = False
         self.lo, self.hi = lo, lo + size
         return fences

@@ -45,7 +45,7 @@ from .forward_steps import ForwardSteps, LaunchRecord
 from .id_space import UNBOUND, IdStack
 from .invariants import check_windows_released
 from .npfast import has_duplicates
-from .page_usage import Clear, Consumer, Fence, Hazard, PageUse, Wait, clearance, forward_reads
+from .page_usage import Clear, Consumer, Fence, Hazard, PageUse, Wait, clearance
 from .pricing import (
     BandSnap,
     CapacityEpoch,
@@ -640,10 +640,12 @@ class ChainAllocator:
         self.log("move", band.name, src, dst)
 
     def _relocate(self, band: FloatBand, lo: int, size: int) -> None:
-        """Copy every live page of a float, in order, to `[lo, lo + live)` and make the span
-        `[lo, lo + size)`, the rest holes (COMP-23). Pending pages settle first
-        (`band.geometry_ready`); the old block's pages that leave the span keep their unfinished
-        uses as fences in the arena."""
+        """Make a float's span `[lo, lo + size)` (COMP-23): the live pages outside it are copied
+        into its open pages and rebound, the rest stay, and every other page of the span is a hole.
+        Pending pages settle first (`band.geometry_ready`). The copy writes holes only, so it waits
+        no forward that reads live pages; it waits the writers of what it reads and the uses of what
+        it writes, and the old block's pages that leave the span keep their unfinished uses as
+        fences in the arena."""
         geometry_ready(band)
         if band.n_pending:
             self._settle(band, park=False)
@@ -651,15 +653,10 @@ class ChainAllocator:
         self.wait_fences(band, reloc.fresh)
         self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, reloc.reused))
         key = self.forward_steps.newest_unprocessed()
-        skip = faults.ACTIVE and faults.active(faults.SKIP_FENCE_WAITS)
-        if key is not None and reloc.over_live and not skip:
-            # the new block overlaps live pages a forward in flight may still read: wait it first
-            self._clear(band, forward_reads(key.event, key.step, f"relocation over pages step {key.step} may read"))
-        if len(reloc.live):
-            self._clear(band, band.usage.writers_clearance(reloc.live))
-            for src, dst in reloc.shifts:
-                self.copier.shift_pages(band.grid, src, dst, label="relocate")
-        self._add_fences(band.relocate(reloc.live, reloc.dst, lo, size, key))
+        if len(reloc.src):
+            self._clear(band, band.usage.writers_clearance(reloc.src))
+            self.copier.move_pages(band.grid, reloc.src, reloc.dst, label="relocate")
+        self._add_fences(band.relocate(reloc.src, reloc.dst, lo, size, key))
         self.move_epoch += 1
         self.relocations += 1
         self.log("relocate", band.name, lo, size)

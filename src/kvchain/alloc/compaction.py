@@ -28,17 +28,16 @@ class MovePlan:
 
 @dataclass(frozen=True)
 class RelocationPlan:
-    """A float's block move: live pages `live` to `dst = [lo, lo + len(live))`, the span becoming
-    `[lo, lo + size)`. `shifts` are the order-keeping copies (`PageCopier.shift_pages`)."""
+    """A float's move to the span `[lo, lo + size)`: the live pages already inside it stay where
+    they are; those outside it (`src`) are copied into its lowest non-live pages (`dst`), so the
+    copy moves only what the span leaves behind. `src` and `dst` are disjoint (one copy launch)."""
 
     lo: int
     size: int
-    live: np.ndarray
+    src: np.ndarray
     dst: np.ndarray
     fresh: np.ndarray  # pages of the new block outside the old one: their fences are cleared first
-    reused: np.ndarray  # destinations inside the old block: the ledger's clearance runs on them
-    over_live: bool  # the new block overlaps live pages, which a forward in flight may still read
-    shifts: tuple[tuple[np.ndarray, np.ndarray], ...]
+    reused: np.ndarray  # destinations inside the old block (holes): the ledger's clearance runs on them
 
 
 def plan_flush(band: Band, max_moves: int | None, relief: bool = False, hold_network: bool = False) -> MovePlan | None:
@@ -101,41 +100,25 @@ def _written_in_flight(band: Band) -> np.ndarray:
 
 
 def plan_relocation(band: FloatBand, lo: int, size: int) -> RelocationPlan:
-    """Every live page of a float, in order, to `[lo, lo + live)` in a span `[lo, lo + size)`
-    (COMP-23). The float must hold no pending (settled first), fixed or vacated page."""
+    """The fewest copies that put every live page of a float inside `[lo, lo + size)` (COMP-23):
+    a page already inside stays, and each page outside goes to the lowest page of the new span
+    that holds none. A relief shifts a float by what its neighbours need, so most of its pages
+    stay. The float must hold no pending (settled first), fixed or vacated page."""
     if band.n_fixed or band.n_vacated:
         raise InvariantError("band.relocate_fixed", f"{band.name} holds fixed or vacated pages and cannot move")
     live = band.live_pages()
-    if size < len(live) or lo < band.grid.first_id or lo + size > band.grid.n_grid:
-        raise CapacityError(f"{band.name}: block [{lo}, {lo + size}) cannot hold {len(live)} live pages")
-    n = len(live)
-    dst = np.arange(lo, lo + n, dtype=np.int64)
-    # the old block, the new span and `dst` are ranges, `live` is sorted: range arithmetic, no sets
+    hi = lo + size
+    if size < len(live) or lo < band.grid.first_id or hi > band.grid.n_grid:
+        raise CapacityError(f"{band.name}: block [{lo}, {hi}) cannot hold {len(live)} live pages")
+    # `live` is sorted: the pages inside the new span are one run of it
+    first, last = np.searchsorted(live, lo), np.searchsorted(live, hi)
+    src = np.concatenate([live[:first], live[last:]])
+    open_ = lo + np.flatnonzero(band.state[lo:hi] != LIVE)
+    dst = open_[: len(src)]
+    # the old block and the new span are ranges: range arithmetic, no sets
     old_lo, old_hi = (band.lo, band.hi) if not band.parked else (lo, lo)
-    fresh = np.concatenate([np.arange(lo, min(lo + size, max(old_lo, lo)), dtype=np.int64),
-                            np.arange(max(lo, old_hi), lo + size, dtype=np.int64)]) if old_hi > old_lo else \
-        np.arange(lo, lo + size, dtype=np.int64)
-    reused = np.arange(max(lo, old_lo), min(lo + n, old_hi), dtype=np.int64)
-    over_live = bool(np.searchsorted(live, lo + n) > np.searchsorted(live, lo))
-    return RelocationPlan(lo, size, live, dst, fresh=fresh, reused=reused, over_live=over_live,
-                          shifts=_shifts(band, live, dst))
-
-
-def _shifts(band: FloatBand, src: np.ndarray, dst: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """An order-keeping relocation in two launches: the pages moving down in ascending order, the
-    pages moving up in descending order. Because the map keeps order, neither set writes a page the
-    other reads, and within a set, in that order, no copy overwrites a source that is still to be
-    read (`PageCopier.shift_pages`)."""
-    keep = src != dst
-    src, dst = src[keep], dst[keep]
-    if not len(src):
-        return ()
-    if (np.diff(src) <= 0).any() or (np.diff(dst) <= 0).any():
-        raise InvariantError("band.relocate_order", f"{band.name}: a relocation must keep page order")
-    down = dst < src
-    out = []
-    if down.any():
-        out.append((src[down], dst[down]))
-    if not down.all():
-        out.append((src[~down][::-1], dst[~down][::-1]))
-    return tuple(out)
+    fresh = np.concatenate([np.arange(lo, min(hi, max(old_lo, lo)), dtype=np.int64),
+                            np.arange(max(lo, old_hi), hi, dtype=np.int64)]) if old_hi > old_lo else \
+        np.arange(lo, hi, dtype=np.int64)
+    reused = dst[(dst >= old_lo) & (dst < old_hi)]
+    return RelocationPlan(lo, size, src, dst, fresh=fresh, reused=reused)

@@ -99,7 +99,7 @@ class ChainSnapshot:
 class Relocation:
     band: int
     lo: int
-    size: int  # span after relocation: live pages first, then `size - live` holes
+    size: int  # span after relocation: every live page inside it, the rest `size - live` holes
 
 
 @dataclass(frozen=True)

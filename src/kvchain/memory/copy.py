@@ -48,12 +48,6 @@ class PageCopier:
         """Copy pages `src` onto pages `dst` of one band's grid (the two sets must be disjoint)."""
         self._launch_copy(grid, src, dst, label, self._copy)
 
-    def shift_pages(self, grid: BandGrid, src: np.ndarray, dst: np.ndarray, label: str = "shift") -> None:
-        """Copy pages `src` onto `dst` in the order given, where `src` and `dst` may overlap: as if
-        page by page in that order. The caller orders the pairs so that no copy overwrites a
-        source a later pair reads (a shift down in ascending order, a shift up in descending)."""
-        self._launch_copy(grid, src, dst, label, self._copy_in_order)
-
     def _launch_copy(self, grid: BandGrid, src: np.ndarray, dst: np.ndarray, label: str, copy) -> None:
         """Launch `copy(words, src, dst)` on the schedule stream, declaring what it reads and writes
         (a meta arena launches the declaration alone)."""

@@ -73,19 +73,27 @@ def test_the_opportunistic_plan_stops_at_a_source_a_forward_writes():
     assert moves is not None and ids[0] in moves.src
 
 
-def test_a_relocation_plan_keeps_order_and_refuses_what_cannot_move():
-    """COMP-23: a float's live pages keep their order in the new block; a block too small, or a
-    float holding fixed pages, is refused before anything is copied."""
-    band, ids = _filled(4, Placement.FLOAT)
-    band.free(ids[1:2], None)
+def test_a_relocation_plan_copies_only_the_pages_the_new_span_leaves_behind():
+    """COMP-23: a float's live pages inside the new span stay where they are; each one outside it
+    is copied to the lowest page of the span that holds no live page (never onto a live page, so
+    the copy reads nothing it writes); a block too small, or a float holding fixed pages, is
+    refused before anything is copied."""
+    band, ids = _filled(6, Placement.FLOAT)
+    band.free(ids[2:3], None)  # a hole inside the block
     live = band.live_pages()
-    reloc = plan_relocation(band, band.grid.first_id, 5)
-    assert reloc.live.tolist() == live.tolist()
-    assert reloc.dst.tolist() == list(range(band.grid.first_id, band.grid.first_id + len(live)))
-    for src, dst in reloc.shifts:
-        assert len(src) == len(dst) and (src != dst).all()
+    lo = band.lo + 2  # the span shifts up by two pages: the two lowest live pages leave it
+    reloc = plan_relocation(band, lo, 6)
+    assert reloc.src.tolist() == live[:2].tolist()
+    open_ = [p for p in range(lo, lo + 6) if p not in set(live.tolist())]
+    assert reloc.dst.tolist() == open_[:2]
+    assert ids[2] in reloc.dst  # the hole inside the old block is reused first
+    assert not set(reloc.dst.tolist()) & set(live.tolist())
+    assert reloc.reused.tolist() == [int(ids[2])]
+    assert reloc.fresh.tolist() == [band.hi, band.hi + 1]
+    same = plan_relocation(band, band.lo, band.hi - band.lo)  # the span it has: nothing moves
+    assert len(same.src) == 0 and len(same.dst) == 0
     with pytest.raises(CapacityError):
         plan_relocation(band, band.grid.first_id, 2)
     band.fix(live[:1], "load reservation")
     with pytest.raises(InvariantError, match=r"band\.relocate_fixed"):
-        plan_relocation(band, band.grid.first_id, 5)
+        plan_relocation(band, lo, 6)
