@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-from rich.console import Console
 
 from kvchain import __version__
 from kvchain.cli import main
@@ -17,18 +16,10 @@ from kvchain.models import list_presets, model_from_preset
 from kvchain.plan import plan_kv_storage
 from kvchain.report import render_models, render_plan
 from kvchain.sizing import size_plan
+from support.output import assert_fits, narrow_console
 
 PRESETS = [p.name for p in list_presets()]
 SNAKE = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-def _console() -> Console:
-    return Console(width=100, record=True, force_terminal=True, color_system=None)
-
-
-def _assert_fits(text: str) -> None:
-    assert "…" not in text, text
-    assert max(len(line) for line in text.splitlines()) <= 100
 
 
 def _strict(text: str) -> dict:
@@ -45,20 +36,20 @@ def test_plan_table_fits_100_columns_without_cutting_a_cell(name):
     model = model_from_preset(name)
     plan = plan_kv_storage(model.decls, page_size=64)
     sizing = size_plan(plan, 80 * 2**30, context_len=min(model.max_context, 32768))
-    console = _console()
+    console = narrow_console()
     render_plan(model, plan, sizing, console)
     text = console.export_text()
-    _assert_fits(text)
+    assert_fits(text)
     for pool, target in zip(plan.sub_pools, sizing.targets):
         assert pool.name in text and f"{target.units:,}" in text and f"{pool.page_bytes:,}" in text
     assert f"{sizing.full_tokens:,}" in text
 
 
 def test_models_table_fits_100_columns():
-    console = _console()
+    console = narrow_console()
     render_models(list_presets(), console)
     text = console.export_text()
-    _assert_fits(text)
+    assert_fits(text)
     for p in list_presets():
         assert p.hf_id in text
 
@@ -68,14 +59,14 @@ def test_simulate_tables_fit_100_columns(step_time, monkeypatch, capsys):
     """Every pool, with every figure whole (the pool names included: "stat…" was both static pools)."""
     import kvchain.sim.report as report
 
-    console = _console()
+    console = narrow_console()
     monkeypatch.setattr(report, "Console", lambda *a, **k: console)
     pools = "kvchain,vllm-hybrid,sglang-static,static-default,static-best,uniform-page,ideal"
     argv = ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "12",
             "--jobs", "1", "--pools", pools, *step_time]
     assert main(argv) == 0
     text = console.export_text()
-    _assert_fits(text)
+    assert_fits(text)
     for pool in pools.split(","):
         assert re.search(rf"│ {re.escape(pool)} +│", text), pool
 

@@ -11,9 +11,11 @@ import statistics
 
 import pytest
 
+from kvchain.bench import alloc_table
 from kvchain.bench.alloc import PROFILES, _Driver, run_alloc_bench
 from kvchain.cli import main
 from kvchain.errors import InputError
+from support.output import assert_fits, rendered
 
 ITERS, BLOCK = 60, 20
 
@@ -134,3 +136,10 @@ def test_cli_json_and_refusals(capsys) -> None:
         with pytest.raises(SystemExit) as exc:
             main(["bench", "alloc", *argv])
         assert exc.value.code == 2
+
+
+def test_the_table_fits_100_columns_without_cutting_a_figure(result: dict) -> None:
+    text = rendered(alloc_table(result))
+    assert_fits(text)
+    for row in result["profiles"].values():
+        assert str(row["kvchain_us_per_iter"]) in text and str(row["ratio"]) in text

@@ -11,10 +11,18 @@ import math
 import pytest
 import torch
 
-from kvchain.bench.engine import KVCHAIN, PEERS, cb_bytes_per_block, run_engine_bench, shared_prefix_workload
+from kvchain.bench.engine import (
+    KVCHAIN,
+    PEERS,
+    cb_bytes_per_block,
+    render_engine_bench,
+    run_engine_bench,
+    shared_prefix_workload,
+)
 from kvchain.cli import main
 from kvchain.engine.tiny import tiny_config
 from kvchain.errors import InputError
+from support.output import assert_fits, narrow_console
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +110,13 @@ def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "engine", "--requests", "0"])
     assert exc.value.code == 2
+
+
+def test_the_tables_fit_100_columns_without_cutting_a_figure(result: dict) -> None:
+    console = narrow_console()
+    render_engine_bench(result, console)
+    text = console.export_text()
+    assert_fits(text)
+    family = result["families"]["gemma3"]
+    for engine in (*KVCHAIN, *PEERS):
+        assert f"{family[engine]['tokens_per_second']:.1f}" in text, engine

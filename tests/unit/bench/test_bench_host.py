@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from kvchain.bench.host import headline, run_host_bench, summarize
+from kvchain.bench.host import headline, host_table, run_host_bench, summarize
 from kvchain.cli import main
+from support.output import assert_fits, rendered
 
 CELL_KEYS = {"page_bytes", "layers", "pinned", "backup_bytes", "backup_gb_per_s", "backup_copy_gb_per_s",
              "backup_ratio", "load_bytes", "load_gb_per_s", "load_copy_gb_per_s", "load_ratio"}
@@ -50,3 +51,10 @@ def test_json_schema_and_real_copies(result: dict):
 def test_cli_refuses_an_unknown_device(capsys):
     assert main(["bench", "host", "--device", "tpu"]) == 2
     assert "--device" in capsys.readouterr().err
+
+
+def test_the_table_fits_100_columns_without_cutting_a_figure(result: dict):
+    text = rendered(host_table(result))
+    assert_fits(text)
+    for c in result["cells"]:
+        assert str(c["backup_ratio"]) in text and str(c["load_ratio"]) in text

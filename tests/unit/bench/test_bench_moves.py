@@ -9,8 +9,10 @@ import os
 
 import pytest
 
+from kvchain.bench import moves_table
 from kvchain.bench.moves import SWEEP_LAYERS, default_threads, page_bytes_for, run_moves_bench
 from kvchain.cli import main
+from support.output import assert_fits, rendered
 
 CELL_KEYS = {"page_bytes", "threads", "pages_moved", "bytes_moved", "moves_gb_per_s", "copy_gb_per_s", "ratio"}
 
@@ -54,3 +56,10 @@ def test_headline_is_the_worst_cell(result: dict) -> None:
 def test_cli_refuses_an_unknown_device(capsys) -> None:
     assert main(["bench", "moves", "--device", "tpu"]) == 2
     assert "--device" in capsys.readouterr().err
+
+
+def test_the_table_fits_100_columns_without_cutting_a_figure(result: dict) -> None:
+    text = rendered(moves_table(result))
+    assert_fits(text)
+    for c in result["cells"]:
+        assert str(c["ratio"]) in text and str(c["moves_gb_per_s"]) in text
