@@ -168,6 +168,11 @@ class UnifiedRadixCache:
         #: called as `on_evict(kind, node)` before an eviction frees anything (a host tier backs
         #: the node up there: `kvchain.sim.host_tier`)
         self.on_evict = None
+        #: on a model with state, evict leaves that hold no state before any other victim: a match
+        #: ends only where a state is held (WIN-9), so such a leaf (the pages a request left past
+        #: its last checkpoint) can end no match. Engines that evict by recency alone turn it off
+        #: (`kvchain.sim.baselines`: `vllm-hybrid`, `sglang-static`)
+        self.unmatchable_first = True
         #: called as `reuse()` when an eviction is planned: {id(node): rank} for the nodes a known
         #: future match needs (rank 0 soonest); those go after every other victim, the one needed
         #: latest first (`kvchain.sim.waiting.WaitingReuse`). None: plain LRU
@@ -638,17 +643,24 @@ class UnifiedRadixCache:
         itself was last taken or matched. A path's recency is refreshed by every match below it,
         but a checkpoint a deeper one has superseded (the previous turn's, on a path the
         conversation has since extended) is no longer matched: it ages on its own and goes before
-        the pages and states still in use. Nothing is freed while planning."""
+        the pages and states still in use. On a model with state, leaves without a state go before
+        all of these (`unmatchable_first`). Nothing is freed while planning."""
         # only nodes that can give something now start in the heap (a running request's nodes
         # mostly cannot); an unlocked parent joins once its children are planned away
         reuse = self.reuse() if self.reuse is not None else {}
+        unmatchable = self.state is not None and self.unmatchable_first
         def tier(n: TreeNode) -> int:  # 0: no known reuse; then the reuse needed latest first
             rank = reuse.get(id(n))
             return 0 if rank is None else _REUSE_TIERS - rank
 
-        heap = [(tier(n), min(n.hits, 1), n.last_access, n.seq, False, n) for n in self._nodes()
+        def rank(n: TreeNode, leaf: bool) -> tuple:
+            # a leaf that can end no match goes first, whatever its recency (`unmatchable_first`)
+            dead = leaf and unmatchable and n.state_slot < 0
+            return (not dead, tier(n), min(n.hits, 1), n.last_access, n.seq, False, n)
+
+        heap = [rank(n, not n.children) for n in self._nodes()
                 if (n.lock_ref == 0 and not n.children) or (n.window_lock == 0 and n.window_held)]
-        heap += [(tier(n), 0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
+        heap += [(True, tier(n), 0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
         heapq.heapify(heap)
         planned_away: dict[int, int] = {}  # children planned away, per parent
         window_done: set[int] = set()
@@ -673,8 +685,7 @@ class UnifiedRadixCache:
                 if parent is not None and parent is not self.root:
                     up = planned_away[id(parent)] = planned_away.get(id(parent), 0) + 1
                     if up == len(parent.children) and parent.lock_ref == 0:
-                        heapq.heappush(heap, (tier(parent), min(parent.hits, 1), parent.last_access, parent.seq,
-                                              False, parent))
+                        heapq.heappush(heap, rank(parent, True))
                 continue
             if key not in window_done and node.window_lock == 0 and node.window_held:
                 window_done.add(key)

@@ -5,10 +5,11 @@ Two kinds of baseline. The engines, each with its own memory layout and its own 
 
 * `vllm-hybrid`: `uniform-page`'s layout with vLLM's policy: admit while the chunk's blocks fit
   with the watermark kept free, allocate on demand, preempt the newest running request by
-  recompute when one cannot grow; prefix caching on whole blocks, state kept at block boundaries.
+  recompute when one cannot grow; prefix caching on whole blocks, state kept at block boundaries,
+  cached blocks evicted by recency alone.
 * `sglang-static`: `static-default`'s split with sglang's policy: new requests charged their prompt
   and output, running ones `new_token_ratio` (0.7 decaying to 0.1) x their remaining output;
-  decodes retracted when a step cannot grow.
+  decodes retracted when a step cannot grow; cached pages evicted by recency alone.
 * `ideal`: the physical limit: bytes exactly as needed (one-token pages, no padding, no fixed
   split) and perfect knowledge of each request's output length, reserved exactly.
 
@@ -190,7 +191,15 @@ def sglang_static_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChain
     pool.policy = SglangPolicy()
     pool.waiting_order = "fcfs"
     pool.eviction = "lru"
+    _recency_only(pool)
     return pool
+
+
+def _recency_only(pool: KVChainPool) -> None:
+    """The engines' prefix caches evict cached blocks by recency alone, a block past the last cached
+    state as any other (`UnifiedRadixCache.unmatchable_first` off)."""
+    if pool.tree is not None:
+        pool.tree.unmatchable_first = False
 
 
 def static_grid(plan: KVStoragePlan) -> list[StaticSplit]:
@@ -293,6 +302,7 @@ def vllm_hybrid_pool(decls: Sequence[KVLayerDecl], cfg: PoolConfig) -> KVChainPo
     pool.policy = VllmPolicy()
     pool.waiting_order = "fcfs"
     pool.eviction = "lru"
+    _recency_only(pool)
     return pool
 
 

@@ -4,6 +4,7 @@ states still in use, and a plan counts each node's rows once."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvchain.cache.radix import CheckpointStrategy, UnifiedRadixCache
 from support.chains import small_storage
@@ -110,3 +111,33 @@ def test_a_future_match_needs_the_nodes_holding_the_window_rows_behind_its_end()
     needs = tree.match_needs(np.concatenate([tokens[:20], [9, 9]]))
     assert needs == [child, parent]
     assert tree.match_prefix(np.concatenate([tokens, [9, 9]])).length == 24  # match_needs split nothing
+
+
+@pytest.mark.parametrize("unmatchable_first", [True, False])
+def test_a_leaf_past_the_last_checkpoint_goes_first_whatever_its_recency(unmatchable_first):
+    """WIN-9: a match on a model with state ends only where a state is held. A (checkpointed at
+    16 tokens) is cached before B, whose 16 tokens run 8 past its checkpoint at 8, so B's last 8
+    tokens are a leaf that holds no state. Asked for 4 pages, the tree gives B's stateless leaf,
+    and both A and B still match to their states. An engine that evicts by recency alone
+    (`unmatchable_first` off) gives A's pages and state (the older) and loses A's hit instead."""
+    storage = small_storage(page_size=2, windows=(), state=True, context=128, chain_kib=64)
+    tree = UnifiedRadixCache(storage, CheckpointStrategy.EXTRA_BUFFER, 8)
+    tree.unmatchable_first = unmatchable_first
+    owner = tree.plan.owner.name
+    a = np.arange(1, 17, dtype=np.int32)
+    b = np.arange(100, 116, dtype=np.int32)
+    node_a = _checkpointed(storage, tree, a)
+    _checkpointed(storage, tree, b[:8])
+    tail = cache_sequence(storage, tree, b)  # past B's checkpoint: no state at its end
+    assert tail.state_slot < 0 and not tail.children
+    freed = tree.evict(lambda pages: pages.get(owner, 0) >= 4)
+    if unmatchable_first:
+        assert freed.pages == {owner: 4}
+        assert tail.parent is None and node_a.parent is not None
+        assert tree.match_prefix(np.concatenate([a, [7, 7]])).length == 16
+    else:
+        assert freed.pages == {owner: 8, tree.plan.state.name: 1}
+        assert node_a.parent is None and tail.parent is not None
+        assert tree.match_prefix(np.concatenate([a, [7, 7]])).length == 0
+    assert tree.match_prefix(np.concatenate([b, [7, 7]])).length == 8
+    tree.verify()

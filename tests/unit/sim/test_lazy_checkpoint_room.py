@@ -32,8 +32,8 @@ def test_lazy_checkpoint_on_a_full_pool_evicts_a_cached_page_instead_of_stalling
     holds its 5 pages (320 B) and the state at 16 (32 B); 608 B are free. B (36 tokens, shares
     nothing) takes its row's state slot (32 B) and 9 pages (576 B): the chain is full. At B's grid
     point 32 the lazy checkpoint needs one 32 B slot: the tree evicts in its own order until it fits
-    (here A's state at 16, its least recently used entry) and the checkpoint is taken, so B's
-    prefix is matchable at 32. Before, the
+    (here A's page past its checkpoint, a leaf no match can end at, before its least recently used
+    state) and the checkpoint is taken, so B's prefix is matchable at 32 and A's still at 16. Before, the
     slot take failed and the checkpoint was abandoned (a stall), so on a full pool a state model's
     tree kept pages no match can use (a match needs a state) and lost the states it could."""
     pool = world(chain_kib=1, window=0, interval=16, rows=4, strategy=CheckpointStrategy.EXTRA_BUFFER_LAZY)
@@ -53,5 +53,9 @@ def test_lazy_checkpoint_on_a_full_pool_evicts_a_cached_page_instead_of_stalling
     pool.processed([b])
     assert pool.stats_counters["checkpoints"] == 2 and pool.stats_counters["checkpoint_stalls"] == 0
     held = pool.tree.held_pages()
-    assert held["state"] == 1 and pool.tree.stats["evicted_state_slots"] == 1  # A's state went, B's came
+    # A's page past its checkpoint (tokens 16..19, a leaf no match can end at) went first: its 64 B
+    # hold the slot, so A's state at 16 stays beside B's
+    assert held == {"state": 2, "full": 4 + 8} and pool.tree.stats["evicted_state_slots"] == 0  # A: 4, B: 8
+    assert pool.tree.stats["evicted_pages"] == 1
     assert pool.tree.match_prefix(b.tokens(35)).length == 32  # B's prefix is matchable at its grid point
+    assert pool.tree.match_prefix(a.tokens(19)).length == 16  # and A's still at its own
