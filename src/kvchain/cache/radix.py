@@ -168,9 +168,10 @@ class UnifiedRadixCache:
         #: called as `on_evict(kind, node)` before an eviction frees anything (a host tier backs
         #: the node up there: `kvchain.sim.host_tier`)
         self.on_evict = None
-        #: on a model with state, evict leaves that hold no state before any other victim: a match
-        #: ends only where a state is held (WIN-9), so such a leaf (the pages a request left past
-        #: its last checkpoint) can end no match. Engines that evict by recency alone turn it off
+        #: on a model with state, evict first what can end no match: leaves that hold no state (a
+        #: match ends only where a state is held, WIN-9: the pages a request left past its last
+        #: checkpoint), and a state a request's later checkpoint in its own output superseded
+        #: (`supersede_output_checkpoint`). Engines that evict by recency alone turn it off
         #: (`kvchain.sim.baselines`: `vllm-hybrid`, `sglang-static`)
         self.unmatchable_first = True
         #: called as `reuse()` when an eviction is planned: {id(node): rank} for the nodes a known
@@ -565,6 +566,21 @@ class UnifiedRadixCache:
             self._account(node, 1)
 
     # -- eviction ------------------------------------------------------------------------------------
+
+    def supersede_output_checkpoint(self, node: TreeNode, output_start: int) -> None:
+        """A running request just checkpointed at `node`'s end, past its prompt: the nearest state
+        above it on its path, if it too lies past token `output_start` (in the request's own
+        output, so on a path no other request shares), can end no match any more (the next turn
+        reaches the deeper one), and its slot goes before every other state
+        (`unmatchable_first`). A checkpoint inside the prompt may be where another request's
+        prompt leaves this one (a shared system prompt), so it ages as before."""
+        if not self.unmatchable_first:
+            return
+        walker = node.parent
+        while walker is not None and walker is not self.root and walker.state_slot < 0:
+            walker = walker.parent
+        if walker is not None and walker is not self.root and walker.start + walker.n_pages * self.ps > output_start:
+            walker.state_used = 0
 
     def _nodes(self) -> Iterator[TreeNode]:
         stack = list(self.root.children.values())

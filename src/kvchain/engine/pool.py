@@ -603,6 +603,8 @@ class KVChainPool:
             else:
                 storage.copy_state(np.array([src]), np.array([slot]))  # the state at the grid point
         storage.release_to_tree(row, n)
+        if slot >= 0 and at > req.prompt_len:
+            self.tree.supersede_output_checkpoint(result.node, req.prompt_len)
         self.tree.lock(result.node)
         if st["node"] is not None:
             self.tree.unlock(st["node"])

@@ -141,3 +141,36 @@ def test_a_leaf_past_the_last_checkpoint_goes_first_whatever_its_recency(unmatch
         assert tree.match_prefix(np.concatenate([a, [7, 7]])).length == 0
     assert tree.match_prefix(np.concatenate([b, [7, 7]])).length == 8
     tree.verify()
+
+
+@pytest.mark.parametrize("unmatchable_first", [True, False])
+def test_a_checkpoint_in_a_request_s_own_output_goes_first_once_a_later_one_supersedes_it(unmatchable_first):
+    """A (16 tokens, checkpointed at 16) is cached first. B's prompt is 8 tokens; it checkpoints
+    at 8, then in its own output at 16 and 24. Once the one at 24 is in, the one at 16 can end no
+    match (only B's next turn reaches past 8, and it reaches 24), so asked for one state slot the
+    tree gives it, though A's state is older; A and B still match to 16 and 24. Inside the prompt
+    (at 8) a checkpoint is left to age as before: another prompt may leave B's there. With
+    recency alone A goes, pages and state."""
+    storage = small_storage(page_size=2, windows=(), state=True, context=128, chain_kib=64)
+    tree = UnifiedRadixCache(storage, CheckpointStrategy.EXTRA_BUFFER, 8)
+    tree.unmatchable_first = unmatchable_first
+    state = tree.plan.state.name
+    a = np.arange(1, 17, dtype=np.int32)
+    b = np.arange(100, 124, dtype=np.int32)
+    node_a = _checkpointed(storage, tree, a)
+    at_8 = _checkpointed(storage, tree, b[:8])
+    at_16 = _checkpointed(storage, tree, b[:16])
+    tree.supersede_output_checkpoint(at_16, 8)  # its parent's state (at 8) is inside B's prompt
+    assert at_8.state_used != 0
+    at_24 = _checkpointed(storage, tree, b[:24])
+    tree.supersede_output_checkpoint(at_24, 8)
+    freed = tree.evict(lambda pages: pages.get(state, 0) >= 1)
+    if unmatchable_first:
+        assert freed.pages == {state: 1}
+        assert at_16.state_slot < 0 and node_a.state_slot >= 0 and at_8.state_slot >= 0
+        assert tree.match_prefix(np.concatenate([a, [7, 7]])).length == 16
+    else:  # A, the least recently used, goes whole
+        assert freed.pages == {state: 1, tree.plan.owner.name: 8}
+        assert node_a.state_slot < 0 and at_16.state_slot >= 0
+    assert tree.match_prefix(np.concatenate([b, [7, 7]])).length == 24
+    tree.verify()
