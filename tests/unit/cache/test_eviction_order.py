@@ -113,6 +113,16 @@ def test_a_future_match_needs_the_nodes_holding_the_window_rows_behind_its_end()
     assert tree.match_prefix(np.concatenate([tokens, [9, 9]])).length == 24  # match_needs split nothing
 
 
+def _a_cached_first(unmatchable_first: bool, b_tokens: int):
+    """A state tree (pages of 2 tokens, a checkpoint every 8) holding A's 16 tokens checkpointed
+    at their end, and B's `b_tokens` tokens still to cache."""
+    storage = small_storage(page_size=2, windows=(), state=True, context=128, chain_kib=64)
+    tree = UnifiedRadixCache(storage, CheckpointStrategy.EXTRA_BUFFER, 8)
+    tree.unmatchable_first = unmatchable_first
+    a = np.arange(1, 17, dtype=np.int32)
+    return storage, tree, a, np.arange(100, 100 + b_tokens, dtype=np.int32), _checkpointed(storage, tree, a)
+
+
 @pytest.mark.parametrize("unmatchable_first", [True, False])
 def test_a_leaf_past_the_last_checkpoint_goes_first_whatever_its_recency(unmatchable_first):
     """WIN-9: a match on a model with state ends only where a state is held. A (checkpointed at
@@ -120,13 +130,8 @@ def test_a_leaf_past_the_last_checkpoint_goes_first_whatever_its_recency(unmatch
     tokens are a leaf that holds no state. Asked for 4 pages, the tree gives B's stateless leaf,
     and both A and B still match to their states. An engine that evicts by recency alone
     (`unmatchable_first` off) gives A's pages and state (the older) and loses A's hit instead."""
-    storage = small_storage(page_size=2, windows=(), state=True, context=128, chain_kib=64)
-    tree = UnifiedRadixCache(storage, CheckpointStrategy.EXTRA_BUFFER, 8)
-    tree.unmatchable_first = unmatchable_first
+    storage, tree, a, b, node_a = _a_cached_first(unmatchable_first, 16)
     owner = tree.plan.owner.name
-    a = np.arange(1, 17, dtype=np.int32)
-    b = np.arange(100, 116, dtype=np.int32)
-    node_a = _checkpointed(storage, tree, a)
     _checkpointed(storage, tree, b[:8])
     tail = cache_sequence(storage, tree, b)  # past B's checkpoint: no state at its end
     assert tail.state_slot < 0 and not tail.children
@@ -151,13 +156,8 @@ def test_a_checkpoint_in_a_request_s_own_output_goes_first_once_a_later_one_supe
     tree gives it, though A's state is older; A and B still match to 16 and 24. Inside the prompt
     (at 8) a checkpoint is left to age as before: another prompt may leave B's there. With
     recency alone A goes, pages and state."""
-    storage = small_storage(page_size=2, windows=(), state=True, context=128, chain_kib=64)
-    tree = UnifiedRadixCache(storage, CheckpointStrategy.EXTRA_BUFFER, 8)
-    tree.unmatchable_first = unmatchable_first
+    storage, tree, a, b, node_a = _a_cached_first(unmatchable_first, 24)
     state = tree.plan.state.name
-    a = np.arange(1, 17, dtype=np.int32)
-    b = np.arange(100, 124, dtype=np.int32)
-    node_a = _checkpointed(storage, tree, a)
     at_8 = _checkpointed(storage, tree, b[:8])
     at_16 = _checkpointed(storage, tree, b[:16])
     tree.supersede_output_checkpoint(at_16, 8)  # its parent's state (at 8) is inside B's prompt
