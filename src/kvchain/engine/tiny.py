@@ -169,9 +169,17 @@ def make_checkpoint(family: str, out_dir: Path, *, seed: int = 0, **overrides: A
 def save_checkpoint(model: torch.nn.Module, out_dir: Path) -> Path:
     """Write `model` (its config, generation config and safetensors weights, in the layout
     `save_pretrained` gives the hub) and the byte tokenizer into `out_dir`."""
+    from transformers.utils import logging as hf_logging
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a tiny checkpoint is one shard: a bar for it is noise
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     byte_tokenizer().save_pretrained(out_dir)
     return out_dir
 

@@ -74,3 +74,16 @@ def test_bad_paths_and_families_exit_2(tiny, tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["generate", "--model-path", str(tiny), "--prompt", "x", "--budget", "1KiB"]) == 2
     assert "floor" in capsys.readouterr().err
+
+
+def test_make_checkpoint_prints_one_line_and_no_progress_bar(tmp_path, capsys):
+    """A tiny checkpoint is one shard: transformers' "Writing model shards" bar is noise; it is
+    kept off while saving and the caller's setting is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    assert main(["make-checkpoint", "llama", str(tmp_path / "l")]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines() == [f"wrote a tiny llama checkpoint to {tmp_path / 'l'}"]
+    assert "Writing" not in err and "it/s" not in err
+    assert hf_logging.is_progress_bar_enabled()
