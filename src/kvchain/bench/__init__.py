@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
 ALLOC_COLUMNS = (("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", "static_us_per_iter"),
                  ("ratio", "ratio"), ("util mean", "utilisation_mean"), ("reliefs", "reliefs"),
-                 ("moves", "moves"), ("relocations", "relocations"), ("preemptions", "preemptions"), ("refused takes", "refused_takes"),
+                 ("moves", "moves"), ("moved GiB (what a device would copy)", "moved_bytes"), ("relocations", "relocations"), ("preemptions", "preemptions"), ("refused takes", "refused_takes"),
                  ("budget GiB", "budget_bytes"), ("static GiB", "static_pool_bytes"),
                  ("boundary checks' cost (own time)", "boundary_ratio"))
 

@@ -254,7 +254,7 @@ def block_ratios(kv_blocks: list[float], static_blocks: list[float]) -> list[flo
 def _counters(kv: _Driver) -> dict[str, int]:
     stats = kv.pool.stats()
     return {"reliefs": kv.pool.allocator.reliefs, "moves": stats.moves, "relocations": stats.relocations,
-            "refused_takes": kv.refused}
+            "moved_bytes": kv.pool.allocator.copier.bytes_moved, "refused_takes": kv.refused}
 
 
 def summarise(name: str, budget: int, kv: _Driver, static: _Driver, iters: int) -> dict:

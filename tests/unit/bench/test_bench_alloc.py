@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from kvchain.bench import alloc_table
-from kvchain.bench.alloc import PROFILES, _Driver, run_alloc_bench
+from kvchain.bench.alloc import PROFILES, _Driver, bench_plan, run_alloc_bench
 from kvchain.cli import main
 from kvchain.errors import InputError
 from support.output import assert_fits, rendered
@@ -22,7 +22,7 @@ ITERS, BLOCK = 60, 20
 PROFILE_KEYS = {
     "profile", "budget_bytes", "static_pool_bytes", "kvchain_us_per_iter", "static_us_per_iter", "ratio",
     "kvchain_mean_us_per_iter", "static_mean_us_per_iter", "kvchain_block_us", "static_block_us",
-    "utilisation_mean", "utilisation_min", "reliefs", "moves", "relocations", "requests_served",
+    "utilisation_mean", "utilisation_min", "reliefs", "moves", "moved_bytes", "relocations", "requests_served",
     "preemptions", "admissions", "refused_takes", "boundary", "boundary_ratio",
 }
 BOUNDARY_KEYS = {"own_ratio", "own_ratio_warm", "own_ratio_total", "own_ratio_groups", "iterations", "pool_us_per_iter",
@@ -89,13 +89,16 @@ def test_pressure_profile_runs_full_and_relieves(result: dict) -> None:
     pressure = result["profiles"]["pressure"]
     assert pressure["utilisation_mean"] >= 0.9
     assert pressure["reliefs"] > 0 and pressure["moves"] > 0
+    # every moved page is one page of some band: its bytes lie between the smallest and largest page
+    pages = [p.page_bytes for p in bench_plan().sub_pools]
+    assert min(pages) * pressure["moves"] <= pressure["moved_bytes"] <= max(pages) * pressure["moves"]
     assert pressure["refused_takes"] > 0 and pressure["preemptions"] <= pressure["refused_takes"]  # a preemption follows a refused decode
     assert pressure["budget_bytes"] < result["workload_peak_bytes"]
 
 
 def test_roomy_profile_never_moves(result: dict) -> None:
     roomy = result["profiles"]["roomy"]
-    assert roomy["reliefs"] == roomy["moves"] == roomy["relocations"] == roomy["preemptions"] == 0
+    assert roomy["reliefs"] == roomy["moves"] == roomy["moved_bytes"] == roomy["relocations"] == roomy["preemptions"] == 0
     assert roomy["refused_takes"] == 0
     assert roomy["utilisation_mean"] < 0.5
 
