@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvchain.alloc.band import Band, FloatBand
 from kvchain.alloc.compaction import plan_flush, plan_relocation
@@ -97,3 +99,37 @@ def test_a_relocation_plan_copies_only_the_pages_the_new_span_leaves_behind():
     band.fix(live[:1], "load reservation")
     with pytest.raises(InvariantError, match=r"band\.relocate_fixed"):
         plan_relocation(band, lo, 6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_a_relocation_moves_exactly_the_live_pages_outside_the_new_span(data):
+    """COMP-16, COMP-23, over random floats and spans: the plan copies each live page outside the
+    new span, and only those, into pages of the span that hold no live page, lowest first; after the
+    band commits it, every live page lies in the span with its virtual id bound where it went, the
+    others did not move, and the rest of the span is holes."""
+    n = data.draw(st.integers(1, 12))
+    band, ids = _filled(n, Placement.FLOAT)
+    virtual = dict(zip(band.translate(np.arange(1, n + 1)).tolist(), range(1, n + 1)))  # page -> its virtual id
+    freed = data.draw(st.lists(st.sampled_from(ids.tolist()), unique=True, max_size=n - 1))
+    if freed:
+        band.free(np.array(sorted(freed)), None)
+    live = band.live_pages()
+    size = data.draw(st.integers(len(live), len(live) + 6))
+    lo = data.draw(st.integers(max(band.grid.first_id, band.lo - 8), band.hi + 2))
+    if lo + size > band.grid.n_grid:
+        return
+    reloc = plan_relocation(band, lo, size)
+    hi = lo + size
+    outside = live[(live < lo) | (live >= hi)]
+    assert reloc.src.tolist() == outside.tolist()
+    open_ = [p for p in range(lo, hi) if p not in set(live.tolist())]
+    assert reloc.dst.tolist() == open_[: len(outside)]
+    band.relocate(reloc.src, reloc.dst, lo, size, None)
+    after = band.live_pages()
+    assert len(after) == len(live) and ((after >= lo) & (after < hi)).all()
+    moved = dict(zip(reloc.src.tolist(), reloc.dst.tolist()))
+    for page in live.tolist():
+        v = np.array([virtual[page]])
+        assert band.translate(v).tolist() == [moved.get(page, page)]
+    assert band.n_holes == size - len(live) and (band.lo, band.hi) == (lo, hi)
