@@ -292,14 +292,17 @@ def _families(main: str, rate: float = 0.10, **others: float) -> dict[str, float
 PROFILES: dict[str, Profile] = {p.name: p for p in (
     # the original mix: every operation, no family
     Profile("mixed"),
-    # compaction and moves with forwards in flight
+    # compaction and moves with forwards in flight, from an arena long requests filled (a float
+    # hemmed in above the state band)
     Profile("moves", _weights(flush=14, compact=6, relief=5, relayout=4, free=10),
             _families("compaction_under_decode", 0.12, moves_under_forward=0.04, moves_under_queued_forward=0.08,
-                      frees_under_queued_forward=0.03)),
-    # frees under running forwards, and the takes that follow
+                      frees_under_queued_forward=0.03),
+            opening=("float_over_state",)),
+    # frees under running forwards and transfers, and the takes that follow
     Profile("frees", _weights(free=14, admit=14, process=7, tick=5),
             _families("frees_under_forward", 0.10, settles_under_forward=0.04, frees_under_queued_forward=0.06,
-                      moves_under_queued_forward=0.05)),
+                      moves_under_queued_forward=0.05),
+            opening=("frees_under_transfer",)),
     # state slots written and let go, so the state band shrinks and grows against its neighbour
     Profile("state", _weights(slots=6, free_slots=6, copy_state=6, compact=6, free=12),
             _families("state_churn", state_then_growth=0.05, frees_under_queued_forward=0.03,
