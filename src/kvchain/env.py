@@ -13,6 +13,35 @@ from dataclasses import dataclass
 from .errors import EnvVarError
 
 
+def _live_lookup() -> Callable[[str], str | None]:
+    """A read of one variable as `os.environ` holds it now, without `os.environ.get`'s cost.
+
+    On POSIX CPython `os.environ` writes through to one dict of encoded bytes (`os.environb`'s
+    too); a plain `get` on it sees every set and delete at once, at a dict lookup's cost, where
+    `os.environ.get` of an unset name raises and catches a KeyError inside (about 1 us: the hot
+    path asks for the check level several times a step). Anywhere else, `os.environ.get`."""
+    data = getattr(os.environ, "_data", None)
+    if (os.name != "posix" or type(data) is not dict or getattr(os, "environb", None) is None
+            or os.environb._data is not data):
+        return os.environ.get
+    enc = os.environ.encodekey
+    dec = os.environ.decodevalue
+    keys: dict[str, bytes] = {}  # each name encoded once
+
+    def lookup(name: str) -> str | None:
+        key = keys.get(name)
+        if key is None:
+            key = keys[name] = enc(name)
+        raw = data.get(key)
+        return None if raw is None else dec(raw)
+
+    return lookup
+
+
+#: `os.environ.get`, read live (`_live_lookup`)
+_getenv = _live_lookup()
+
+
 class InvariantCheckLevel(enum.IntEnum):
     """`KVCHAIN_INVARIANT_CHECK`: 0 off, 1 warn (fatal checks still raise), 2 strict."""
 
@@ -102,7 +131,7 @@ def get(name: str) -> object:
     var = VARIABLES.get(name)
     if var is None:
         raise EnvVarError(f"{name} is not a declared variable ({len(VARIABLES)} are: see kvchain.env.VARIABLES)")
-    raw = os.environ.get(name)
+    raw = _getenv(name)
     if raw is None or raw == "":
         return None if var.default is None else var.parse(var.default)
     try:
@@ -121,11 +150,10 @@ def invariant_level() -> InvariantCheckLevel:
     """The effective check level: unset means off, or strict when the older assert switch is set.
     Read at most once per allocator operation (at its first check, `alloc.invariants.level`), so
     it stays cheap: two lookups, no parsing unless a value is set."""
-    environ = os.environ
-    raw = environ.get("KVCHAIN_INVARIANT_CHECK")
+    raw = _getenv("KVCHAIN_INVARIANT_CHECK")
     if raw:
         level = _LEVELS.get(raw.strip())
         return level if level is not None else _level(raw)
-    if environ.get("KVCHAIN_ENABLE_ASYNC_ASSERT") and get("KVCHAIN_ENABLE_ASYNC_ASSERT"):
+    if _getenv("KVCHAIN_ENABLE_ASYNC_ASSERT") and get("KVCHAIN_ENABLE_ASYNC_ASSERT"):
         return InvariantCheckLevel.STRICT
     return InvariantCheckLevel.OFF
