@@ -21,7 +21,7 @@ from kvchain.sim.baselines import PoolConfig
 from kvchain.sim.compare import SchedulerConfig, compare
 from kvchain.sim.runner import StepTimeModel
 from kvchain.sim.waiting import EVICTION_ORDERS, WAITING_ORDERS
-from kvchain.sim.workloads import MIXED_DEFAULTS, workload_from_name
+from kvchain.sim.workloads import MIXED_DEFAULTS, closed_loop_params, workload_from_name
 
 GiB = 2**30
 #: budgets where memory binds for the large models (the issue's targets); smaller models share 16 GiB
@@ -35,16 +35,23 @@ WORKLOADS = {
 }
 
 
-def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0,
-        waiting_order: str = "fcfs", eviction: str = "lru") -> dict:
+def _requests(workload: str, requests: int, closed_loop: bool = False):
     name, params = WORKLOADS[workload]
-    reqs = workload_from_name(name, requests, 0, **params)
+    if closed_loop:
+        params = {**params, **closed_loop_params(name)}
+    return workload_from_name(name, requests, 0, **params)
+
+
+def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0,
+        waiting_order: str = "fcfs", eviction: str = "lru", closed_loop: bool = False) -> dict:
+    reqs = _requests(workload, requests, closed_loop)
     budget = BUDGETS.get(preset, DEFAULT_BUDGET)
     t0 = time.time()
     result = compare(model_from_preset(preset).decls, PoolConfig(budget, host_budget=host_budget, waiting_order=waiting_order,
                                                                   eviction=eviction), reqs, pools,
                      SchedulerConfig(step_time=StepTimeModel()), jobs=jobs)
-    return {"preset": preset, "workload": workload, "budget_gib": budget / GiB, "requests": requests,
+    return {"preset": preset, "workload": workload + (" (closed loop)" if closed_loop else ""),
+            "budget_gib": budget / GiB, "requests": requests,
             "wall_s": round(time.time() - t0, 1), "results": [r.to_dict() for r in result.results]}
 
 
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default=",".join(i.name for i in list_presets()))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--closed-loop", action="store_true",
+                   help="each session's next turn arrives its gap after the turn before it finishes")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=None, help="write every figure as JSON here")
     p.add_argument("--pools", default=",".join(POOLS), help="pools to run (default: all five)")
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         for workload in args.workloads.split(","):
             rows.append(run(preset, workload, args.requests, args.jobs, pools, args.host_budget, args.waiting_order,
-                            args.eviction))
+                            args.eviction, args.closed_loop))
             if previous:
                 rows[-1:] = merge(rows[-1:], previous)
             print(f"{preset} {workload}: {rows[-1]['wall_s']} s", file=sys.stderr, flush=True)

@@ -27,6 +27,11 @@ class ScheduledRequest:
     output_len: int  # how many tokens it will really generate (<= max_new)
     output: np.ndarray | None = None  # the token ids it generates (synthesised when None)
     priority: int = 0  # lower is more important (priority scheduling); ties by arrival
+    #: a closed-loop session's next turn: the rid of the turn whose finish releases it (-1: none),
+    #: and the steps after that finish it arrives (the user reading and typing); `arrival` is then
+    #: set when it is released
+    follows: int = -1
+    gap: int = 0
     phase: Phase = Phase.PENDING
     reason: str = ""
     # runtime, owned by the scheduler and the pool

@@ -12,6 +12,7 @@ window rows, and finished requests are cached and freed."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class Scheduler:
         #: a request admitted nowhere for this many steps while nothing runs is a scheduler bug
         self.max_wait_steps = max_wait_steps
         self.pending: deque[ScheduledRequest] = deque()
+        #: closed-loop sessions' next turns, by the rid of the turn whose finish releases them
+        self.held: dict[int, list[ScheduledRequest]] = {}
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
         self.done: list[ScheduledRequest] = []
@@ -83,13 +86,27 @@ class Scheduler:
         self.decode_tokens: Callable[[ScheduledRequest], int] | None = None
 
     def add(self, requests: list[ScheduledRequest]) -> None:
+        """Requests to serve: each arrives at its `arrival` step, except a closed-loop session's
+        next turn (`follows`), held until the turn it follows has finished (or been rejected) and
+        `gap` steps more have passed: a user sends the next turn only after reading the answer."""
+        known = {r.rid for r in requests} | {r.rid for r in self.done}
+        for req in requests:
+            if req.follows >= 0 and req.follows not in known:
+                raise ValueError(f"request {req.rid} follows request {req.follows}, which is not served here")
+        finished = {r.rid: r for r in self.done}
         for req in sorted(requests, key=lambda r: (r.arrival, r.rid)):
             req.phase = Phase.PENDING
+            if req.follows >= 0:
+                before = finished.get(req.follows)
+                if before is None:
+                    self.held.setdefault(req.follows, []).append(req)
+                    continue
+                req.arrival = max(req.arrival, before.finished_step + 1 + req.gap)
             self.pending.append(req)
 
     @property
     def idle(self) -> bool:
-        return not (self.pending or self.waiting or self.running)
+        return not (self.pending or self.waiting or self.running or self.held)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -101,9 +118,18 @@ class Scheduler:
                 req.phase, req.reason = Phase.REJECTED, reason
                 self.stats.rejected += 1
                 self.done.append(req)
+                self._release_next_turns(req)
             else:
                 req.phase = Phase.WAITING
                 self.waiting.append(req)
+
+    def _release_next_turns(self, req: ScheduledRequest) -> None:
+        """The turns held for `req` (a closed-loop session's next) arrive `gap` steps after this one,
+        in arrival order among the pending requests."""
+        for nxt in self.held.pop(req.rid, ()):
+            nxt.arrival = self.step_no + 1 + nxt.gap
+            keys = [(r.arrival, r.rid) for r in self.pending]
+            self.pending.insert(bisect.bisect(keys, (nxt.arrival, nxt.rid)), nxt)
 
     def _plan(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], paused: set[int],
               budget: int) -> tuple[list[tuple[ScheduledRequest, int]], int]:
@@ -205,6 +231,7 @@ class Scheduler:
                 req.phase, req.reason = Phase.ABORTED, a.reason
                 self.stats.aborted += 1
                 self.done.append(req)
+                self._release_next_turns(req)
                 continue
             req.phase = Phase.RUNNING
             req.admitted_step = self.step_no
@@ -282,6 +309,7 @@ class Scheduler:
             req.finished_step = self.step_no
             self.stats.finished += 1
             self.done.append(req)
+            self._release_next_turns(req)
         stats = self.pool.stats()
         record = StepRecord(self.step_no, len(self.running), len(self.waiting), out_tokens, prefill_tokens,
                             stats.utilisation)

@@ -88,6 +88,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-tokens", type=bounded_int(MAX_REQUEST_TOKENS, "longer than any request"), default=512,
                    help="tokens per trace hash block: hash_ids[i] names prompt tokens i*N..(i+1)*N (default 512, Mooncake's)")
     p.add_argument("--rate", type=positive_float, default=None, help="arrivals per step for generated workloads")
+    p.add_argument("--closed-loop", action="store_true",
+                   help="sessions (multi-turn, agentic, the mix's): a turn arrives its gap after the turn "
+                        "before it finishes, not at a time fixed in advance")
     p.add_argument("--jobs", type=bounded_int(256, "one process each"), default=None,
                    help="worker processes (default: the cores)")
     p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
@@ -117,6 +120,8 @@ def _requests(args: argparse.Namespace):
         return workloads.load_trace(args.trace, ms_per_step=args.ms_per_step, block_tokens=args.block_tokens,
                                     limit=args.requests)
     params = {} if args.rate is None else {"rate": args.rate}
+    if args.closed_loop:
+        params.update(workloads.closed_loop_params(args.workload))
     return workloads.workload_from_name(args.workload, args.requests, args.seed, **params)
 
 
@@ -161,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
     if args.rate is not None and args.trace:
         raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
+    if args.closed_loop and args.trace:
+        raise InputError("--closed-loop sets a generated workload's session arrivals; a trace's timestamps set them")
     model = load_model(args)
     check_model_flags(model, args)
     _check_attention(model)
@@ -216,6 +223,8 @@ def _run_stages(args: argparse.Namespace) -> int:
     check_pp_flags(args, DEFAULT_POOLS)
     if args.rate is not None and args.trace:
         raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
+    if args.closed_loop and args.trace:
+        raise InputError("--closed-loop sets a generated workload's session arrivals; a trace's timestamps set them")
     model = load_model(args)
     check_model_flags(model, args)
     _check_attention(model)

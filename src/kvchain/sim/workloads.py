@@ -52,6 +52,10 @@ class _Spec:
     output_len: int
     max_new: int
     output: np.ndarray
+    #: a closed-loop session's next turn: the index (in the generator's list) of the turn whose
+    #: finish releases it, and the steps after that finish it arrives
+    follows: int = -1
+    gap: float = 0.0
 
 
 def _check(ok: bool, message: str) -> None:
@@ -112,23 +116,30 @@ def _output(rng: np.random.Generator, output_len: int, slack: float, room: int) 
 def _finalize(specs: list[_Spec]) -> list[ScheduledRequest]:
     """Sort by arrival (ties keep generation order), number 0..n-1, floor arrivals to steps."""
     order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
+    rid_of = {i: rid for rid, i in enumerate(order)}
     out = []
     for rid, i in enumerate(order):
         s = specs[i]
         out.append(ScheduledRequest(rid, math.floor(s.arrival), s.prompt, s.max_new, s.output_len,
-                              output=s.output))
+                              output=s.output, follows=rid_of[s.follows] if s.follows >= 0 else -1,
+                              gap=math.floor(s.gap)))
     return out
 
 
 def _sessions(rng: np.random.Generator, n: int, *, rate: float, mean_turns: float,
               opening: Callable[[], np.ndarray], continuation: Callable[[], np.ndarray],
               output_len: Callable[[int], int], gap_mean: float, prefill_per_step: int, max_len: int,
-              slack: float) -> list[_Spec]:
+              slack: float, closed_loop: bool = False) -> list[_Spec]:
     """Sessions of turns: turn k+1's prompt is turn k's prompt + its output + `continuation()`, and
     it arrives no earlier than turn k could have finished (its prefill at `prefill_per_step`
     tokens a step, then one output token a step) plus an exponential gap. Session starts are a
     Poisson process at rate / mean_turns, so requests arrive at `rate` in the long run. A session
-    ends early when its next prompt would leave no room under max_len."""
+    ends early when its next prompt would leave no room under max_len.
+
+    Open loop (the default) fixes every arrival in advance: on a pool that serves slower than an
+    idle one, a turn arrives while the turn before it still waits or runs. `closed_loop` makes
+    turn k+1 follow turn k: it arrives its gap after turn k really finishes (the scheduler holds
+    it, `ScheduledRequest.follows`), as a user answers only what they have read."""
     specs: list[_Spec] = []
     start = 0.0
     first = True
@@ -139,16 +150,20 @@ def _sessions(rng: np.random.Generator, n: int, *, rate: float, mean_turns: floa
         turns = 1 + int(rng.poisson(mean_turns - 1.0))
         prompt = opening()
         at = start
+        follows, gap = -1, 0.0
         for k in range(turns):
             if len(specs) >= n or len(prompt) >= max_len:
                 break
             out_len = output_len(max_len - len(prompt))
             max_new, output = _output(rng, out_len, slack, max_len - len(prompt))
-            specs.append(_Spec(at, prompt, out_len, max_new, output))
+            specs.append(_Spec(at, prompt, out_len, max_new, output, follows, gap))
             if k == turns - 1:
                 break
             busy = math.ceil(len(prompt) / prefill_per_step) + out_len - 1
-            at += busy + 1 + (rng.exponential(gap_mean) if gap_mean > 0 else 0.0)
+            gap = rng.exponential(gap_mean) if gap_mean > 0 else 0.0
+            at += busy + 1 + gap
+            if closed_loop:
+                follows = len(specs) - 1
             prompt = np.concatenate([prompt, output[:out_len], continuation()])
     return specs
 
@@ -176,8 +191,11 @@ def chat(n_requests: int, seed: int, *, rate: float = 0.5, prompt_median: float 
 def multi_turn(n_requests: int, seed: int, *, rate: float = 0.5, turns: float = 4.0, system_len: int = 0,
                user_median: float = 200.0, user_sigma: float = 1.0, output_median: float = 300.0,
                output_sigma: float = 0.8, think_steps: float = 100.0, prefill_per_step: int = 8192,
-               max_len: int = 16384, max_new_slack: float = 1.0) -> list[ScheduledRequest]:
-    """Chat sessions: each turn's prompt is the previous turn's prompt + its output + a new user message."""
+               max_len: int = 16384, max_new_slack: float = 1.0, closed_loop: bool = False) -> list[ScheduledRequest]:
+    """Chat sessions: each turn's prompt is the previous turn's prompt + its output + a new user message.
+
+    `closed_loop`: a turn arrives `think_steps` (on average) after the turn before it finishes on
+    the pool being measured, not after an idle pool would have finished it (`_sessions`)."""
     rng = _rng(n_requests, seed)
     _common(rate, max_len, max_new_slack)
     _check(turns >= 1, f"turns must be >= 1, got {turns!r}")
@@ -199,7 +217,8 @@ def multi_turn(n_requests: int, seed: int, *, rate: float = 0.5, turns: float = 
 
     return _finalize(_sessions(rng, n_requests, rate=rate, mean_turns=turns, opening=opening,
                                continuation=continuation, output_len=output_len, gap_mean=think_steps,
-                               prefill_per_step=prefill_per_step, max_len=max_len, slack=max_new_slack))
+                               prefill_per_step=prefill_per_step, max_len=max_len, slack=max_new_slack,
+                               closed_loop=closed_loop))
 
 
 def long_doc_qa(n_requests: int, seed: int, *, rate: float = 0.5, n_docs: int = 4, doc_min: int = 8192,
@@ -242,8 +261,11 @@ def agentic(n_requests: int, seed: int, *, rate: float = 0.5, prefix_len: int = 
             task_median: float = 200.0, task_sigma: float = 0.8, iterations: float = 8.0,
             tool_median: float = 300.0, tool_sigma: float = 1.0, output_median: float = 40.0,
             output_sigma: float = 0.5, tool_steps: float = 10.0, prefill_per_step: int = 8192,
-            max_len: int = 16384, max_new_slack: float = 1.0) -> list[ScheduledRequest]:
-    """Agent loops over a long shared prefix (system prompt + tools); each call appends the last tool output."""
+            max_len: int = 16384, max_new_slack: float = 1.0, closed_loop: bool = False) -> list[ScheduledRequest]:
+    """Agent loops over a long shared prefix (system prompt + tools); each call appends the last tool output.
+
+    `closed_loop`: a call arrives `tool_steps` (on average) after the call before it finishes on
+    the pool being measured (`_sessions`)."""
     rng = _rng(n_requests, seed)
     _common(rate, max_len, max_new_slack)
     _check(iterations >= 1, f"iterations must be >= 1, got {iterations!r}")
@@ -267,7 +289,8 @@ def agentic(n_requests: int, seed: int, *, rate: float = 0.5, prefix_len: int = 
 
     return _finalize(_sessions(rng, n_requests, rate=rate, mean_turns=iterations, opening=opening,
                                continuation=continuation, output_len=output_len, gap_mean=tool_steps,
-                               prefill_per_step=prefill_per_step, max_len=max_len, slack=max_new_slack))
+                               prefill_per_step=prefill_per_step, max_len=max_len, slack=max_new_slack,
+                               closed_loop=closed_loop))
 
 
 #: What `mixed` serves by default: long-context, reasoning-era traffic at saturation. Reasoning
@@ -315,11 +338,30 @@ def mixed(n_requests: int, seed: int, *, rate: float = MIXED_RATE, chat: float =
         for r in _GENERATORS[name](count, int(sub_seed), rate=rate * frac / total, **sub_params):
             merged.append((r.arrival, k, r.rid, r))
     merged.sort(key=lambda e: e[:3])
+    new_rid = {(k, old): rid for rid, (_, k, old, _) in enumerate(merged)}
     out = []
-    for rid, (*_, r) in enumerate(merged):
+    for rid, (_, k, _, r) in enumerate(merged):
         r.rid = rid
+        if r.follows >= 0:
+            r.follows = new_rid[(k, r.follows)]
         out.append(r)
     return out
+
+
+#: the workloads made of sessions, whose turns `closed_loop` chains to each other's finish
+SESSION_WORKLOADS = ("multi_turn", "agentic")
+
+
+def closed_loop_params(name: str) -> dict[str, Any]:
+    """The parameters that make workload `name`'s sessions closed loop (`_sessions`): its own
+    `closed_loop`, or for `mixed` each session part's. InputError for a workload without sessions."""
+    _lookup(name)
+    if name in SESSION_WORKLOADS:
+        return {"closed_loop": True}
+    if name == "mixed":
+        return {"params": {part: {"closed_loop": True} for part in SESSION_WORKLOADS}}
+    raise InputError(f"--closed-loop needs a workload of sessions ({', '.join(SESSION_WORKLOADS)} or mixed), "
+                     f"not {name!r}")
 
 
 def _apportion(n: int, shares: list[float]) -> list[int]:

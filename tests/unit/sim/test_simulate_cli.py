@@ -52,6 +52,7 @@ def test_trace_replay(tmp_path, capsys):
     (["--host-budget", "lots"], "--host-budget"),
     (["--waiting-order", "random"], "--waiting-order"),
     (["--eviction", "mru"], "--eviction"),
+    (["--workload", "chat", "--closed-loop"], "--closed-loop"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     base = [a for a in SMALL if a not in ("--budget", "2GiB")] if "--budget" in argv else SMALL

@@ -15,6 +15,7 @@ from kvchain.engine.scheduler import Scheduler
 from kvchain.errors import InputError
 from kvchain.sim.workloads import (
     WORKLOADS,
+    closed_loop_params,
     describe_workloads,
     load_trace,
     save_trace,
@@ -424,3 +425,81 @@ def test_the_checkpoint_interval_assumes_the_multi_turn_chat_turn():
 
     params = workload_params("multi_turn")
     assert params["user_median"] + params["output_median"] == CHAT_TURN_TOKENS
+
+
+def test_closed_loop_turns_follow_the_turn_before_them():
+    """`closed_loop`: every turn but a session's first follows the turn whose prompt and output
+    its prompt extends, with a gap of its own; the open-loop sequence is otherwise the same
+    requests (one generator, the same draws). In `mixed` the follows survive renumbering."""
+    open_ = workload_from_name("multi_turn", 60, 5, **SMALL["multi_turn"])
+    closed = workload_from_name("multi_turn", 60, 5, closed_loop=True, **SMALL["multi_turn"])
+    assert [r.prompt.tobytes() for r in closed] == [r.prompt.tobytes() for r in open_]
+    assert all(r.follows == -1 for r in open_)
+    by_rid = {r.rid: r for r in closed}
+    followers = [r for r in closed if r.follows >= 0]
+    assert len(followers) == sum(len(c) - 1 for c in _sessions(closed)) > 0
+    for r in followers:
+        prev = by_rid[r.follows]
+        n = prev.prompt_len
+        assert np.array_equal(r.prompt[:n], prev.prompt)
+        assert np.array_equal(r.prompt[n : n + prev.output_len], prev.output[: prev.output_len])
+    assert any(r.gap > 0 for r in followers)
+    mixed = workload_from_name("mixed", 80, 2, params={**TINY, **{k: {**TINY[k], "closed_loop": True}
+                                                                    for k in ("multi_turn", "agentic")}})
+    chained = [r for r in mixed if r.follows >= 0]
+    assert chained and all(r.rid == i for i, r in enumerate(mixed))
+    for r in chained:
+        prev = mixed[r.follows]
+        assert np.array_equal(r.prompt[: prev.prompt_len], prev.prompt)
+
+
+def test_closed_loop_params_name_the_session_parts():
+    assert closed_loop_params("multi_turn") == {"closed_loop": True}
+    assert set(closed_loop_params("mixed")["params"]) == {"multi_turn", "agentic"}
+    with pytest.raises(InputError, match="--closed-loop needs a workload of sessions"):
+        closed_loop_params("long_doc_qa")
+
+
+def test_a_closed_loop_turn_arrives_its_gap_after_the_turn_before_it_finishes():
+    """The scheduler holds a follower until the turn it follows has finished, then lets it arrive
+    `gap` steps later (its `arrival` is rewritten to that step), never admitted before; a
+    follower of a rejected turn is released at the rejection; the run drains."""
+    first = ScheduledRequest(0, 0, np.arange(1, 9), max_new=4, output_len=4)
+    second = ScheduledRequest(1, 0, np.concatenate([np.arange(1, 9), first.output[:4], [77]]), max_new=3,
+                              output_len=3, follows=0, gap=3)
+    huge = ScheduledRequest(2, 0, np.arange(1, 400), max_new=4, output_len=4)  # past the context: rejected
+    after_huge = ScheduledRequest(3, 0, np.arange(1, 20), max_new=2, output_len=2, follows=2, gap=0)
+    sched = Scheduler(world(chain_kib=200, window=16, state=False, context=256), max_batched_tokens=64,
+                      max_running=16, max_wait_steps=2_000)
+    sched.add([first, second, huge, after_huge])
+    assert sched.held and not sched.idle
+    while not sched.idle:
+        assert sched.step_no < 2_000, "the held turns were never released"
+        assert second.phase is Phase.PENDING or first.phase is Phase.FINISHED
+        sched.step()
+    assert huge.phase is Phase.REJECTED and after_huge.phase is Phase.FINISHED
+    assert after_huge.arrival == 1  # released at step 0's rejection, no gap
+    assert first.phase is second.phase is Phase.FINISHED
+    assert second.arrival == first.finished_step + 1 + 3
+    assert second.admitted_step >= second.arrival
+    assert second.cached > 0  # the turn before it was cached when it came
+
+
+def test_a_follower_of_a_request_not_served_is_refused():
+    sched = Scheduler(world(chain_kib=200, window=0, state=False, context=256), max_batched_tokens=64,
+                      max_running=16)
+    with pytest.raises(ValueError, match="follows request 9"):
+        sched.add([ScheduledRequest(0, 0, np.arange(1, 9), max_new=2, output_len=2, follows=9)])
+
+
+def test_closed_loop_mixed_runs_through_the_scheduler():
+    closed = closed_loop_params("mixed")["params"]
+    reqs = workload_from_name("mixed", 60, 1, rate=0.3, params={k: {**v, **closed.get(k, {})} for k, v in TINY.items()})
+    by_rid = {r.rid: r for r in reqs}
+    sched = _drain(reqs)
+    assert all(r.phase is Phase.FINISHED for r in reqs)
+    for r in reqs:
+        if r.follows >= 0:
+            assert r.arrival >= by_rid[r.follows].finished_step + 1 + r.gap
+            assert r.admitted_step > by_rid[r.follows].finished_step
+    assert sched.stats.cached_tokens > 0
