@@ -178,6 +178,9 @@ class UnifiedRadixCache:
         #: future match needs (rank 0 soonest); those go after every other victim, the one needed
         #: latest first (`kvchain.sim.waiting.WaitingReuse`). None: plain LRU
         self.reuse = None
+        #: the node whose state an admission has matched and not yet copied into its row
+        #: (`hold_state_for_copy`): neither an eviction victim nor reclaimable meanwhile
+        self.copying: TreeNode | None = None
 
     def _index_slots(self) -> list[str]:
         """Sub-pool names in `tree_slots` order: full, the primary window (the generic window slot),
@@ -361,8 +364,28 @@ class UnifiedRadixCache:
             node.window_held = rows
         if node.state_slot >= 0:
             held[self._state_i] += sign
+            if node is self.copying:
+                locked[self._state_i] += sign
 
     # -- locks ----------------------------------------------------------------------------------------
+
+    def hold_state_for_copy(self, node: TreeNode | None) -> None:
+        """Keep `node`'s state (None: give the hold back) from eviction until an admission has
+        copied it into its row. A lock keeps a path's pages, not its states; the room an admission
+        makes for itself (and its own take) could otherwise evict the state it matched, whose slot
+        id the take may then hand to the admitted row, which would copy the slot onto itself and
+        start from bytes that are not the checkpoint's."""
+        old = self.copying
+        if old is node:
+            return
+        if old is not None:
+            self._account(old, -1)
+            self.copying = None
+            self._account(old, 1)
+        if node is not None:
+            self._account(node, -1)
+            self.copying = node
+            self._account(node, 1)
 
     def lock(self, node: TreeNode) -> None:
         """A running request reads the path to `node`: none of it may be evicted whole."""
@@ -611,7 +634,7 @@ class UnifiedRadixCache:
             if node.lock_ref == 0 or node.window_lock == 0:
                 for w, pool in enumerate(self.windows):
                     out[pool.name] += node.n_pages - int(node.window_lo[w])
-            if node.state_slot >= 0:
+            if node.state_slot >= 0 and node is not self.copying:
                 out[self.state.name] += 1
         return held, out
 
@@ -648,7 +671,7 @@ class UnifiedRadixCache:
 
     def reclaimable(self) -> dict[str, int]:
         """Pages per sub-pool eviction could give back now: unlocked subtrees whole, window rows no
-        request reads, every state slot (ADM-6)."""
+        request reads, every state slot but the one an admission is copying (ADM-6)."""
         return {p.name: self._held[p.index] - self._locked[p.index] for p in self.plan.sub_pools}
 
     def _victims(self) -> Iterator[tuple[str, TreeNode]]:
@@ -676,7 +699,8 @@ class UnifiedRadixCache:
 
         heap = [rank(n, not n.children) for n in self._nodes()
                 if (n.lock_ref == 0 and not n.children) or (n.window_lock == 0 and n.window_held)]
-        heap += [(True, tier(n), 0, n.state_used, n.seq, True, n) for n in self._nodes() if n.state_slot >= 0]
+        heap += [(True, tier(n), 0, n.state_used, n.seq, True, n) for n in self._nodes()
+                 if n.state_slot >= 0 and n is not self.copying]
         heapq.heapify(heap)
         planned_away: dict[int, int] = {}  # children planned away, per parent
         window_done: set[int] = set()

@@ -324,6 +324,13 @@ class KVChainPool:
     # -- admission --------------------------------------------------------------------------------------
 
     def try_admit(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int) -> Admission:
+        try:
+            return self._try_admit(ctx, req, token_limit)
+        finally:
+            if self.tree is not None:
+                self.tree.hold_state_for_copy(None)
+
+    def _try_admit(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int) -> Admission:
         storage = self.storage
         table = storage.table
         if self._pin is not None and self._pin[0] is not req:
@@ -337,8 +344,11 @@ class KVChainPool:
             match = self.tree.match_prefix(req.tokens(max(req.input_len - 1, 0)))
             cached = match.length
             if cached:
-                # lock what the match found at once: making room for this request must not evict it
+                # lock what the match found at once: making room for this request must not evict it,
+                # nor the state it is to copy (a lock keeps pages only)
                 self.tree.lock(match.node)
+                if match.state_slot >= 0:
+                    self.tree.hold_state_for_copy(match.node)
                 state["node"] = match.node
                 state["window_lock"] = self.tree.lock_window(match.node, cached)
                 state["checkpoint"] = cached
@@ -363,6 +373,7 @@ class KVChainPool:
             if cached and (a.decision is Decision.ABORT or not ctx._waiting_frees_memory()):
                 self._unlock(state)
                 # the match itself pins what it would need: start over without it, from an emptied cache
+                self.tree.hold_state_for_copy(None)
                 self.tree.evict_all()
                 ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
                 state.pop("branch", None)

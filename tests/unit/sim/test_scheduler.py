@@ -296,3 +296,38 @@ def test_the_loop_drives_the_one_step_sequence():
     busy = sum(1 for h in sched.stats.history if h.output_tokens or h.prefill_tokens)
     assert pool.steps.stats.launched == pool.steps.stats.processed == busy == len(launched) > 0
     assert not pool.steps.in_flight
+
+
+@pytest.mark.parametrize(("seed", "chain_kib"), [(2, 14), (5, 10), (5, 14)])
+def test_an_admission_copies_the_state_it_matched_from_the_tree(seed, chain_kib, monkeypatch):
+    """A lock keeps a matched path's pages, not its state: the room an admission made for itself
+    evicted the state it had matched, the take handed that slot id to the admitted row, and the
+    row copied the slot onto itself (bytes that are not the checkpoint's; on these seeds once
+    each). Every state copy of an admission now reads the matched node's slot, still the tree's."""
+    from kvchain.engine.pool import KVChainPool
+
+    copied: list[tuple[int, int, int]] = []  # (matched node's slot after admission, source, destination)
+    admit = KVChainPool.try_admit
+
+    def watched(self, ctx, req, token_limit):
+        seen = {}
+        copy = self.storage.copy_state
+
+        def copy_state(src, dst):
+            seen["src"], seen["dst"] = int(src[0]), int(dst[0])
+            copy(src, dst)
+
+        self.storage.copy_state = copy_state
+        try:
+            a = admit(self, ctx, req, token_limit)
+        finally:
+            del self.storage.copy_state
+        if seen:
+            copied.append((req.pool_state["node"].state_slot, seen["src"], seen["dst"]))
+        return a
+
+    monkeypatch.setattr(KVChainPool, "try_admit", watched)
+    pool = world(chain_kib=chain_kib, window=16, state=True, slots=17)
+    _run(pool, workload(seed, n=60, shared=0.8), check_every_step=False)
+    assert len(copied) >= 10
+    assert [c for c in copied if c[0] != c[1] or c[1] == c[2]] == []
