@@ -43,7 +43,7 @@ def _requests(workload: str, requests: int, closed_loop: bool = False):
 
 
 def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_budget: int = 0,
-        waiting_order: str = "fcfs", eviction: str = "lru", closed_loop: bool = False) -> dict:
+        waiting_order: str = "fcfs", eviction: str = "waiting-aware", closed_loop: bool = False) -> dict:
     reqs = _requests(workload, requests, closed_loop)
     budget = BUDGETS.get(preset, DEFAULT_BUDGET)
     t0 = time.time()
@@ -55,7 +55,7 @@ def run(preset: str, workload: str, requests: int, jobs: int, pools=POOLS, host_
             "wall_s": round(time.time() - t0, 1), "results": [r.to_dict() for r in result.results]}
 
 
-def trace(preset: str, workload: str, requests: int, pool: str, eviction: str = "lru") -> dict:
+def trace(preset: str, workload: str, requests: int, pool: str, eviction: str = "waiting-aware") -> dict:
     """Where `pool`'s prefix hits are lost on this row (`kvchain.sim.hit_trace`): shares of all
     prompt tokens admitted."""
     from kvchain.sim.compare import _make
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-budget", type=int, default=0, help="bytes of kvchain's host tier (default none)")
     p.add_argument("--waiting-order", default="fcfs", choices=list(WAITING_ORDERS),
                    help="kvchain's waiting order (default fcfs)")
-    p.add_argument("--eviction", default="lru", choices=list(EVICTION_ORDERS),
-                   help="kvchain's eviction order (default lru)")
+    p.add_argument("--eviction", default="waiting-aware", choices=list(EVICTION_ORDERS),
+                   help="kvchain's eviction order (default waiting-aware)")
     p.add_argument("--trace-hits", action="store_true",
                    help="trace where each pool's prefix hits are lost (kvchain.sim.hit_trace; one process, slow)")
     p.add_argument("--memory-time", action="store_true",

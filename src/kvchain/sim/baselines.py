@@ -80,10 +80,11 @@ class PoolConfig:
     #: bytes of the host tier behind kvchain's prefix tree (`sim/host_tier.py`), 0 for none
     host_budget: int = 0
     #: how kvchain's prefix tree (and the layout-only baselines') picks what to evict
-    #: (`sim/waiting.py`): `lru`, least recently used alone (the default, as the engines' pools
-    #: and `ideal` always evict), or `waiting-aware`, what waiting requests will match kept until
-    #: last: more hits on multi-turn chat, but more steps on the state models (docs/simulate.md)
-    eviction: str = "lru"
+    #: (`sim/waiting.py`): `waiting-aware` (the default), what the first waiting requests will
+    #: match kept until last, or `lru`, least recently used alone, as the engines' pools and
+    #: `ideal` always evict (docs/simulate.md: the default serves 19 of 20 comparison rows in
+    #: the same or fewer steps than `lru`, with more hits)
+    eviction: str = "waiting-aware"
 
 
 #: How each pool's prefix tree caches recurrent state when `PoolConfig.strategy` is None. kvchain

@@ -77,10 +77,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="kvchain's waiting order: fcfs (default, as the engines' pools and ideal) or longest-prefix "
                         "(the waiting request the prefix tree holds most of first, among the first 64; a request "
                         "overtaken 4 times goes next)")
-    p.add_argument("--eviction", default="lru", choices=list(EVICTION_ORDERS),
-                   help="what kvchain's prefix tree evicts first: lru (default, as the engines' pools and ideal) or "
-                        "waiting-aware (least recently used, but what the first 64 waiting requests will match goes "
-                        "last, the one needed latest first)")
+    p.add_argument("--eviction", default="waiting-aware", choices=list(EVICTION_ORDERS),
+                   help="what kvchain's prefix tree evicts first: waiting-aware (default: least recently used, but "
+                        "what the first 64 waiting requests will match goes last, the one needed latest first) or "
+                        "lru (as the engines' pools and ideal)")
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
     p.add_argument("--ms-per-step", type=positive_float, default=50.0,

@@ -45,7 +45,8 @@ def test_kvchain_pools_take_the_order_asked_and_the_engines_first_come_first_ser
     decls = model_from_preset("llama-3.1-8b").decls
     lpm = PoolConfig(2**30, waiting_order="longest-prefix")
     assert scheduler_class(kvchain_pool(decls, lpm)) is LongestPrefixScheduler
-    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is Scheduler  # the default
+    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30))) is ReuseAwareScheduler  # the default
+    assert scheduler_class(kvchain_pool(decls, PoolConfig(2**30, eviction="lru"))) is Scheduler
     aware = PoolConfig(2**30, eviction="waiting-aware")
     assert scheduler_class(kvchain_pool(decls, aware)) is ReuseAwareScheduler
     assert scheduler_class(vllm_hybrid_pool(decls, aware)) is Scheduler
