@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import KVChainError
+from ..errors import InputError, KVChainError
 from ..prefill_budget import Decision
 from .policies import ExactPolicy, SchedulePolicy
 from .pool import PoolFull
@@ -92,7 +92,7 @@ class Scheduler:
         known = {r.rid for r in requests} | {r.rid for r in self.done}
         for req in requests:
             if req.follows >= 0 and req.follows not in known:
-                raise ValueError(f"request {req.rid} follows request {req.follows}, which is not served here")
+                raise InputError(f"request {req.rid} follows request {req.follows}, which is not served here")
         finished = {r.rid: r for r in self.done}
         for req in sorted(requests, key=lambda r: (r.arrival, r.rid)):
             req.phase = Phase.PENDING

@@ -488,7 +488,7 @@ def test_a_closed_loop_turn_arrives_its_gap_after_the_turn_before_it_finishes():
 def test_a_follower_of_a_request_not_served_is_refused():
     sched = Scheduler(world(chain_kib=200, window=0, state=False, context=256), max_batched_tokens=64,
                       max_running=16)
-    with pytest.raises(ValueError, match="follows request 9"):
+    with pytest.raises(InputError, match="follows request 9"):
         sched.add([ScheduledRequest(0, 0, np.arange(1, 9), max_new=2, output_len=2, follows=9)])
 
 
