@@ -132,8 +132,11 @@ def run_generate(args: argparse.Namespace) -> int:
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
                           host_budget=args.host_budget, **_speculative(args))
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
-    if split and (args.pd or args.host_budget is not None or args.draft_model_path is not None):
-        raise InputError("--pd, --host-budget and --draft-model-path do not combine with --tp/--pp")
+    if split and (args.pd or args.host_budget is not None):
+        raise InputError("--pd and --host-budget do not combine with --tp/--pp")
+    if args.tp > 1 and args.draft_model_path is not None:
+        raise InputError("--draft-model-path with --tp: speculative decoding on tensor-parallel ranks is not built "
+                         "(it runs on one process or on --pp stages)")
     if args.pd and args.draft_model_path is not None:
         raise InputError("--pd with --draft-model-path: speculative decoding on PD nodes is not built")
     if args.pd:
@@ -178,9 +181,13 @@ def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
     runs = generate_in_stages(args.model_path, config, requests, args.pp, args.pp_partition)
     result = runs[-1].result
     stages = [{"stage": i, "first_layer": r.first_layer, "last_layer": r.last_layer, "arena_bytes": r.arena_bytes,
-               "bytes_per_token": r.bytes_per_token, "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
+               "bytes_per_token": r.bytes_per_token, "steps_checked": len(r.digests),
+               "relayed_commits": r.relayed_commits, "relayed_commits_moved": r.relayed_commits_moved}
+              for i, r in enumerate(runs)]
     lines = [f"stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
              f"{s['bytes_per_token']:,} B/token, capacity digest exchanged after {s['steps_checked']} steps"
+             + (f", {s['relayed_commits']} relayed verify commits ({s['relayed_commits_moved']} after a move)"
+                if s["relayed_commits"] else "")
              for s in stages]
     return _report(args, result, tokenizer, config.budget_bytes, lines, stages=stages)
 

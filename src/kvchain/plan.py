@@ -7,7 +7,7 @@ grow-up end of the arena, the last the grow-down end, the rest float between the
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .decl import MHA, FullLifetime, Geometry, KVLayerDecl, Lifetime, StateLifetime, Unit, WindowLifetime
@@ -211,12 +211,14 @@ def plan_kv_storage(
     *,
     page_size: int = 64,
     draft: Sequence[KVLayerDecl] | None = None,
+    draft_offset: int | None = None,
 ) -> KVStoragePlan:
     """Group parts into sub-pools and order them into a chain.
 
-    `draft` declares a fused draft model's layers (numbered after the target's). A draft window of a
-    lifetime the target lacks becomes a band of its own; a draft with recurrent state needs the
-    target's state band with a checkpoint policy."""
+    `draft` declares a fused draft model's layers (numbered after the target's: from `draft_offset`,
+    by default one past the last declared layer; a pipeline stage, which declares only its own
+    layers, passes the whole model's). A draft window of a lifetime the target lacks becomes a band
+    of its own; a draft with recurrent state needs the target's state band with a checkpoint policy."""
     if not isinstance(page_size, int) or page_size <= 0:
         raise InputError(f"page size must be a positive integer, got {page_size!r}")
     if not decls:
@@ -249,7 +251,9 @@ def plan_kv_storage(
             add(part.lifetime, part.geometry, part.unit, decl.layer_id, False)
 
     if draft:
-        offset = max(seen_ids) + 1
+        offset = max(seen_ids) + 1 if draft_offset is None else draft_offset
+        if offset <= max(seen_ids):
+            raise PlanError(f"a fused draft's layers start at {offset}, inside the target's (up to {max(seen_ids)})")
         target_state = next((lt for (lt, _u) in groups if isinstance(lt, StateLifetime)), None)
         for decl in draft:
             for part in decl.parts:
@@ -373,10 +377,16 @@ def stage_layer_ranges(n_layers: int, n_stages: int, partition: Sequence[int] | 
 
 
 def plan_stages(decls: Sequence[KVLayerDecl], n_stages: int, *, page_size: int = 64, n_layers: int | None = None,
-                partition: Sequence[int] | None = None) -> list[KVStoragePlan]:
+                partition: Sequence[int] | None = None,
+                plan_fn: Callable[[list[KVLayerDecl]], KVStoragePlan] | None = None) -> list[KVStoragePlan]:
     """One plan per pipeline stage, of the layers it hosts (`stage_layer_ranges` over `n_layers`,
     by default one past the last declared layer). Refuses a stage without a full-attention owner
-    (PP-4) and stages whose sub-pools differ in kind, window length or lifetime (PP-5)."""
+    (PP-4) and stages whose sub-pools differ in kind, window length or lifetime (PP-5). `plan_fn`
+    plans one stage's layers (default `plan_kv_storage` on `page_size`; speculative stages fuse
+    the draft into each)."""
+    if plan_fn is None:
+        def plan_fn(local: list[KVLayerDecl]) -> KVStoragePlan:
+            return plan_kv_storage(local, page_size=page_size)
     if n_layers is None:
         n_layers = max(d.layer_id for d in decls) + 1 if decls else 0
     plans = []
@@ -387,7 +397,7 @@ def plan_stages(decls: Sequence[KVLayerDecl], n_stages: int, *, page_size: int =
             raise StagePartitionError(
                 f"stage {stage} (layers {layers.start}..{layers.stop - 1}) has no full-attention layer "
                 f"({', '.join(sorted(kinds)) or 'no KV state'}): every stage needs a full-attention owner")
-        plans.append(plan_kv_storage(local, page_size=page_size))
+        plans.append(plan_fn(local))
     first = [(p.name, p.lifetime) for p in plans[0].sub_pools]
     for stage, plan in enumerate(plans[1:], 1):
         have = [(p.name, p.lifetime) for p in plan.sub_pools]

@@ -22,6 +22,7 @@ import torch
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
+from ..decl import KVLayerDecl
 from ..engine.batch import ForwardBatch
 from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
@@ -34,10 +35,13 @@ from ..engine.serve import (
     open_checkpoint,
     pool_options,
 )
+from ..engine.speculative_plan import draft_layer_offset, plan_with_draft
+from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
 from ..errors import InputError, InvariantError
-from ..plan import plan_stages, stage_layer_ranges
+from ..plan import KVStoragePlan, plan_stages, stage_layer_ranges
 from ..sizing import size_stages
 from .pp import StageLink, run_stage_processes
+from .pp_spec import RelayedSpeculativePool
 
 
 class PassThroughLayer(torch.nn.Module):
@@ -81,7 +85,8 @@ class StageRunner(ModelRunner):
     previous stage (the first embeds the tokens) and sent to the next; the last stage's logits
     go back to every stage, so every stage samples the same tokens."""
 
-    def __init__(self, model: torch.nn.Module, plan, stage: int, ranges: Sequence[range], link: StageLink) -> None:
+    def __init__(self, model: torch.nn.Module, plan, stage: int, ranges: Sequence[range], link: StageLink,
+                 relay: bool = False) -> None:
         layers = ranges[stage]
         keep_stage_layers(model, layers, lambda i: next(s for s, r in enumerate(ranges) if i in r))
         super().__init__(model, plan)
@@ -92,6 +97,9 @@ class StageRunner(ModelRunner):
         self.last = stage == self.n_stages - 1
         self.hidden_size = int(model.config.get_text_config().hidden_size)
         self.vocab = int(model.get_input_embeddings().num_embeddings)
+        #: a stage before the last whose logits are relayed: its forward ends once it has sent its
+        #: hidden states on, and `relayed_logits` receives the last stage's later
+        self.relays_logits = relay and not self.last
         if not self.last:
             decoder_layers(model)[layers.stop - 1].register_forward_hook(self._cut)
 
@@ -101,7 +109,7 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor,
-               sample_at: torch.Tensor) -> torch.Tensor:
+               sample_at: torch.Tensor) -> torch.Tensor | None:
         link, n_tokens, n_sample = self.link, int(input_ids.shape[0]), int(sample_at.shape[0])
         kwargs = {"position_ids": positions[None], "use_cache": False, "kvchain_batch": batch, **self._masks}
         if self.first:
@@ -121,9 +129,15 @@ class StageRunner(ModelRunner):
             link.send_tensor(cut.hidden, self.stage + 1)
         else:
             raise InvariantError("engine.stage_cut", f"stage {self.stage}'s last layer never ran")
+        if self.relays_logits:
+            return None
+        return self.relayed_logits(n_sample)
+
+    def relayed_logits(self, n_sample: int) -> torch.Tensor:
+        """The last stage's logits of this stage's forward (`[n_sample, vocab]`)."""
         if not n_sample:
             return torch.empty((0, self.vocab), dtype=torch.float32, device=self.device)
-        return link.recv_tensor((n_sample, self.vocab), torch.float32, self.n_stages - 1).to(self.device)
+        return self.link.recv_tensor((n_sample, self.vocab), torch.float32, self.n_stages - 1).to(self.device)
 
 
 class StageEngine(Engine):
@@ -143,15 +157,26 @@ class StageEngine(Engine):
         context = config.context_len or min(spec.max_context or 4096, 4096)
         n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
         ranges = stage_layer_ranges(n_layers, n_stages, partition)
-        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition)
+        draft = None
+        if config.draft_model_path is not None or config.num_speculative_tokens:
+            draft = load_draft(config, checkpoint, torch_device)
+        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
+                            plan_fn=None if draft is None else stage_draft_planner(spec.decls, draft, config))
         self.sizing = size_stages(plans, config.budget_bytes, context_len=context,
                                   max_running_requests=config.max_running)
         self.plan = plans[stage]
         self.layers = ranges[stage]
         self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
-        self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link)
-        self.pool = ModelPool(self.storage, self.runner,
-                              **pool_options(config, checkpoint, self.plan, overlap=False))
+        self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link, relay=draft is not None)
+        options = pool_options(config, checkpoint, self.plan, overlap=False,
+                               interval=None if draft is None else draft.checkpoint_interval)
+        if draft is None:
+            self.pool = ModelPool(self.storage, self.runner, **options)
+        elif self.runner.relays_logits:  # a stage before the last: its verify commits are relayed (LIFE-15)
+            options["relayed_commit_slots_from_metadata"] = config.relayed_commit_slots_from_metadata
+            self.pool = speculative_pool(self.storage, self.runner, draft, config, options, RelayedSpeculativePool)
+        else:
+            self.pool = speculative_pool(self.storage, self.runner, draft, config, options)
         self._rid = 0
         self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
@@ -175,6 +200,22 @@ class StageEngine(Engine):
         return super().generate(requests, progress=step_done)
 
 
+def stage_draft_planner(decls: Sequence[KVLayerDecl], draft: DraftSetup, config: EngineConfig
+                        ) -> Callable[[list[KVLayerDecl]], KVStoragePlan]:
+    """Each stage's plan with the whole draft fused into it, numbered after the whole target's
+    layers (as `load_draft` numbered the draft model's): every stage runs the draft, so every stage
+    holds the same proposals, and every stage's plan has the same sub-pools (PP-5)."""
+    draft_decls = draft.checkpoint.model_spec().decls
+    offset = draft_layer_offset(decls)
+
+    def plan_stage(local: list[KVLayerDecl]) -> KVStoragePlan:
+        return plan_with_draft(local, draft_decls, page_size=config.page_size,
+                               checkpoint_interval=draft.checkpoint_interval,
+                               num_speculative_tokens=config.num_speculative_tokens, draft_offset=offset)
+
+    return plan_stage
+
+
 @dataclass(frozen=True)
 class StageRun:
     """What one stage process reports: the outputs (every stage samples the same), its layers,
@@ -187,6 +228,10 @@ class StageRun:
     bytes_per_token: int
     concurrency: int
     digests: list[str]
+    #: a stage before the last under speculative decoding: its relayed verify commits, and those
+    #: whose state slots a move had changed since the forward's metadata (LIFE-15)
+    relayed_commits: int = 0
+    relayed_commits_moved: int = 0
 
 
 def generate_stage_process(stage: int, n_stages: int, port: int, path: str, config: EngineConfig,
@@ -199,7 +244,8 @@ def generate_stage_process(stage: int, n_stages: int, port: int, path: str, conf
         result = _by_value(engine.generate(requests))
         geometry = StageGeometry.of_chain(engine.storage.allocator, stage)
         run = StageRun(result, engine.layers.start, engine.layers.stop - 1, engine.storage.sizing.arena_bytes,
-                       geometry.bytes_per_token(), engine.sizing.concurrency, engine.digests)
+                       geometry.bytes_per_token(), engine.sizing.concurrency, engine.digests,
+                       getattr(engine.pool, "relayed_commits", 0), getattr(engine.pool, "relayed_commits_moved", 0))
     link.close()
     return run
 
@@ -225,8 +271,11 @@ def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stag
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
     n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
     ranges = stage_layer_ranges(n_layers, n_stages, partition)
-    plan_stages(checkpoint.model_spec().decls, n_stages, page_size=config.page_size, n_layers=n_layers,
-                partition=partition)
+    decls = checkpoint.model_spec().decls
+    plan_fn = None
+    if config.draft_model_path is not None or config.num_speculative_tokens:
+        plan_fn = stage_draft_planner(decls, load_draft(config, checkpoint, torch.device("cpu")), config)
+    plan_stages(decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition, plan_fn=plan_fn)
     return ranges
 
 

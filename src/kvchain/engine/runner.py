@@ -58,6 +58,10 @@ class ModelRunner:
     Construction switches the model to kvchain's paged attention and installs the state mixers; a
     model with layers the plan does not place is refused, since its KV would live nowhere."""
 
+    #: whether `logits` returns None and the logits come later, relayed (a pipeline stage before the
+    #: last under speculative decoding, `dist/pp_spec.py`); a plain runner returns them
+    relays_logits: bool = False
+
     def __init__(self, model: torch.nn.Module, plan: KVStoragePlan) -> None:
         register()
         for config in _configs(model):

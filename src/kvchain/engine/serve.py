@@ -73,6 +73,9 @@ class EngineConfig:
     #: the target's plan) and the tokens it proposes per round (`speculative.py`)
     draft_model_path: str | Path | None = None
     num_speculative_tokens: int = 0
+    #: a deliberate fault, for the test that shows it: a pipeline stage's relayed verify commit uses
+    #: the state slots resolved at its forward's metadata time, not those of when it runs (LIFE-15)
+    relayed_commit_slots_from_metadata: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .metadata import MetadataBuffers
 from .model_pool import ModelPool, StepOutputs, _group_futures
 from .request import ScheduledRequest
 from .speculative_draft_steps import DraftStep, draft_steps
-from .speculative_round import Round, SpecOutputs, SpecPayload, host_tensor
+from .speculative_round import Acceptance, Round, SpecOutputs, SpecPayload, accept, host_tensor
 from .speculative_state import ForwardStateSlots, StepChain, commit_states_after_verify
 from .steps import Forward, MetadataUpload
 
@@ -107,11 +107,13 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
         state_slots=views.state_slots, state_fresh=views.state_fresh, verify=verify)
     drafts = draft_steps(storage, pool.draft.layer_pool, views, q_starts, starts, counts, ks, spec_idx, slots, device)
     spec = SpecOutputs(rounds)
-    payload = SpecPayload(outputs, spec, slots)
     valid = host_tensor(np.arange(kmax)[None, :] < ks[spec_idx][:, None], device, torch.bool)
-    run = _verify_run(pool, batch, views, drafts, _group_futures(futures, device), outputs, spec, n_plain, kmax,
-                      valid, host_tensor(gidx, device))
-    commit = _commit(pool, slots, spec, rows[spec_idx], device)
+    how = Acceptance(len(sample_at), n_plain, kmax, valid, host_tensor(gidx, device), rows[spec_idx])
+    payload = SpecPayload(outputs, spec, slots, how=how)
+    relayed = pool.runner.relays_logits
+    run = _verify_run(pool, batch, views, drafts, _group_futures(futures, device), payload)
+    # a stage whose acceptance is relayed commits when the relay comes (`dist/pp_spec.py`, LIFE-15)
+    commit = None if relayed or slots is None else _commit(pool, slots, spec, rows[spec_idx], device)
     device_ = storage.device
 
     def launch(step: int) -> None:
@@ -125,14 +127,16 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     pool.spec.draft_forwards += len(drafts)
     # a round writes scratch slots and KV at lengths known only at processing: unknown writes
     ids_written = None if rounds else written
-    return Forward(launch, launch_commit if slots is not None else None, ids_written, upload), payload
+    return Forward(launch, launch_commit if commit is not None else None, ids_written, upload), payload
 
 
-def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftStep], fed, outputs: StepOutputs,
-                spec: SpecOutputs, n_plain: int, kmax: int, valid: torch.Tensor, g_index: torch.Tensor):
+def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftStep], fed, payload: SpecPayload):
     """The forward's kernels, on the forward stream: the draft's steps, the target's verify, greedy
-    acceptance (`spec.accepted[r]`: the proposals up to the first the target would not have chosen)."""
-    runner, draft, keep, n_rounds = pool.runner, pool.draft, pool.keep_logits, len(spec.rounds)
+    acceptance (`spec.accepted[r]`: the proposals up to the first the target would not have chosen).
+    A runner that relays its logits (a pipeline stage before the last) returns none: the proposals
+    wait in the payload for the relay."""
+    runner, draft, keep, n_rounds = pool.runner, pool.draft, pool.keep_logits, len(payload.spec.rounds)
+    kmax = payload.how.kmax
 
     def run() -> None:
         tokens = views.input_ids
@@ -151,19 +155,11 @@ def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftS
             nxt[live] = dlogits.argmax(-1)
             proposals.append(nxt)
         logits = runner.logits(batch, tokens, views.positions, views.sample_at)
-        greedy = logits.argmax(-1)
-        outputs.tokens = greedy[:n_plain]
-        if keep:
-            outputs.logits = logits[:n_plain]
-        if n_rounds:
-            target = greedy[g_index]  # [R, K+1]
-            proposed = torch.stack(proposals[:kmax], dim=1) if kmax else target[:, :0]
-            match = (proposed == target[:, :kmax]) & valid
-            spec.accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
-            spec.proposed = proposed
-            spec.tokens = target
-            if keep:
-                spec.logits = logits[g_index]
+        proposed = torch.stack(proposals[:kmax], dim=1) if kmax else None
+        if logits is None:  # relayed: acceptance runs when the last stage's logits come
+            payload.proposed = proposed
+            return
+        accept(logits, proposed, payload.outputs, payload.spec, payload.how, keep)
 
     return run
 

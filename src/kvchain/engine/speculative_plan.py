@@ -17,13 +17,16 @@ from ..plan import KVStoragePlan, plan_kv_storage
 
 
 def plan_with_draft(decls: Sequence[KVLayerDecl], draft: Sequence[KVLayerDecl], *, page_size: int,
-                    checkpoint_interval: int | None, num_speculative_tokens: int = 0) -> KVStoragePlan:
+                    checkpoint_interval: int | None, num_speculative_tokens: int = 0,
+                    draft_offset: int | None = None) -> KVStoragePlan:
     """The target's plan with a fused draft. `checkpoint_interval`: the prefix cache's grid for the
     target's recurrent state (None: no checkpoint policy), declared on the target's state lifetime,
     which a draft with recurrent layers needs (`plan_kv_storage` refuses it otherwise, PlanError).
     `num_speculative_tokens` (k): a round's k + 1 scratch state slots are declared on that lifetime
     too (`StateLifetime.speculative_slots`), so every price of a request (the floor, the memory
-    clip, admission) counts them with its running and tracking slots."""
+    clip, admission) counts them with its running and tracking slots. `draft_offset`: where the
+    draft's layer ids start (default: one past `decls`' last; a pipeline stage's `decls` are its own
+    layers, so it passes the whole target's, `draft_layer_offset`)."""
     scratch = num_speculative_tokens + 1 if num_speculative_tokens > 0 else 0
     if checkpoint_interval is not None or scratch:
         def priced(part: KVPart) -> KVPart:
@@ -33,7 +36,7 @@ def plan_with_draft(decls: Sequence[KVLayerDecl], draft: Sequence[KVLayerDecl], 
             return part
 
         decls = [KVLayerDecl(d.layer_id, tuple(priced(p) for p in d.parts)) for d in decls]
-    return plan_kv_storage(decls, page_size=page_size, draft=draft)
+    return plan_kv_storage(decls, page_size=page_size, draft=draft, draft_offset=draft_offset)
 
 
 def draft_layer_offset(decls: Sequence[KVLayerDecl]) -> int:

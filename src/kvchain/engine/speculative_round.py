@@ -60,15 +60,55 @@ class SpecOutputs:
     logits: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Acceptance:
+    """What greedy acceptance needs beside the logits: `n_plain` plain samples first, then each
+    round's `kmax + 1` verify positions (`g_index[r]`, indices into the logits), `valid[r, i]`
+    whether proposal i is one of round r's, and the rounds' rows (`rows`, batch order)."""
+
+    n_sample: int
+    n_plain: int
+    kmax: int
+    valid: torch.Tensor
+    g_index: torch.Tensor
+    rows: np.ndarray
+
+
+def accept(logits: torch.Tensor, proposed: torch.Tensor | None, outputs: StepOutputs, spec: SpecOutputs,
+           how: Acceptance, keep: bool) -> None:
+    """Greedy sampling and acceptance from a forward's logits: the plain samples' tokens, and per
+    round the target's greedy token after each round token and how many proposals it kept (the
+    proposals up to the first the target would not have chosen)."""
+    greedy = logits.argmax(-1)
+    outputs.tokens = greedy[: how.n_plain]
+    if keep:
+        outputs.logits = logits[: how.n_plain]
+    if not spec.rounds:
+        return
+    target = greedy[how.g_index]  # [R, K+1]
+    if proposed is None:
+        proposed = target[:, :0]
+    match = (proposed == target[:, : how.kmax]) & how.valid
+    spec.accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
+    spec.proposed = proposed
+    spec.tokens = target
+    if keep:
+        spec.logits = logits[how.g_index]
+
+
 @dataclass
 class SpecPayload:
-    """A speculative forward's payload: its plain samples, its rounds, and the state slots it
-    resolved at metadata time."""
+    """A speculative forward's payload: its plain samples, its rounds, the state slots it
+    resolved at metadata time, and what acceptance needs (`how`). On a pipeline stage before the
+    last, acceptance waits for the relay of the last stage's logits: `proposed` keeps the draft's
+    proposals until then."""
 
     outputs: StepOutputs
     spec: SpecOutputs
     slots: ForwardStateSlots | None = None
     held: list[int] = field(default_factory=list)
+    how: Acceptance | None = None
+    proposed: torch.Tensor | None = None
 
 
 def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

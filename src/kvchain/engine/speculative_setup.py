@@ -61,10 +61,9 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
 
 
 def speculative_pool(storage: KVStorage, runner: ModelRunner, draft: DraftSetup, config: EngineConfig,
-                     kwargs: dict) -> SpeculativePool:
-    """The engine's pool with the draft's runner over the same plan; the metadata buffers take a
-    round's `k + 1` tokens per running request."""
+                     kwargs: dict, cls: type[SpeculativePool] = SpeculativePool) -> SpeculativePool:
+    """The engine's pool (`cls`) with the draft's runner over the same plan; the metadata buffers
+    take a round's `k + 1` tokens per running request."""
     k = config.num_speculative_tokens
     kwargs = {**kwargs, "max_tokens": config.max_batched_tokens + config.max_running * (k + 1)}
-    return SpeculativePool(storage, runner, ModelRunner(draft.checkpoint.model, storage.plan),
-                           num_speculative_tokens=k, **kwargs)
+    return cls(storage, runner, ModelRunner(draft.checkpoint.model, storage.plan), num_speculative_tokens=k, **kwargs)

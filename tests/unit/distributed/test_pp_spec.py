@@ -1,0 +1,87 @@
+"""Speculative decoding on pipeline stages, one process per stage over gloo: every stage runs the
+draft, the last stage accepts and commits inside its forward, the stage before it commits when the
+logits are relayed (LIFE-15), after its flush has moved state pages; the outputs are plain greedy
+decoding's in one process."""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing as mp
+import shutil
+import tempfile
+from pathlib import Path
+
+from kvchain.cli import main
+from kvchain.dist.pp_engine import generate_in_stages
+from kvchain.engine.serve import Engine, EngineConfig
+from kvchain.engine.speculative_draft import make_draft_checkpoint
+from kvchain.engine.tiny import make_checkpoint
+from support.engine import workload, write_prompts
+
+#: Qwen3-Next's interleave over eight layers: split 4/4, each stage three DeltaNet layers and one full
+LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
+#: every flush compacts, so state pages move between a stage's forward and its relayed commit
+ENV = {"KVCHAIN_INVARIANT_CHECK": "1", "KVCHAIN_LAZY_COMPACTION_GAP_FRACTION": "1.0"}
+
+
+@functools.cache
+def qwen_eight() -> tuple[Path, Path]:
+    root = Path(tempfile.mkdtemp(prefix="kvchain-pp-spec-"))
+    import atexit
+
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    target = make_checkpoint("qwen3_next", root / "target", seed=1, num_hidden_layers=8, layer_types=LAYER_TYPES)
+    return target, make_draft_checkpoint(target, root / "draft", None)
+
+
+def _config(**kw) -> EngineConfig:
+    base = dict(budget_bytes=8 << 20, page_size=4, max_running=8, max_batched_tokens=64, context_len=128,
+                checkpoint_interval=8, ignore_eos=True)
+    return EngineConfig(**{**base, **kw})
+
+
+def test_life15_stages_with_a_draft_generate_plain_greedy_output():
+    """LIFE-15 across processes: stage 0's relayed commits found state slots moved by its flush and
+    followed them; both stages sample what one process samples without a draft, and their capacity
+    digests agree after every step."""
+    target, draft = qwen_eight()
+    reqs = workload(6)
+    with Engine(str(target), _config(overlap=False)) as engine:
+        plain = engine.generate(reqs)
+    runs = generate_in_stages(str(target), _config(draft_model_path=str(draft), num_speculative_tokens=3), reqs, 2,
+                              (4, 4), env=ENV)
+    first, last = runs
+    for run in runs:
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in plain.outputs]
+        assert run.result.stats.spec_rounds > 0
+    assert first.result.stats.spec_rounds == last.result.stats.spec_rounds
+    assert first.relayed_commits > 0 and first.relayed_commits_moved > 0
+    assert last.relayed_commits == 0  # the last stage accepts and commits inside its forward
+    assert first.result.stats.compaction_moves > 0
+    assert len(first.digests) == first.result.stats.steps and first.digests == last.digests
+    assert not mp.active_children()
+
+
+def test_generate_cli_with_pp_and_a_draft_prints_plain_greedy_output(tmp_path, capsys):
+    target, draft = qwen_eight()
+    prompts = write_prompts(tmp_path / "p.jsonl", workload(3))
+    argv = ["generate", "--model-path", str(target), "--prompts", str(prompts), "--budget", "8MiB", "--page-size", "4",
+            "--checkpoint-interval", "8", "--ignore-eos", "--json"]
+    assert main([*argv, "--no-overlap"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--pp", "2", "--draft-model-path", str(draft), "--num-speculative-tokens", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["outputs"] == one["outputs"]
+    assert two["stats"]["spec_rounds"] > 0
+    assert two["stages"][0]["relayed_commits"] > 0 and two["stages"][1]["relayed_commits"] == 0
+    assert not mp.active_children()
+
+
+def test_a_draft_with_tp_is_one_line_and_exit_2(capsys):
+    target, draft = qwen_eight()
+    capsys.readouterr()
+    rc = main(["generate", "--model-path", str(target), "--prompt", "x", "--budget", "8MiB", "--tp", "2",
+               "--draft-model-path", str(draft), "--num-speculative-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--tp" in err
