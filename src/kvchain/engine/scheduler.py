@@ -59,11 +59,25 @@ class SchedulerStats:
     history: list[StepRecord] = field(default_factory=list)
 
 
+def check_token_budget(pool: Pool, max_batched_tokens: int, max_running: int) -> None:
+    """Refuse a step budget under which some request could never be scheduled: non-positive limits,
+    and a token budget below the pool's checkpoint interval. Every prefill chunk of a prompt but
+    its last ends on the checkpoint grid (`mamba_prefill_chunk_grid`), so under a smaller budget
+    no chunk of a longer prompt would ever fit a step, and it would wait forever."""
+    if max_batched_tokens <= 0 or max_running <= 0:
+        raise InputError(f"max_batched_tokens and max_running must be positive, got {max_batched_tokens} "
+                         f"and {max_running}")
+    interval = getattr(pool, "checkpoint_interval", None)
+    if interval and max_batched_tokens < interval:
+        raise InputError(f"max_batched_tokens {max_batched_tokens} is below the checkpoint interval {interval}: "
+                         "a prefill chunk of a model with recurrent state ends on the checkpoint grid; "
+                         f"give at least {interval} tokens a step, or checkpoint more often")
+
+
 class Scheduler:
     def __init__(self, pool: Pool, *, max_batched_tokens: int = 8192, max_running: int = 256,
                  max_wait_steps: int | None = None, priority: bool = False) -> None:
-        if max_batched_tokens <= 0 or max_running <= 0:
-            raise ValueError("max_batched_tokens and max_running must be positive")
+        check_token_budget(pool, max_batched_tokens, max_running)
         self.pool = pool
         self.policy: SchedulePolicy = getattr(pool, "policy", None) or ExactPolicy()
         #: order the waiting queue by priority and let important requests preempt less important ones

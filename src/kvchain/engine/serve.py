@@ -30,7 +30,7 @@ from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .model_pool import ModelPool
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_token_budget
 from .speculative_setup import load_draft, speculative_pool
 
 
@@ -218,6 +218,7 @@ class Engine:
             self.pool = speculative_pool(self.storage, self.runner, draft, config, pool_kwargs)
         else:
             self.pool = ModelPool(self.storage, self.runner, **pool_kwargs)
+        check_token_budget(self.pool, config.max_batched_tokens, config.max_running)
         if config.host_budget is not None:
             if draft is not None:
                 raise InputError("host_budget with a draft model: the host tier under speculative decoding is not built")

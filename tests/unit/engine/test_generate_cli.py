@@ -87,3 +87,18 @@ def test_make_checkpoint_prints_one_line_and_no_progress_bar(tmp_path, capsys):
     assert out.strip().splitlines() == [f"wrote a tiny llama checkpoint to {tmp_path / 'l'}"]
     assert "Writing" not in err and "it/s" not in err
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_a_token_budget_below_the_checkpoint_interval_is_one_line_and_exit_2(capsys):
+    """A model with recurrent state chunks its prefill on the checkpoint grid: under a smaller token
+    budget a longer prompt would never be scheduled (the engine waited forever), so it is refused."""
+    from support.engine import checkpoint_dir
+
+    argv = ["generate", "--model-path", str(checkpoint_dir("qwen3_next")), "--prompt", "hello there kvchain",
+            "--max-new-tokens", "2", "--page-size", "4", "--checkpoint-interval", "8", "--json"]
+    capsys.readouterr()
+    assert main([*argv, "--max-batched-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint interval 8" in err
+    assert main([*argv, "--max-batched-tokens", "8"]) == 0  # one interval a step is enough
+    assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 2

@@ -63,6 +63,18 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
 
 
+def test_a_token_budget_below_the_checkpoint_interval_is_one_line_and_exit_2(capsys):
+    """Prefill chunks of a model with state end on the checkpoint grid: a smaller token budget would
+    leave every longer prompt waiting forever (the run hung), so it is refused before any work."""
+    argv = ["simulate", "--model", "qwen3-next-80b", "--budget", "8GiB", "--requests", "5", "--jobs", "1",
+            "--pools", "kvchain", "--max-batched-tokens", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoint interval" in err
+    assert main([*argv, "--checkpoint-every", "64", "--json"]) == 0  # the pool's grid
+    assert json.loads(capsys.readouterr().out)["results"][0]["finished"] == 5
+
+
 def test_trace_priorities_reach_the_scheduler(tmp_path, capsys):
     """A trace's `priority` field is read (lower is more important); `--admission exact` never
     preempts on its own, and with `--priority` the only preemptions are those that make room for
