@@ -93,12 +93,25 @@ class SpeculativePool(ModelPool):
         name a new request before the round's commit runs, which is why the commit never looks the
         row up, LIFE-10), its round's results are dropped, and what the tree caches of it stops
         before the round's first token, whose successors are not verified."""
+        self._drop_round(req)
+        super().preempt(req)
+
+    def finish(self, req: ScheduledRequest) -> None:
+        """Finish a request, even one whose round is in flight: under the overlap loop a round can
+        be launched on a token not yet read back that turns out to end the request (an end-of-
+        sequence token). The round's results are dropped as a retraction's are, and the row is cut
+        back to its verified tokens first, so the prefix tree never caches the KV of proposals."""
+        self._drop_round(req)
+        super().finish(req)
+
+    def _drop_round(self, req: ScheduledRequest) -> None:
+        """A request leaving while its round is in flight: the round's results will be dropped
+        (`_finish_rounds`), and its row is cut back to the round's start, the tokens verified."""
         if id(req) in self._held:
             self._held.discard(id(req))
             start = req.pool_state["kv_len"]
             req.pool_state.pop("spec_round", None)  # its results will be dropped
             truncate_rows(self.storage, np.array([req.row]), np.array([start]))
-        super().preempt(req)
 
     def _reserve(self, running: list[ScheduledRequest]) -> KVDemand:
         """What running requests may still take (`KVChainPool._reserve`), plus the scratch state
