@@ -39,6 +39,10 @@ class Admission:
     chunk_len: int = 0
     demand: KVDemand | None = None
     reason: str = ""
+    #: admitted at a chunk smaller than the token budget because only at that size does all of the
+    #: request fit (ADM-10): its later chunks stay within it, or the next one may not fit and a
+    #: request alone in the pool would be retracted and admitted again forever
+    chunk_cap: int | None = None
 
 
 def mamba_prefill_chunk_grid(start: int, limit: int, prompt_len: int, interval: int | None) -> int:
@@ -131,7 +135,7 @@ class ChainPrefillBudget:
             if self._fits(d):
                 self.admitted = self.admitted + d
                 self.admitted_count += 1
-                return Admission(Decision.ADMIT, smaller, d)
+                return Admission(Decision.ADMIT, smaller, d, chunk_cap=smaller)
             limit = smaller - 1
         pages = ", ".join(f"{p.name} {n}" for p, n in zip(self.storage.plan.sub_pools, demand.pages) if n)
         return Admission(

@@ -151,7 +151,7 @@ def test_nothing_coming_back_takes_the_largest_chunk_that_fits():
     pass asks for every chunk from 256 down to 49 and admits 49 (full: ceil(1000/16) = 63)."""
     budget, alloc = _budget(rule=lambda d: d.pages[WINDOW] <= 8)
     a = budget.consider(1000, 0, 0, 256)
-    assert a == Admission(Decision.ADMIT, 49, KVDemand((1, 8, 63), 63, 1))
+    assert a == Admission(Decision.ADMIT, 49, KVDemand((1, 8, 63), 63, 1), chunk_cap=49)
     assert [d.pages[WINDOW] for d, _ in alloc.asked[:2]] == [21, 21]
     assert len(alloc.asked) == 256 - 49 + 1
     assert budget.admitted == a.demand and budget.admitted_count == 1

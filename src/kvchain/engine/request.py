@@ -44,6 +44,7 @@ class ScheduledRequest:
     first_token_step: int = -1  # the step that sampled its first output token
     preemptions: int = 0
     lost_tokens: int = 0  # KV computed before its latest retraction, to compute again
+    chunk_cap: int | None = None  # the prefill chunk its admission fitted it at (`Admission.chunk_cap`)
     pool_state: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

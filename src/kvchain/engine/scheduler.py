@@ -160,7 +160,7 @@ class Scheduler:
                 break
             if id(req) in paused:
                 continue
-            chunk = self.pool.next_chunk(req, left)
+            chunk = self.pool.next_chunk(req, left if req.chunk_cap is None else min(left, req.chunk_cap))
             if chunk > 0:
                 plan.append((req, req.computed + chunk))
                 left -= chunk
@@ -249,6 +249,7 @@ class Scheduler:
                 continue
             req.phase = Phase.RUNNING
             req.admitted_step = self.step_no
+            req.chunk_cap = a.chunk_cap
             self.running.append(req)
             if req.preemptions:
                 self.stats.recompute_cached_tokens += req.cached  # its own pages, cached at retraction
