@@ -341,8 +341,14 @@ class Scheduler:
         return record
 
     def run(self, max_steps: int = 10**7, progress=None) -> SchedulerStats:
+        """Step until every request has left; a run that reaches `max_steps` with work left raises
+        `SchedulerStuck` (a loop that cannot make progress, never an outcome to return quietly)."""
         while not self.idle and self.step_no < max_steps:
             self.step()
             if progress is not None:
                 progress(self)
+        if not self.idle:
+            raise SchedulerStuck(f"{len(self.waiting) + len(self.running) + len(self.pending) + len(self.held)} "
+                                 f"requests still unserved after {self.step_no:,} steps ({len(self.running)} running, "
+                                 f"{len(self.waiting)} waiting)")
         return self.stats

@@ -19,6 +19,7 @@ from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..decl import KVLayerDecl
 from ..device.base import Device
+from ..engine.policies import admission_policy
 from ..engine.pool import KVChainPool
 from ..engine.request import ScheduledRequest
 from ..engine.scheduler import Scheduler
@@ -40,6 +41,9 @@ class StageSpec:
     max_running_requests: int = 16
     #: the receive interval of the loop: the digest checks need one receive per iteration (PP-17)
     recv_interval: int = 1
+    #: kvchain's admission on every stage (`engine.policies.admission_policy`): `exact` never
+    #: retracts a decode, `optimistic` retracts when a step cannot grow
+    admission: str = "exact"
 
     def sizing(self) -> tuple[list, PipelineSizing]:
         plans = plan_stages(self.decls, self.n_stages, page_size=self.page_size, partition=self.partition)
@@ -52,7 +56,7 @@ def build_stage(spec: StageSpec, stage: int, device: str = "cpu", backend: Devic
     (None: the device string's own)."""
     plans, sizing = spec.sizing()
     storage = build_kv_storage(plans[stage], sizing.stages[stage], device, backend=backend)
-    return KVChainPool(storage, prefix_cache=True)
+    return KVChainPool(storage, prefix_cache=True, policy=admission_policy(spec.admission))
 
 
 def install_stages(pools: Sequence[KVChainPool], geometries: Sequence[StageGeometry] | None = None) -> None:

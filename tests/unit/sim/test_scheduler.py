@@ -331,3 +331,15 @@ def test_an_admission_copies_the_state_it_matched_from_the_tree(seed, chain_kib,
     _run(pool, workload(seed, n=60, shared=0.8), check_every_step=False)
     assert len(copied) >= 10
     assert [c for c in copied if c[0] != c[1] or c[1] == c[2]] == []
+
+
+def test_a_run_that_reaches_its_step_cap_with_work_left_raises():
+    """A loop that cannot finish its requests (a livelock) is an error, never requests quietly left
+    'waiting' in the result."""
+    from kvchain.engine.scheduler import SchedulerStuck
+
+    pool = world(chain_kib=64, window=8, state=True)
+    sched = Scheduler(pool, max_batched_tokens=256, max_running=4)
+    sched.add([ScheduledRequest(0, 0, np.arange(1, 40), max_new=8, output_len=8)])
+    with pytest.raises(SchedulerStuck, match="1 requests still unserved after 2 steps"):
+        sched.run(max_steps=2)
