@@ -70,6 +70,8 @@ class ChainPrefillBudget:
     reclaimable: tuple[int, ...] | None = None
     #: charge only the scheduled chunk (allocate-on-demand admission), not the prompt and output
     chunk_only: bool = False
+    #: whether the pool takes a tracking state slot with each request (None: as the plan declares)
+    tracking_slot: bool | None = None
     admitted: KVDemand = field(init=False)
     admitted_count: int = 0
 
@@ -82,7 +84,7 @@ class ChainPrefillBudget:
         return request_demand(
             self.storage.plan, DemandPurpose.ADMIT, input_len=input_len, output_len=output_len,
             cached_len=cached_len, chunk_len=chunk_len, checkpoint_interval=self.checkpoint_interval,
-            shares_prefixes=self.shares_prefixes,
+            shares_prefixes=self.shares_prefixes, tracking_slot=self.tracking_slot,
         )
 
     @capacity_decision

@@ -24,11 +24,14 @@ REQUEST_TABLE_ENTRY_BYTES = 4
 MIN_SCRATCH_BYTES = 32 * 2**20
 
 
-def state_slots_per_request(pool: SubPool) -> int:
+def state_slots_per_request(pool: SubPool, tracking: bool | None = None) -> int:
     """A running slot, plus a tracking slot when the prefix tree checkpoints the state, plus a
-    speculative round's scratch slots when a fused draft's plan declares them."""
-    interval = getattr(pool.lifetime, "checkpoint_interval", None)
-    return (1 if interval is None else 2) + getattr(pool.lifetime, "speculative_slots", 0)
+    speculative round's scratch slots when a fused draft's plan declares them. `tracking`: whether
+    the pool keeps a tracking slot per request (None: when the plan's state lifetime declares a
+    checkpoint interval, which is all a plan alone can tell)."""
+    if tracking is None:
+        tracking = getattr(pool.lifetime, "checkpoint_interval", None) is not None
+    return (2 if tracking else 1) + getattr(pool.lifetime, "speculative_slots", 0)
 
 
 def window_peak_pages(window: int, page_size: int) -> int:

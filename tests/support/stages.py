@@ -26,8 +26,8 @@ def spec(chain_kib: int = 16, partition=PARTITION, **kwargs) -> StageSpec:
     return StageSpec(decls, 2, fixed + chain_kib * 1024, partition=partition, **kwargs)
 
 
-def stage_pools(chain_kib: int = 16, install: bool = True):
-    s = spec(chain_kib)
+def stage_pools(chain_kib: int = 16, install: bool = True, **kwargs):
+    s = spec(chain_kib, **kwargs)
     pools = [build_stage(s, stage) for stage in range(2)]
     if install:
         install_stages(pools)

@@ -108,13 +108,16 @@ def request_demand(
     checkpoint_interval: int | None = None,
     shares_prefixes: bool = False,
     min_chunk: int = 1,
+    tracking_slot: bool | None = None,
 ) -> KVDemand:
     """Price one request for `purpose` (see DEMAND_RULES).
 
     `cached_len` tokens of its prefix are already held (the prefix tree); `chunk_len` is the tokens
     this pass writes (default: the rest of the input). `min_chunk` is the smallest prefill chunk the
     scheduler cuts (the checkpoint interval when it cuts on the grid): a lifetime peak includes that
-    chunk's transient window tail, so a request that fits an empty pool can always be prefilled."""
+    chunk's transient window tail, so a request that fits an empty pool can always be prefilled.
+    `tracking_slot`: whether the pool takes a tracking state slot per request for its prefix tree's
+    checkpoints (None: as the plan's state lifetime declares, `state_slots_per_request`)."""
     if input_len < 0 or output_len < 0 or cached_len < 0 or cached_len > input_len:
         raise InputError(
             f"request lengths must satisfy 0 <= cached ({cached_len}) <= input ({input_len}), output {output_len} >= 0"
@@ -146,6 +149,6 @@ def request_demand(
                 bound = span_pages(min(retained, cached_len), ps)
             pages.append(min(full, bound))
         else:
-            slots = state_slots_per_request(pool) if rule.state is StateCharge.FULL else 1
+            slots = state_slots_per_request(pool, tracking_slot) if rule.state is StateCharge.FULL else 1
             pages.append(slots)
     return KVDemand(tuple(pages), full, slots)

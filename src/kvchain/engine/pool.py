@@ -122,7 +122,7 @@ class KVChainPool:
 
     def _demand_kwargs(self) -> dict:
         return {"checkpoint_interval": self.checkpoint_interval, "shares_prefixes": self.shares,
-                "min_chunk": self.min_chunk}
+                "min_chunk": self.min_chunk, "tracking_slot": self.tracking}
 
     def arrival_check(self, req: ScheduledRequest) -> str | None:
         """Reject a request larger than an empty pool, with the numbers; clip max_new to memory and
@@ -187,10 +187,10 @@ class KVChainPool:
                 lengths=[max(r.input_len, int(n)) for r, n in zip(running, lens)],
                 remaining=[self.policy.reserve_output(r) for r in running],
                 held=int(((lens + ps - 1) // ps).sum()), chunk_only=self.policy.chunk_only,
-                partial_slots=0 if any(r.prefilling for r in running) else 1)
+                tracking_slot=self.tracking, partial_slots=0 if any(r.prefilling for r in running) else 1)
         return ChainPrefillBudget(self.storage, self._reserve(running), frees_coming, self.checkpoint_interval,
                                   self.shares, reclaimable_pages(self.storage, self.tree),
-                                  chunk_only=self.policy.chunk_only)
+                                  chunk_only=self.policy.chunk_only, tracking_slot=self.tracking)
 
     def next_chunk(self, req: ScheduledRequest, token_limit: int) -> int:
         limit = self._grid_cut(req.computed, req.input_len, token_limit)
@@ -308,7 +308,8 @@ class KVChainPool:
         if chunk <= 0:
             return None
         probe = ChainPrefillBudget(self.storage, KVDemand.zero(len(self.plan.sub_pools)), False,
-                                   self.checkpoint_interval, self.shares, chunk_only=self.policy.chunk_only)
+                                   self.checkpoint_interval, self.shares, chunk_only=self.policy.chunk_only,
+                                   tracking_slot=self.tracking)
         demand = probe._demand(req.input_len, self.policy.admit_output(req), 0, chunk)
         gone: set[int] = set()
         freed = reclaim.copy()
@@ -368,7 +369,11 @@ class KVChainPool:
         a = ctx.consider(req.input_len, self.policy.admit_output(req), cached, token_limit)
         if a.decision is Decision.ADMIT and not self._make_room(self._admit_demand(cached + a.chunk_len, cached)):
             ctx.withdraw(a)
-            a = Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
+            if cached or ctx._waiting_frees_memory():
+                a = Admission(Decision.WAIT, reason="room for the first chunk is not there yet")
+            else:  # the cache made what room it could and nothing else will give memory back (ADM-11)
+                a = Admission(Decision.ABORT, reason=f"unschedulable: the first {a.chunk_len} tokens do not fit "
+                                                     "the pool with nothing else in it")
         if a.decision is not Decision.ADMIT:
             if cached and (a.decision is Decision.ABORT or not ctx._waiting_frees_memory()):
                 self._unlock(state)

@@ -24,6 +24,7 @@ from ..decl import KVLayerDecl
 from ..device import ModeledDevice
 from ..dist.pp import run_stage_processes
 from ..dist.tp import RankLink, check_rank_agreement, check_same_layout, digest
+from ..engine.policies import admission_policy
 from ..engine.pool import KVChainPool
 from ..engine.request import ScheduledRequest
 from ..engine.scheduler import Scheduler
@@ -45,6 +46,9 @@ class RankSpec:
     max_running_requests: int = 16
     #: mean forward duration of each rank's modeled device: ranks see completions at other times
     forward_durations: tuple[float, ...] = ()
+    #: kvchain's admission on every rank (`engine.policies.admission_policy`): `exact` never
+    #: retracts a decode, `optimistic` retracts when a step cannot grow
+    admission: str = "exact"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -75,7 +79,7 @@ def build_rank(spec: RankSpec, rank: int, budget_bytes: int) -> KVChainPool:
     """Rank `rank`'s pool over its own arena, sized for `budget_bytes` (the group's least)."""
     plan = spec.plan()
     storage = build_kv_storage(plan, spec.sizing(budget_bytes), "cpu", backend=spec.device(rank))
-    return KVChainPool(storage, prefix_cache=True)
+    return KVChainPool(storage, prefix_cache=True, policy=admission_policy(spec.admission))
 
 
 def layout_of(pool: KVChainPool) -> dict:

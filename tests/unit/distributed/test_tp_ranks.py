@@ -30,11 +30,12 @@ CONFIG = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*M-M*", "num_
           "max_position_embeddings": 512, "dtype": "bfloat16"}
 
 
-def _spec(tp: int = 2, budgets=None, chain_kib: int = 60) -> RankSpec:
+def _spec(tp: int = 2, budgets=None, chain_kib: int = 60, admission: str = "optimistic") -> RankSpec:
+    """Optimistic admission, which retracts a decode that cannot grow (exact admission never does)."""
     probe = RankSpec(CONFIG, tp, (2**30,) * tp)
     fixed = probe.sizing(2**30).fixed.total
     base = fixed + chain_kib * 1024
-    return RankSpec(CONFIG, tp, tuple(budgets or (base + 8192 * r for r in range(tp))))
+    return RankSpec(CONFIG, tp, tuple(budgets or (base + 8192 * r for r in range(tp))), admission=admission)
 
 
 def _traffic(n: int = 60):
