@@ -19,11 +19,9 @@ commits through the metadata-time slots instead, for the test that shows what it
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..engine.request import ScheduledRequest
 from ..engine.speculative import SpeculativePool
-from ..engine.speculative_round import SpecPayload, accept, host_tensor
+from ..engine.speculative_round import SpecPayload, accept, chain_slots, host_tensor
 from ..engine.speculative_state import ForwardStateSlots, commit_states_after_verify
 from ..engine.steps import Launched
 from ..errors import InvariantError
@@ -35,12 +33,10 @@ def relayed_commit_state_slots(storage: KVStorage, payload: SpecPayload) -> Forw
     own slot, looked up in the request table (its request still owns the row), and its scratch
     slots, each translated from the virtual slot the round holds, so a move since the forward is
     followed."""
-    how, rounds = payload.how, payload.spec.rounds
-    state = storage.plan.state.name
+    how = payload.how
     device = payload.slots.own.device
-    own = storage.physical_pages(state, storage.table.state_slot[how.rows])
-    steps = np.arange(how.kmax + 1)
-    chain = np.stack([storage.physical_pages(state, rd.chain)[np.minimum(steps, rd.k)] for rd in rounds])
+    own = storage.physical_pages(storage.plan.state.name, storage.table.state_slot[how.rows])
+    chain = chain_slots(storage, payload.spec.rounds, how.kmax)
     return ForwardStateSlots(host_tensor(own, device), host_tensor(chain, device))
 
 

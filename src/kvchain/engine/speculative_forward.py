@@ -19,7 +19,7 @@ from .metadata import MetadataBuffers
 from .model_pool import ModelPool, StepOutputs, _group_futures
 from .request import ScheduledRequest
 from .speculative_draft_steps import DraftStep, draft_steps
-from .speculative_round import Acceptance, Round, SpecOutputs, SpecPayload, accept, host_tensor
+from .speculative_round import Acceptance, Round, SpecOutputs, SpecPayload, accept, chain_slots, host_tensor
 from .speculative_state import ForwardStateSlots, StepChain, commit_states_after_verify
 from .steps import Forward, MetadataUpload
 
@@ -93,11 +93,8 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
 
     slots = None
     if rounds and pool.has_state:  # resolved now, at metadata time (LIFE-11)
-        state = pool.plan.state.name
         own = written.state_slots[spec_idx]
-        chain = np.stack([storage.physical_pages(state, rd.chain)[np.minimum(np.arange(kmax + 1), rd.k)]
-                          for rd in rounds])
-        slots = ForwardStateSlots(host_tensor(own, device), host_tensor(chain, device))
+        slots = ForwardStateSlots(host_tensor(own, device), host_tensor(chain_slots(storage, rounds, kmax), device))
     verify = None
     if slots is not None:
         verify = StepChain(spec_idx, slots.own, slots.chain, ks[spec_idx] + 1)

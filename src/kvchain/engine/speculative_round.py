@@ -111,6 +111,14 @@ class SpecPayload:
     proposed: torch.Tensor | None = None
 
 
+def chain_slots(storage: KVStorage, rounds: list[Round], kmax: int) -> np.ndarray:
+    """The rounds' scratch state slots as physical ids now, `[R, kmax + 1]`: round r's slot after
+    round token i (columns past its `k` repeat its last slot and are never written)."""
+    state = storage.plan.state.name
+    steps = np.arange(kmax + 1)
+    return np.stack([storage.physical_pages(state, rd.chain)[np.minimum(steps, rd.k)] for rd in rounds])
+
+
 def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A host-built index tensor, owned by the forward (not a shared metadata buffer)."""
     t = torch.as_tensor(np.asarray(values), dtype=dtype)
