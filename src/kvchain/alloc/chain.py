@@ -8,44 +8,46 @@ band's pages taken in chain order. When no layout serves the demand it refuses b
 
 Bands are passive stores (`alloc/band.py`) and compaction plans moves without doing them
 (`alloc/compaction.py`): everything that touches the device, the page copier or the forward steps
-happens here. Every wait goes through `_clear`, and every wait it performs is a `Wait` that
-`page_usage.clearance`, the one reader of `CLEARANCE`, returned."""
+happens in this class. It is one class in four files, each a part a reader can open alone:
+
+- here: construction, snapshots, capacity decisions, takes and relief, frees, forward steps, the
+  memory clip and estimates;
+- `alloc/moves.py` (`ChainMoves`): flushes, float relocations and relief plans realized, every
+  page copy inside the arena;
+- `alloc/waits.py` (`ChainWaits`): the one dispatch of waits, `_clear` (every wait it performs is
+  a `Wait` that `page_usage.clearance`, the one reader of `CLEARANCE`, returned), fences and
+  transfers;
+- `alloc/storage_ops.py` (`StorageOps`): the operations `KVStorage` calls, over sub-pool names,
+  virtual ids and slot ids;
+
+and `alloc/accounting.py` checks its byte conservation."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .. import env, faults
-from ..device.base import Device, Event
+from ..device.base import Device
 from ..errors import CapacityError, InputError, InvariantError
 from ..memory.arena import KVArena
 from ..memory.copy import PageCopier
 from ..plan import KVStoragePlan, Placement, PoolKind
 from . import invariants
+from .accounting import chain_problems
 from .band import (
-    HOLE,
-    LIVE,
-    OUT,
-    PENDING,
-    SINK,
-    VACATED,
     Band,
     FloatBand,
     SnapshotMode,
     check_virtual_bound,
-    geometry_ready,
 )
-from .compaction import plan_flush, plan_relocation
 from .decisions import capacity_decision, observe_only_read
 from .demand import DemandPurpose, KVDemand, request_demand
 from .forward_steps import ForwardSteps, LaunchRecord
-from .id_space import UNBOUND, IdStack
-from .invariants import check_windows_released
-from .npfast import has_duplicates
-from .page_usage import Clear, Consumer, Fence, Hazard, PageUse, Wait, clearance
+from .id_space import IdStack
+from .moves import ChainMoves
+from .page_usage import Consumer, Fence, PageUse
 from .pricing import (
     BandSnap,
     CapacityEpoch,
@@ -58,16 +60,12 @@ from .pricing import (
     reclaimed_snapshot,
     take_layout,
 )
-from .signals import HostTransfer, NetworkTransfer, NetworkTransferWaiter
+from .signals import NetworkTransferWaiter
 from .stage_capacity import StageCapacity, StageGeometry
-
-log = logging.getLogger("kvchain.chain")
-
-_NO_PAGES = np.empty(0, dtype=np.int64)
-_NO_PAGES.flags.writeable = False
+from .storage_ops import NO_PAGES, StorageOps
 
 
-class ChainAllocator:
+class ChainAllocator(StorageOps, ChainMoves):
     """Every band of one arena, in chain order (up end, floats, down end = full-attention owner)."""
 
     def __init__(self, plan: KVStoragePlan, arena: KVArena, device: Device, *, scratch_bytes: int) -> None:
@@ -133,20 +131,6 @@ class ChainAllocator:
         return self._stages
 
     # -- snapshots ----------------------------------------------------------------------------
-
-    def neighbour_bounds(self, index: int) -> tuple[int, int]:
-        """Bytes between which band `index` may grow: the nearest placed neighbours' frontiers."""
-        prev_top = self.layout.chain_lo
-        for band in reversed(self.bands[:index]):
-            if not band.parked:
-                prev_top = band.top
-                break
-        next_bottom = self.layout.arena_bytes
-        for band in self.bands[index + 1 :]:
-            if not band.parked:
-                next_bottom = band.bottom
-                break
-        return prev_top, next_bottom
 
     def snapshot(self, mode: SnapshotMode = SnapshotMode.TAKE) -> ChainSnapshot:
         return ChainSnapshot(
@@ -281,7 +265,7 @@ class ChainAllocator:
         if not growers:
             # every band serves its share from holes and pending pages: the in-place plan holds
             # with no growth, so there is nothing to price
-            return [self.take_from(band, n) if n else _NO_PAGES for band, n in zip(bands, pages)]
+            return [self.take_from(band, n) if n else NO_PAGES for band, n in zip(bands, pages)]
         if self._past_chain_bytes(pages):
             raise CapacityError(self._shortfall_message(pages))
         if len(growers) == 1:
@@ -341,7 +325,7 @@ class ChainAllocator:
         runs before anything settles, so a refused take changes nothing (ALLOC-7)."""
         self.forward_steps.assert_no_open_launch("take", band.name, n)
         if n <= 0:
-            return _NO_PAGES
+            return NO_PAGES
         if after is None and n > band.n_holes + band.n_pending:
             prev_top, next_bottom = self.neighbour_bounds(band.index)
             after = take_layout(band.snapshot(), n, prev_top, next_bottom)
@@ -436,241 +420,10 @@ class ChainAllocator:
             self._recover_for_relief(read_ahead=False)
         return first_plan(self.pricing_snapshot(SnapshotMode.TAKE), pages), False
 
-    def realize(self, layout: LayoutPlan, hold_network: bool = False) -> None:
-        """Compact the listed ends, relocate floats in move order, extend pinned floats (ALLOC-16/17).
-        The takes that follow run in chain order. A plan priced with network rows in place
-        (`hold_network`) compacts around them as around fixed pages."""
-        for i in layout.compact_ends:
-            self.relief_flush(self.bands[i], hold_network)
-        for r in layout.relocations:
-            self._relocate(self._float(r.band), r.lo, r.size)
-        for e in layout.extensions:
-            band = self._float(e.band)
-            self.wait_fences(band, band.extend(e.side, e.pages))
-
-    def _float(self, index: int) -> FloatBand:
-        band = self.bands[index]
-        if not isinstance(band, FloatBand):
-            raise InvariantError("chain.relief", f"the plan moves {band.name}, which is not a float")
-        return band
-
     def _shortfall_message(self, pages: tuple[int, ...]) -> str:
         parts = [f"{b.name} {n} pages ({b.n_live} live)" for b, n in zip(self.bands, pages) if n]
         return (f"no layout of the arena serves {', '.join(parts)}; "
                 f"about {self.available_bytes_estimate()} bytes free in all")
-
-    # -- waits: the one dispatch ------------------------------------------------------------------
-
-    def _clear(self, band: Band, waits: Sequence[Wait], waited: set[int] | None = None) -> None:
-        """Perform what `page_usage.clearance` said must happen before `band` writes: stream waits
-        on the schedule stream (each event once), host waits for transfers, and the checks that a
-        page needing a retired forward or excluded from the consumer was not chosen."""
-        if waited is None:
-            waited = set()
-        for wait in waits:
-            use = wait.use
-            clear = wait.clear
-            if clear is Clear.STREAM_WAIT:
-                if use.event is not None and use.event.seq not in waited:
-                    waited.add(use.event.seq)
-                    self._stream_wait(band, use.event, wait.why)
-            elif clear is Clear.HOST_WAIT:
-                self.wait_transfers([use.transfer])
-            elif clear is Clear.AFTER_RETIRE:
-                if use.step is not None and use.step > self.forward_steps.processed_through:
-                    raise InvariantError("page_usage.after_retire",
-                                         f"{band.name}: {wait.why}: chose pages an unretired forward uses")
-            elif clear is Clear.EXCLUDED:
-                raise InvariantError("page_usage.excluded", f"{band.name}: {wait.why}: chose {use}")
-
-    def _stream_wait(self, band: Band, event: Event, why: str) -> None:
-        """Queue a wait on the schedule stream: the host never blocks (LIFE-29)."""
-        invariants.before_wait()
-        device = self.device
-        device.stream_wait(device.schedule_stream, event)
-        band.stats["stream_waits"] += 1
-        self.log("stream_wait", band.name, why, event.label)
-
-    def _settle(self, band: Band, n_batches: int | None = None, park: bool = True) -> None:
-        """Settle pending batches of one band (`Band.settle_pending`) and queue their waits."""
-        waits, fences = band.settle_pending(n_batches, park)
-        if waits:
-            self._settle_waits(band, waits)
-        self._add_fences(fences)
-
-    def _settle_waits(self, band: Band, waits: Sequence[Wait]) -> None:
-        if faults.ACTIVE and faults.active(faults.SKIP_SETTLE_WAIT):
-            return
-        self._clear(band, waits)
-
-    def _add_fences(self, fences: Sequence[Fence]) -> None:
-        if fences:
-            self.fences += fences
-
-    # -- the ledger across bands ------------------------------------------------------------------
-
-    def log(self, kind: str, *fields) -> None:
-        if self.decisions is not None:
-            self.decisions.append((kind, *(f.tolist() if isinstance(f, np.ndarray) else f for f in fields)))
-
-    def network_transfers(self) -> list[NetworkTransfer]:
-        seen: dict[int, NetworkTransfer] = {}
-        for band in self.bands:
-            for use in band.usage.uses:
-                if use.hazard is Hazard.NETWORK and isinstance(use.transfer, NetworkTransfer):
-                    seen.setdefault(use.transfer.id, use.transfer)
-        return list(seen.values())
-
-    def wait_transfers(self, transfers: Sequence[NetworkTransfer]) -> None:
-        """Host-wait network transfers (the transfer engine runs outside every stream), then release
-        them everywhere (LEDG-4). Past the deadline this raises naming the transfers in flight."""
-        transfers = [t for t in transfers if t is not None and not t.released]
-        if not transfers:
-            return
-        self.log("host_wait", [t.name for t in transfers])
-        self.waiter.wait(transfers)
-        for t in transfers:
-            self.end_transfer(t)
-
-    def end_transfer(self, transfer: NetworkTransfer | HostTransfer) -> None:
-        """A transfer is over (released, or its host copy acknowledged): end its uses in every band
-        and the fences it left, and return vacated pages it alone held."""
-        if isinstance(transfer, NetworkTransfer):
-            transfer.released = True
-        else:
-            transfer.ended = True
-        key = self.forward_steps.newest_unprocessed()
-        for band in self.bands:
-            if band.usage.end_transfer(transfer):
-                band.epoch.bump()
-            self._add_fences(band.take_ready_vacated(key))
-        self.fences = [f for f in self.fences if f.use.transfer is not transfer]
-
-    def wait_fences(self, band: Band, ids: np.ndarray) -> None:
-        """Before `band` writes bytes that left another band (or itself), clear their fences on the
-        schedule stream (COMP-20); a fence cleared there is dropped."""
-        if not self.fences or not len(ids):
-            return
-        lo, hi = band.byte_ranges(ids)
-        a, b = int(lo.min()), int(hi.max())
-        keep = []
-        waited: set[int] = set()
-        skip_streams = faults.ACTIVE and faults.active(faults.SKIP_FENCE_WAITS)
-        # a host wait below may end a transfer whose pages park a float, which appends fences to
-        # this very list: they are visited too
-        for fence in self.fences:
-            if fence.hi <= a or fence.lo >= b or not ((lo < fence.hi) & (hi > fence.lo)).any():
-                keep.append(fence)
-                continue
-            waits = clearance(Consumer.SCHEDULE_COPY, (fence.use,), f"fence left by {fence.use.label}")
-            if skip_streams:
-                waits = [w for w in waits if w.clear is not Clear.STREAM_WAIT]
-            self._clear(band, [w for w in waits if w.clear in (Clear.STREAM_WAIT, Clear.HOST_WAIT)], waited)
-        self.fences = keep
-
-    # -- compaction -------------------------------------------------------------------------------
-
-    def flush_opportunistic(self, max_moves: int | None = None) -> int:
-        """Close holes lazily: at most KVCHAIN_LAZY_COMPACTION_MAX_MOVES_PER_CALL moves per end band,
-        and only in an end whose free gap is below KVCHAIN_LAZY_COMPACTION_GAP_FRACTION of the chain
-        (pages are not copied while there is room to spare); boundary holes are always absorbed."""
-        if max_moves is None:
-            max_moves = self.max_moves_per_call
-        moved = 0
-        for band in self.bands:
-            if band.n_holes:  # a band without holes has nothing to close or absorb
-                moved += self.flush(band, max_moves if self._under_pressure(band) else 0)
-        if self.log_compaction_stats:
-            for band in self.bands:
-                log.info("compaction %s: %s", band.name, band.stats)
-        return moved
-
-    def _under_pressure(self, band: Band) -> bool:
-        """Whether closing a band's holes now is worth page copies: the free gap between it and its
-        neighbour is small. A float's gaps never matter here (floats never compact)."""
-        if band.placement is Placement.FLOAT or not band.n_holes:
-            return False
-        prev_top, next_bottom = self.neighbour_bounds(band.index)
-        gap = band.bottom - prev_top if band.placement is Placement.DOWN_END else next_bottom - band.top
-        return gap < self.compaction_gap_fraction * self.layout.chain_bytes
-
-    def relief_flush(self, band: Band, hold_network: bool = False) -> int:
-        """The relief flush (the spec's urgent flush), entered only from relief (COMP-4): settled
-        first, uncapped, packs every movable page (COMP-8, COMP-13); floats only hand back boundary
-        holes. Returns pages moved."""
-        if band.placement is Placement.FLOAT:
-            return self.flush(band, None)
-        geometry_ready(band)
-        if band.n_pending:
-            self._settle(band)
-        return self.flush(band, None, relief=True, hold_network=hold_network)
-
-    def flush(self, band: Band, max_moves: int | None, relief: bool = False, hold_network: bool = False) -> int:
-        """One flush of one band: the moves `plan_flush` plans, then the frontier absorbs the holes
-        left at it (a float only absorbs; COMP-21, COMP-22). Returns pages moved."""
-        if band.placement is Placement.FLOAT:
-            fences = band.absorb_boundary_holes()
-            if fences:
-                self.fences += fences
-            return 0
-        if band.parked or band.span == 0 or not band.n_holes:
-            return 0
-        moved = 0
-        if max_moves != 0:
-            moves = plan_flush(band, max_moves, relief, hold_network)
-            if moves is not None:
-                self._move(band, moves.src, moves.dst)
-                moved = len(moves.src)
-        fences = band.absorb_boundary_holes()
-        if fences:
-            self.fences += fences
-        band.stats["flushes"] += 1
-        return moved
-
-    def _move(self, band: Band, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy live pages `src` into holes `dst` and rebind their virtual ids (COMP-16). The copy
-        first waits every writer of the sources (COMP-17), clears the destinations and their
-        fences; a source the forward in flight may still read keeps that hazard (COMP-18)."""
-        self._clear(band, band.usage.writers_clearance(src))
-        self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, dst))
-        self.wait_fences(band, dst)
-        self.copier.move_pages(band.grid, src, dst)
-        band.commit_moves(src, dst, self.forward_steps.newest_unprocessed())
-        self.move_epoch += 1
-        self.log("move", band.name, src, dst)
-
-    def _relocate(self, band: FloatBand, lo: int, size: int) -> None:
-        """Make a float's span `[lo, lo + size)` (COMP-23): the live pages outside it are copied
-        into its open pages and rebound, the rest stay, and every other page of the span is a hole.
-        Pending pages settle first (`band.geometry_ready`). The copy writes holes only, so it waits
-        no forward that reads live pages; it waits the writers of what it reads and the uses of what
-        it writes, and the old block's pages that leave the span keep their unfinished uses as
-        fences in the arena."""
-        geometry_ready(band)
-        if band.n_pending:
-            self._settle(band, park=False)
-        reloc = plan_relocation(band, lo, size)
-        self.wait_fences(band, reloc.fresh)
-        self._clear(band, band.usage.clearance(Consumer.SCHEDULE_COPY, reloc.reused))
-        key = self.forward_steps.newest_unprocessed()
-        if len(reloc.src):
-            self._clear(band, band.usage.writers_clearance(reloc.src))
-            self.copier.move_pages(band.grid, reloc.src, reloc.dst, label="relocate")
-        self._add_fences(band.relocate(reloc.src, reloc.dst, lo, size, key))
-        self.move_epoch += 1
-        self.relocations += 1
-        self.log("relocate", band.name, lo, size)
-
-    def prewarm_compaction(self) -> None:
-        """Run the page-copy path once at startup (COMP-25) so the first serving-time move neither
-        compiles kernels nor allocates memory outside the pools: copy each band's sink (or base
-        page) onto itself."""
-        for band in self.bands:
-            grid = band.grid
-            page = grid.sink_id if grid.sink_id is not None else grid.first_id
-            if page < grid.n_grid:
-                ids = np.array([page], dtype=np.int64)
-                self.copier.move_pages(grid, ids, ids, label="prewarm")
 
     # -- frees ------------------------------------------------------------------------------------
 
@@ -825,274 +578,11 @@ class ChainAllocator:
 
     def verify_byte_accounting(self) -> None:
         """Byte conservation: counts match page states, spans lie in order inside the chain without
-        overlap, ids and maps agree, and a memoised snapshot is never stale (CHK-15)."""
-        problems: list[str] = []
-        for mode, memo in self._memo.items():
-            if memo.epoch == self.epoch.value and memo != self.snapshot(mode):
-                problems.append(f"stale pricing snapshot ({mode.value}): the capacity epoch did not move on a change")
-        cursor = self.layout.chain_lo
-        for band in self.bands:
-            problems += _band_problems(band)
-            if band.parked:
-                continue
-            if band.bottom < cursor:
-                problems.append(f"{band.name}: span starts at byte {band.bottom}, below its neighbour's end {cursor}")
-            cursor = band.top
-        if cursor > self.layout.arena_bytes:
-            problems.append(f"chain ends at byte {cursor}, past the arena's {self.layout.arena_bytes}")
-        bound = int(np.count_nonzero(self.owner.ids.v2p >= 0))
-        if bound + len(self.virtual_free) != self.n_virtual - 1:
-            problems.append(f"owner: {bound} bound + {len(self.virtual_free)} free virtual pages "
-                            f"!= {self.n_virtual - 1}")
-        if self.state_band is not None:
-            slots = int(np.count_nonzero(self.state_band.ids.v2p >= 0))
-            if slots + len(self.slot_free) != self.state_band.grid.n_grid:
-                problems.append(f"state: {slots} bound + {len(self.slot_free)} free slot ids != "
-                                f"{self.state_band.grid.n_grid}")
+        overlap, ids and maps agree (`accounting.chain_problems`), and a memoised snapshot is never
+        stale (CHK-15)."""
+        problems = [f"stale pricing snapshot ({mode.value}): the capacity epoch did not move on a change"
+                    for mode, memo in self._memo.items()
+                    if memo.epoch == self.epoch.value and memo != self.snapshot(mode)]
+        problems += chain_problems(self)
         if problems:
             raise InvariantError("chain.byte_accounting", "; ".join(problems))
-
-    # -- used by KVStorage ------------------------------------------------------------------------
-    # What the storage facade needs of the chain, as operations over sub-pool names, virtual ids and
-    # slot ids: the facade reaches no band, id map, ledger, epoch, copier, device or forward step.
-
-    def _band_named(self, sub_pool: str) -> Band:
-        return self.bands[self.plan.by_name(sub_pool).index]
-
-    def _bands_named(self, pages: dict[str, np.ndarray]) -> list[tuple[Band, np.ndarray]]:
-        """(band, page ids) per sub-pool name, every name resolved before anything changes."""
-        return [(self._band_named(name), np.asarray(ids, dtype=np.int64)) for name, ids in pages.items()]
-
-    def take_virtual(self, n_pages: int, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
-        """One chain take: `n_pages` pages in every token band bound to as many fresh owner virtual
-        pages, and `n_slots` state pages bound to fresh slot ids. Returns (virtual pages, slot ids).
-        Raises CapacityError, with nothing changed, when ids or bytes run short."""
-        if self._stages is not None:
-            short = self._stages.ids_fit(n_pages, n_slots)
-            if short is not None:
-                raise CapacityError(short)
-        if n_pages > len(self.virtual_free):
-            raise CapacityError(f"owner has {len(self.virtual_free)} free virtual pages, {n_pages} needed")
-        if n_slots > len(self.slot_free):
-            raise CapacityError(f"state sub-pool has {len(self.slot_free)} free slot ids, {n_slots} needed")
-        if n_pages < 0 or n_slots < 0:
-            raise InputError(f"a take of {n_pages} pages and {n_slots} slots")
-        state = self.state_band
-        demand = [int(n_pages)] * len(self.bands)
-        if state is not None:
-            demand[state.index] = int(n_slots)
-        physical = self._plan_and_take(tuple(demand))  # a demand built here needs no `_check_demand`
-        vpages = slots = _NO_PAGES
-        if n_pages:
-            vpages = self.virtual_free.pop(n_pages)
-            for band in self.token_bands:
-                band.bind(vpages, physical[band.index])
-        if n_slots:
-            slots = self.slot_free.pop(n_slots)
-            state.bind(slots, physical[state.index])
-        return vpages, slots
-
-    def free_virtual_pages(self, vpages: np.ndarray) -> None:
-        """Each window frees the rows it still binds of `vpages`, then the owner frees them all and
-        the ids return to the free stack (CHK-8 between the two)."""
-        if not len(vpages):
-            return
-        for band in self.window_bands:
-            bound = vpages[band.ids.v2p[vpages] != UNBOUND]
-            self.free_virtual(band, bound)
-        check_windows_released(self, vpages)
-        self.free_virtual(self.owner, vpages)
-        self.virtual_free.push(vpages)
-
-    def free_window_rows(self, sub_pool: str, vpages: np.ndarray) -> None:
-        """One window frees its rows of `vpages`; every other band keeps them bound."""
-        self.free_virtual(self._band_named(sub_pool), vpages)
-
-    def free_state_slots(self, slots: np.ndarray) -> None:
-        """The state band frees the pages behind `slots`; the slot ids return to the free stack."""
-        if not len(slots):
-            return
-        self.free_virtual(self.state_band, slots)
-        self.slot_free.push(slots)
-
-    def rehome_window(self, sub_pool: str, src: np.ndarray, dst: np.ndarray) -> None:
-        """Rebind one window's pages from virtual pages `src` to unbound virtual pages `dst`; nothing
-        is taken, freed or copied (WIN-7)."""
-        band = self._band_named(sub_pool)
-        physical = band.ids.v2p[src]
-        if (physical < 0).any() or (band.ids.v2p[dst] >= 0).any():
-            raise InvariantError("chain.window_segment_bound", f"{sub_pool}: rehome needs bound sources and free targets")
-        band.ids.unbind_physical(physical)
-        band.ids.bind(dst, physical)
-
-    def bind_window(self, sub_pool: str, vpages: np.ndarray, physical: np.ndarray) -> None:
-        """Bind live pages of one window to owner virtual pages (WIN-7)."""
-        self._band_named(sub_pool).bind(vpages, physical)
-
-    def copy_state_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
-        """Copy state slots on the schedule stream after every unfinished writer of the sources,
-        clearing the ledger on the destinations first (LEDG-14..17)."""
-        v2p = self.state_band.ids.v2p
-        src = v2p[src_slots]
-        dst = v2p[dst_slots]
-        if (src < 0).any() or (dst < 0).any():
-            raise InvariantError("band.free_of_bound_page", "state copy names an unbound slot")
-        self.copy_state(src, dst)
-
-    def physical_pages(self, sub_pool: str, virtual: np.ndarray) -> np.ndarray:
-        """Physical ids behind bound virtual ids of one sub-pool (slot ids for state); raises
-        InvariantError naming the sub-pool when one is unbound."""
-        physical = self._band_named(sub_pool).ids.v2p[virtual]
-        if (physical < 0).any():
-            raise InvariantError("band.free_of_bound_page", f"{sub_pool}: translation of unbound ids")
-        return physical
-
-    def alloc_load(self, sub_pool: str, n: int) -> tuple[np.ndarray, PageUse]:
-        """`n` pages of one sub-pool fixed under a load reservation (HIC-4/5)."""
-        return self.take_for_load(self._band_named(sub_pool), n)
-
-    def bind_loaded(self, sub_pool: str, physical: np.ndarray) -> np.ndarray:
-        """Fresh owner virtual ids (or, for the state band, slot ids) bound to a host-tier load's
-        pages: ones a load reservation fixes and nothing binds yet."""
-        band = self._band_named(sub_pool)
-        loose = (band.ids.p2v[physical] != UNBOUND) | ~band.fixed_mask[physical]
-        if loose.any():
-            raise InputError(f"{sub_pool}: pages {physical[loose][:8].tolist()} are not a load's reserved, "
-                             "unbound pages")
-        free = self.slot_free if band is self.state_band else self.virtual_free
-        if len(physical) > len(free):
-            raise CapacityError(f"{sub_pool}: {len(free)} free ids, {len(physical)} needed for a load")
-        ids = free.pop(len(physical))
-        band.bind(ids, physical)
-        return ids
-
-    def end_load_reservation(self, sub_pool: str, reservation: PageUse) -> None:
-        """The reservation's pages may move again (HIC-6)."""
-        self._band_named(sub_pool).unfix(reservation)
-
-    def record_host_transfer(self, transfer: HostTransfer, pages: dict[str, np.ndarray]) -> None:
-        """One COPY_WRITE (a load) or COPY_READ (a backup) use per sub-pool named in `pages`."""
-        hazard = Hazard.COPY_WRITE if transfer.writes else Hazard.COPY_READ
-        for band, ids in self._bands_named(pages):
-            band.usage.record(PageUse(hazard, ids, transfer.writes, event=transfer.done, transfer=transfer,
-                                      label=f"{hazard.value} {transfer.name}"))
-
-    def record_network_transfer(self, transfer: NetworkTransfer, pages: dict[str, np.ndarray]) -> None:
-        """One NETWORK use per sub-pool named in `pages` (a receive writes them); each band's capacity
-        epoch moves, since network-held rows price differently (PD-1)."""
-        for band, ids in self._bands_named(pages):
-            band.usage.record(PageUse(Hazard.NETWORK, ids, writes=not transfer.sends, event=transfer.done,
-                                      transfer=transfer, label=repr(transfer)))
-            band.epoch.bump()
-
-    def hold_rows(self, pages: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
-        """Hold physical pages per sub-pool in place (no compaction moves them) until `release_rows`;
-        returns the held pages per band index, the argument `release_rows` takes (PD-8)."""
-        held = {}
-        for band, ids in self._bands_named(pages):
-            band.held[ids] += 1
-            band.n_held += len(ids)
-            held[band.index] = ids
-        return held
-
-    def release_rows(self, held: dict[int, np.ndarray]) -> None:
-        """End a `hold_rows`: the pages may move again."""
-        for index, ids in held.items():
-            band = self.bands[index]
-            band.held[ids] -= 1
-            band.n_held -= len(ids)
-
-    def forward_launched(self, has_forward: bool = True) -> LaunchRecord:
-        """A step launched (LIFE-21); see `ForwardSteps.forward_launched`."""
-        return self.forward_steps.forward_launched(has_forward)
-
-    def record_forward(self, record: LaunchRecord, done: Event, written: Sequence[np.ndarray | None] | None,
-                       shared_read_done: Event | None = None) -> None:
-        """The launched forward's `done` event and, per band in chain order, the pages it writes
-        (None for a band it leaves alone); `written=None` when unknown, every band then counts it
-        as writing everywhere (LIFE-22, LIFE-36)."""
-        self.forward_steps.forward_recorded(record, done, writes_known=written is not None)
-        record.shared_read_done = shared_read_done
-        for band in self.bands:
-            if written is None:
-                band.set_inflight_forward(record.step, done, None)
-            elif written[band.index] is not None:
-                band.set_inflight_forward(record.step, done, written[band.index])
-
-    def order_forward_after_schedule(self) -> None:
-        """The forward stream waits everything queued on the schedule stream so far."""
-        device = self.device
-        device.stream_wait(device.forward_stream, device.record(device.schedule_stream, "schedule"))
-
-    def apply_war_barrier(self) -> None:
-        """The schedule stream waits the running forward's shared-read end, or the whole forward
-        stream when it declared none (LIFE-4/5/6)."""
-        if faults.ACTIVE and faults.active(faults.SKIP_WAR_BARRIER):
-            return
-        device = self.device
-        running = self.forward_steps.newest_unprocessed()
-        event = getattr(running, "shared_read_done", None) if running is not None else None
-        if event is None:
-            event = device.record(device.forward_stream, "war barrier")
-        device.stream_wait(device.schedule_stream, event)
-
-    def band_counts(self) -> dict[str, dict[str, int]]:
-        """Per band name: its `live`, `holes`, `pending` and `span` pages, its `page_bytes` and the
-        pages it has `moves`d. Reads counters only."""
-        return {b.name: {"live": b.n_live, "holes": b.n_holes, "pending": b.n_pending, "span": b.span,
-                         "page_bytes": b.page_bytes, "moves": b.stats["moves"]} for b in self.bands}
-
-    def pages_accounted_for(self, vpages: np.ndarray, n_slots: int) -> dict[str, int]:
-        """Live pages per band that owner virtual pages `vpages` and `n_slots` state slots account for:
-        the owner one per virtual page, a window the rows it still binds, the state band the slots."""
-        out = {}
-        for band in self.bands:
-            if band.pool.kind is PoolKind.STATE:
-                out[band.name] = n_slots
-            elif band is self.owner:
-                out[band.name] = len(vpages)
-            else:
-                out[band.name] = int(np.count_nonzero(band.ids.v2p[vpages] != UNBOUND))
-        return out
-
-
-def _band_problems(band: Band) -> list[str]:
-    out = []
-    st = band.state
-    counts = np.bincount(st, minlength=6)
-    if counts[VACATED] != band.n_vacated:
-        out.append(f"{band.name}: {counts[VACATED]} vacated pages, counted {band.n_vacated}")
-    if int(np.count_nonzero(band.fixed_mask)) != band.n_fixed:
-        out.append(f"{band.name}: {int(np.count_nonzero(band.fixed_mask))} fixed pages, counted {band.n_fixed}")
-    if counts[LIVE] != band.n_live:
-        out.append(f"{band.name}: {counts[LIVE]} live pages, counted {band.n_live}")
-    if counts[HOLE] != band.n_holes or len(band.holes) != band.n_holes:
-        out.append(f"{band.name}: {counts[HOLE]} holes ({len(band.holes)} listed), counted {band.n_holes}")
-    if counts[PENDING] != band.n_pending or band.pending.count != band.n_pending:
-        out.append(f"{band.name}: {counts[PENDING]} pending pages ({band.pending.count} batched), "
-                   f"counted {band.n_pending}")
-    listed = band.holes.view()
-    if len(listed) and (has_duplicates(listed) or (st[listed] != HOLE).any()):
-        out.append(f"{band.name}: hole list repeats ids or lists pages that are not holes")
-    if band.parked:
-        if (st != OUT).sum() - (st == SINK).sum():
-            out.append(f"{band.name}: parked but holds pages")
-    else:
-        outside = np.concatenate([st[: band.lo], st[band.hi :]])
-        if ((outside != OUT) & (outside != SINK)).any():
-            out.append(f"{band.name}: pages outside its span [{band.lo}, {band.hi})")
-        inside = st[band.lo : band.hi]
-        if (inside == OUT).any() or (inside == SINK).any():
-            out.append(f"{band.name}: span [{band.lo}, {band.hi}) has pages outside the band")
-    live = np.flatnonzero(st == LIVE)
-    if len(live) and ((band.ids.p2v[live] < 0).any() or (band.ids.v2p[band.ids.p2v[live]] != live).any()):
-        out.append(f"{band.name}: a live page is unbound or its virtual id maps elsewhere")
-    if int(np.count_nonzero(band.ids.v2p >= 0)) != len(live):
-        out.append(f"{band.name}: {int(np.count_nonzero(band.ids.v2p >= 0))} virtual ids bound to "
-                   f"{len(live)} live pages (two ids share a page, or an id outlived its page)")
-    if band.ids.v2p[-1] != UNBOUND or band.ids.read_map[-1] != band.ids.sink:
-        out.append(f"{band.name}: the map entry past the last virtual id was bound")
-    not_live = np.flatnonzero(st != LIVE)
-    if len(not_live) and (band.ids.p2v[not_live] >= 0).any():
-        out.append(f"{band.name}: a page that is not live is bound")
-    return out
