@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 
 from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest, GenerateResult
+from kvchain.engine.speculative_draft import make_draft_checkpoint
 from kvchain.engine.tiny import make_checkpoint
 from kvchain.plan import PoolKind, plan_kv_storage
 from kvchain.sizing import pages_for, size_plan
@@ -37,6 +38,19 @@ def checkpoint_dir(family: str) -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"kvchain-{family}-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return make_checkpoint(family, root / family, seed=1)
+
+
+@functools.cache
+def draft_dir(family: str, whole: bool = False) -> Path:
+    """The family's draft: the target's first and first full-attention layers, or (`whole`) every
+    layer, a draft whose proposals the target always accepts."""
+    root = Path(tempfile.mkdtemp(prefix=f"kvchain-draft-{family}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    target = checkpoint_dir(family)
+    layers = None
+    if whole:
+        layers = list(range(load_checkpoint(target).config.num_hidden_layers))
+    return make_draft_checkpoint(target, root / "draft", layers)
 
 
 def workload(n: int, seed: int = 0) -> list[GenerateRequest]:

@@ -4,34 +4,14 @@ plan, so the draft's KV is part of what only a few requests fit in."""
 
 from __future__ import annotations
 
-import atexit
-import functools
-import shutil
-import tempfile
-from pathlib import Path
-
 from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig, GenerateResult
 from kvchain.engine.speculative import plan_with_draft
-from kvchain.engine.speculative_draft import make_draft_checkpoint
 from kvchain.plan import PoolKind
 from kvchain.sizing import pages_for, size_plan
-from support.engine import INTERVAL, PAGE, checkpoint_dir, workload
+from support.engine import INTERVAL, PAGE, checkpoint_dir, draft_dir, workload
 
 SPEC_FAMILIES = ("gemma3", "qwen3_next", "nemotron_h")
-
-
-@functools.cache
-def draft_dir(family: str, whole: bool = False) -> Path:
-    """The family's draft: the target's first and first full-attention layers, or (`whole`) every
-    layer, a draft whose proposals the target always accepts."""
-    root = Path(tempfile.mkdtemp(prefix=f"kvchain-draft-{family}-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    target = checkpoint_dir(family)
-    layers = None
-    if whole:
-        layers = list(range(load_checkpoint(target).config.num_hidden_layers))
-    return make_draft_checkpoint(target, root / "draft", layers)
 
 
 def fused_budget(family: str, at_once: int, whole: bool = False, tree_slots: int = 0) -> int:
