@@ -168,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except KVChainError as e:
         return report_error(args.command, e)
+    except OSError as e:  # a write the checks up front could not foresee: a full disk, a read-only mount
+        where = f"{e.filename}: " if e.filename else ""
+        return report_error(args.command, f"cannot write or read {where}{e.strerror or e}")
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130

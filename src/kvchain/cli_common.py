@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import jsonio
 from .errors import InputError, KVChainError
 from .units import parse_bytes
 
@@ -60,6 +61,18 @@ def non_negative_int(text: str) -> int:
     value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+#: seeds are drawn into int64 generator state (numpy, torch): a larger one overflows it
+MAX_SEED = 2**63 - 1
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer in [0, 2**63)."""
+    value = non_negative_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"at most 2**63 - 1 (a seed is an int64), got {value}")
     return value
 
 
@@ -133,13 +146,9 @@ def load_model(args: argparse.Namespace) -> ModelSpec:
     from .models import load_config_file, model_from_config, model_from_preset
 
     kwargs = {"tp_size": args.tp, "kv_dtype": args.kv_dtype, "checkpoint_interval": args.checkpoint_interval}
-    if args.model:
+    if args.model is not None:
         return model_from_preset(args.model, **kwargs)
-    try:
-        config = load_config_file(args.config)
-    except RecursionError:
-        raise InputError(f"--config {args.config}: JSON nested too deeply to read") from None
-    return model_from_config(config, **kwargs)
+    return model_from_config(load_config_file(args.config), **kwargs)
 
 
 def check_context(model: ModelSpec, context: int | None) -> int:
@@ -165,27 +174,14 @@ def has_state(model: ModelSpec) -> bool:
 
 
 def read_json(text: str, where: str) -> Any:
-    """Parse JSON a user handed in, as one `InputError` for every way it can be wrong (a nesting
-    deep enough to exhaust the parser's recursion included)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{where}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise InputError(f"{where}: JSON nested too deeply to read") from None
+    """Parse JSON a user handed in, as one `InputError` for every way it can be wrong."""
+    return jsonio.loads(text, where)
 
 
 def read_json_file(path: str | os.PathLike, what: str) -> Any:
     """The JSON document in a file, or one `InputError` naming the file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{what} {path}: not found") from None
-    except IsADirectoryError:
-        raise InputError(f"{what} {path}: is a folder, not a file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{what} {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
-    return read_json(text, f"{what} {path}")
+    where = f"{what} {path}"
+    return jsonio.loads(jsonio.read_text(path, where), where)
 
 
 def check_output_file(path: str | os.PathLike, flag: str, suffixes: tuple[str, ...] = ()) -> Path:
@@ -234,7 +230,7 @@ def dump_json(obj: dict, **kwargs: Any) -> str:
     return json.dumps({"schema_version": SCHEMA_VERSION, **json_safe(obj)}, allow_nan=False, **kwargs)
 
 
-def report_error(command: str, error: KVChainError) -> int:
+def report_error(command: str, error: KVChainError | str) -> int:
     """Print a refused command as its one error line on stderr; the exit code is 2."""
     sys.stderr.write(f"kvchain {command}: error: {error}\n")
     return 2

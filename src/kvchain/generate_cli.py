@@ -8,7 +8,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cli_common import byte_size, positive_int, progress
+from . import jsonio
+from .cli_common import byte_size, positive_int, progress, seed_int
 from .errors import InputError
 
 
@@ -66,43 +67,61 @@ def _layer_counts(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
-def _read_prompts(args: argparse.Namespace, tokenizer) -> list[tuple[list[int] | None, str | None, int]]:
+def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str | None, int]]:
     """(token ids or None, text or None, max_new_tokens) per request, in input order."""
     if args.prompt:
         return [(None, text, args.max_new_tokens) for text in args.prompt]
     path = Path(args.prompts)
-    if not path.is_file():
-        raise InputError(f"--prompts {path}: no such file")
+    if not args.prompts:
+        raise InputError("--prompts: an empty path")
+    text = jsonio.read_text(path, f"--prompts {path}")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"--prompts {path}, line {n}"
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise InputError(f"{where}: not JSON ({e})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: a request is a JSON object, got {type(obj).__name__}")
-            max_new = obj.get("max_new_tokens", args.max_new_tokens)
-            if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-                raise InputError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
-            if "prompt_token_ids" in obj:
-                ids = obj["prompt_token_ids"]
-                if not isinstance(ids, list) or not ids or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise InputError(f"{where}: prompt_token_ids must be a non-empty list of integers")
-                out.append((ids, None, max_new))
-            elif isinstance(obj.get("prompt"), str):
-                out.append((None, obj["prompt"], max_new))
-            else:
-                raise InputError(f'{where}: needs "prompt_token_ids" (a list) or "prompt" (a string)')
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--prompts {path}, line {n}"
+        obj = jsonio.loads(line, where)
+        if not isinstance(obj, dict):
+            raise InputError(f"{where}: a request is a JSON object, got {type(obj).__name__}")
+        max_new = obj.get("max_new_tokens", args.max_new_tokens)
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            raise InputError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InputError(f"{where}: prompt_token_ids must be a non-empty list of integers")
+            out.append((ids, None, max_new))
+        elif isinstance(obj.get("prompt"), str):
+            out.append((None, obj["prompt"], max_new))
+        else:
+            raise InputError(f'{where}: needs "prompt_token_ids" (a list) or "prompt" (a string)')
     if not out:
         raise InputError(f"--prompts {path}: no requests in the file")
-    if any(ids is None for ids, _t, _m in out) and tokenizer is None:
-        raise InputError(f"--prompts {path}: text prompts need a tokenizer in {args.model_path}")
     return out
+
+
+def _check_requests(args: argparse.Namespace, checkpoint, requests: list) -> None:
+    """What the checkpoint alone says about the flags and prompts, before any process starts: a
+    context past the model's, state flags for a model without state, ids outside the vocabulary,
+    and a prompt the context can never hold."""
+    from .cli_common import check_context
+    from .engine.serve import engine_context
+
+    spec = checkpoint.model_spec()
+    check_context(spec, args.context)
+    if args.checkpoint_interval is not None and spec.decls and not any(
+            not part.is_attention for decl in spec.decls for part in decl.parts):
+        raise InputError(f"--checkpoint-interval: {args.model_path} has no recurrent state")
+    vocab = int(checkpoint.model.get_input_embeddings().num_embeddings)
+    context = engine_context(args.context, spec)
+    for i, req in enumerate(requests):
+        ids = req.prompt_token_ids
+        if any(not 0 <= t < vocab for t in ids):
+            raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
+        if len(ids) >= context:
+            raise InputError(f"request {i}: its {len(ids)} prompt tokens reach the context length {context}; "
+                             "give a larger --context or a shorter prompt")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -114,11 +133,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise InputError("--device cuda: CUDA is not available on this machine")
+    parsed = _read_prompts(args)  # before the checkpoint loads: a bad file costs nothing
     checkpoint = load_checkpoint(args.model_path, device=args.device)
     tokenizer = checkpoint.tokenizer
     if args.prompt and tokenizer is None:
         raise InputError(f"--prompt needs a tokenizer in {args.model_path}; give --prompts with prompt_token_ids")
-    parsed = _read_prompts(args, tokenizer)
+    if tokenizer is None and any(ids is None for ids, _t, _m in parsed):
+        raise InputError(f"--prompts {args.prompts}: text prompts need a tokenizer in {args.model_path}")
     requests = []
     for ids, text, max_new in parsed:
         if ids is None:
@@ -126,6 +147,7 @@ def run_generate(args: argparse.Namespace) -> int:
             if not ids:
                 raise InputError(f"the prompt {text!r} encodes to no tokens")
         requests.append(GenerateRequest(ids, max_new))
+    _check_requests(args, checkpoint, requests)
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
@@ -298,7 +320,7 @@ def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("family", help=f"one of {', '.join(FAMILIES)}")
     p.add_argument("dir", help="the directory to write (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a directory that already holds a checkpoint")
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="also write a matching draft for speculative decoding: the model's own first layers")
@@ -306,35 +328,56 @@ def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
                    help="the layers the draft keeps (default: the first and the first full-attention layer)")
 
 
+def _checkpoint_dir(path: str, flag: str, force: bool) -> Path:
+    """A folder a checkpoint may be written to: not a file, not an empty path, and not one that
+    holds a checkpoint already unless `force`."""
+    if not path:
+        raise InputError(f"{flag}: an empty path")
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory")
+    if (out / "config.json").exists() and not force:
+        raise InputError(f"{out} already holds a checkpoint (give --force to overwrite it)")
+    return out
+
+
+def _draft_layers(args: argparse.Namespace, num_layers: int) -> list[int] | None:
+    if args.draft_layers is None:
+        return None
+    if args.draft is None:
+        raise InputError("--draft-layers chooses the layers of --draft, which is not given")
+    try:
+        layers = [int(x) for x in args.draft_layers.split(",")]
+    except ValueError:
+        raise InputError(f"--draft-layers takes layer indices like 0,3, not {args.draft_layers!r}") from None
+    if layers != sorted(set(layers)) or not all(0 <= i < num_layers for i in layers):
+        raise InputError(f"--draft-layers: increasing layer indices of the target's {num_layers} layers, "
+                         f"got {args.draft_layers!r}")
+    return layers
+
+
 def run_make_checkpoint(args: argparse.Namespace) -> int:
-    from .engine.tiny import FAMILIES, make_checkpoint
+    from .engine.tiny import FAMILIES, make_checkpoint, tiny_config
 
     if args.family not in FAMILIES:
         raise InputError(f"unknown family {args.family!r}; known: {', '.join(FAMILIES)}")
-    out = Path(args.dir)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out} exists and is not a directory")
-    if (out / "config.json").exists() and not args.force:
-        raise InputError(f"{out} already holds a checkpoint (give --force to overwrite it)")
-    if args.seed < 0:
-        raise InputError(f"--seed must be >= 0, got {args.seed}")
+    # every argument is checked before anything is written: a refusal leaves no checkpoint behind
+    out = _checkpoint_dir(args.dir, "DIR", args.force)
+    draft = _checkpoint_dir(args.draft, "--draft", args.force) if args.draft is not None else None
+    if draft is not None and draft.resolve() == out.resolve():
+        raise InputError(f"--draft {draft} is the target's own folder")
+    layers = _draft_layers(args, tiny_config(args.family).num_hidden_layers)
     try:
         make_checkpoint(args.family, out, seed=args.seed)
     except OSError as e:
         raise InputError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote a tiny {args.family} checkpoint to {out}")
-    if args.draft is not None:
+    if draft is not None:
         from .engine.speculative_draft import make_draft_checkpoint
 
-        layers = None
-        if args.draft_layers is not None:
-            try:
-                layers = [int(x) for x in args.draft_layers.split(",")]
-            except ValueError:
-                raise InputError(f"--draft-layers takes layer indices like 0,3, not {args.draft_layers!r}") from None
         try:
-            make_draft_checkpoint(out, Path(args.draft), layers)
+            make_draft_checkpoint(out, draft, layers)
         except OSError as e:
-            raise InputError(f"cannot write {args.draft}: {e.strerror or e}") from None
-        print(f"wrote its draft to {args.draft}")
+            raise InputError(f"cannot write {draft}: {e.strerror or e}") from None
+        print(f"wrote its draft to {draft}")
     return 0

@@ -360,6 +360,9 @@ def stage_layer_ranges(n_layers: int, n_stages: int, partition: Sequence[int] | 
         raise InputError(f"pipeline stages must be a positive integer, got {n_stages!r}")
     if partition is not None:
         counts = [int(c) for c in partition]
+        if len(counts) != n_stages and n_stages == 1:
+            raise StagePartitionError(f"a layer partition of {len(counts)} stages needs as many pipeline stages "
+                                      f"(--pp {len(counts)})")
         if len(counts) != n_stages or any(c <= 0 for c in counts) or sum(counts) != n_layers:
             raise StagePartitionError(f"layer partition {counts} must give each of {n_stages} stages at least "
                                       f"one layer, {n_layers} in all")

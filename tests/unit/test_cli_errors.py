@@ -43,6 +43,8 @@ def files(tmp_path):
     run = {**run, "config": {**run["config"], "page_size": 4}, "calls": [{"step": 5}]}
     put("run_bad_call.jsonl", json.dumps(run) + "\n")
     put("afile", "x")
+    put("hugeint.json", '{"x": ' + "9" * 5000 + "}")
+    put("hugeint.jsonl", '{"x": ' + "9" * 5000 + "}\n")
     made["dir"] = tmp_path
     return made
 
@@ -115,6 +117,17 @@ CASES = [
     ("step-time-negative", [*SIM, "--step-time", "base_ms=-1"], "base_ms"),
     ("step-time-nan", [*SIM, "--step-time", "per_token_us=nan"], "per_token_us"),
     ("step-time-inf", [*SIM, "--step-time", "per_kv_token_ns=inf"], "per_kv_token_ns"),
+    ("huge-int-config", ["plan", "--config", "{hugeint_json}", "--budget", "8GiB"], "invalid JSON"),
+    ("huge-int-trace", [*LLAMA_SIM, "--trace", "{hugeint_jsonl}"], "invalid JSON"),
+    ("huge-int-replay", ["stress", "--replay", "{hugeint_json}"], "invalid JSON"),
+    ("huge-int-compare", ["trace", "compare", "--trace", "{hugeint_jsonl}"], "invalid JSON"),
+    ("empty-model", ["plan", "--model", "", "--budget", "8GiB"], "''"),
+    ("simulate-seed-huge", [*SIM, "--seed", str(2**64)], "--seed"),
+    ("bench-seed-huge", ["bench", "alloc", "--seed", str(2**64)], "--seed"),
+    ("spec-tokens-huge", [*SIM, "--spec-tokens", "99999999999999999999", "--spec-acceptance", "0.5"], "--spec-tokens"),
+    ("pp-budget-pages", [*SIM[:3], "--budget", "1000TiB", *SIM[5:], "--pp", "2"], "pages"),
+    ("partition-without-pp", [*PLAN, "--pp-partition", "12,12"], "--pp 2"),
+    ("bench-repeats", ["bench", "moves", "--repeats", "100000000000"], "--repeats"),
 ]
 
 
@@ -142,3 +155,25 @@ def test_unwritable_output_is_refused_before_the_run(files, no_work, monkeypatch
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "writable" in err, err
+
+
+def test_a_failing_recording_leaves_no_partial_trace(tmp_path, capsys):
+    """`trace record` fails late on a page size no chain takes: the output file never appears."""
+    out = tmp_path / "t.jsonl"
+    assert main(["trace", "record", "--seeds", "0:1", "--steps", "10", "--out", str(out),
+                 "--page-sizes", "16,1000000000000"]) == 2
+    assert not out.exists() and not list(tmp_path.iterdir())
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_write_that_fails_at_the_end_is_one_line(files, monkeypatch, capsys):
+    """A full disk or a read-only mount the checks up front cannot see: one line, exit 2."""
+    import kvchain.testing.trace as trace
+
+    def full_disk(*_a, **_k):
+        raise OSError(28, "No space left on device", "t.jsonl")
+
+    monkeypatch.setattr(trace, "write_jsonl", full_disk)
+    assert main(["trace", "record", "--seeds", "0:1", "--steps", "5", "--out", f"{files['dir']}/t.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "t.jsonl" in err, err

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_common import byte_size, dump_json, non_negative_int, positive_int, progress, share
+from ..cli_common import bounded_int, byte_size, dump_json, positive_int, progress, seed_int, share
 
 #: the pressure profile's default: its chain's bytes over the peak bytes the workload's requests
 #: would hold if none were ever refused (here, so `--help` imports nothing heavy)
 DEFAULT_PRESSURE = 0.9
+#: timed repeats and requests a bench takes: more would run for hours on the tiny checkpoints
+REPEATS = bounded_int(1000, "each repeat times every cell again")
+REQUESTS = bounded_int(10_000, "each request is served in every repeat")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -18,7 +21,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     alloc.add_argument("--iters", type=positive_int, default=2000)
     alloc.add_argument("--batch", type=positive_int, default=256)
     alloc.add_argument("--page-size", type=positive_int, default=64)
-    alloc.add_argument("--seed", type=non_negative_int, default=0)
+    alloc.add_argument("--seed", type=seed_int, default=0)
     alloc.add_argument("--profile", choices=("both", "roomy", "pressure"), default="both",
                        help="roomy: 4x the workload's bytes, nothing moves; pressure: --pressure of them")
     alloc.add_argument("--pressure", type=share, default=DEFAULT_PRESSURE,
@@ -26,40 +29,40 @@ def configure(p: argparse.ArgumentParser) -> None:
     alloc.add_argument("--json", action="store_true")
     moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_, "
                            "swept over page sizes and torch threads")
-    moves.add_argument("--repeats", type=positive_int, default=5, help="per cell; the median counts")
+    moves.add_argument("--repeats", type=REPEATS, default=5, help="per cell; the median counts")
     moves.add_argument("--device", default="cpu", help="cpu or cuda")
     moves.add_argument("--json", action="store_true")
     host = sub.add_parser("host", help="host-tier copy bandwidth of real page batches (backup, load) vs a "
                           "contiguous copy_ of the same bytes, swept over page sizes")
-    host.add_argument("--repeats", type=positive_int, default=5, help="per cell; the median counts")
+    host.add_argument("--repeats", type=REPEATS, default=5, help="per cell; the median counts")
     host.add_argument("--device", default="cpu", help="cpu or cuda")
     host.add_argument("--json", action="store_true")
     engine = sub.add_parser("engine", help="serving throughput: kvchain's engine vs transformers' generate_batch "
                             "and batched generate on tiny checkpoints")
     engine.add_argument("--families", default="gemma3,gpt_oss,qwen3_next,nemotron_h",
                         help="comma-separated tiny checkpoint families")
-    engine.add_argument("--requests", type=positive_int, default=64)
-    engine.add_argument("--seed", type=non_negative_int, default=0)
-    engine.add_argument("--repeats", type=positive_int, default=3, help="timed runs per engine; the median counts")
+    engine.add_argument("--requests", type=REQUESTS, default=64)
+    engine.add_argument("--seed", type=seed_int, default=0)
+    engine.add_argument("--repeats", type=REPEATS, default=3, help="timed runs per engine; the median counts")
     engine.add_argument("--budget", type=byte_size, default=None, help="kvchain's KV budget (default 4MiB)")
     engine.add_argument("--threads", type=positive_int, default=1, help="torch threads, the same for every engine")
     engine.add_argument("--json", action="store_true")
     pd = sub.add_parser("pd", help="PD transfer bandwidth of real page batches vs the transfer engine's "
                         "large-buffer bandwidth, between two loopback processes")
     pd.add_argument("--engine", choices=("nixl", "gloo"), default="nixl", help="the data plane (default nixl)")
-    pd.add_argument("--repeats", type=positive_int, default=5, help="batch and baseline pairs; medians count")
-    pd.add_argument("--requests", type=positive_int, default=8, help="requests in the batch")
+    pd.add_argument("--repeats", type=REPEATS, default=5, help="batch and baseline pairs; medians count")
+    pd.add_argument("--requests", type=REQUESTS, default=8, help="requests in the batch")
     pd.add_argument("--tokens", type=positive_int, default=2048, help="tokens per request")
     pd.add_argument("--budget", type=byte_size, default=256 * 2**20, help="each process's KV budget (default 256MiB)")
     pd.add_argument("--json", action="store_true")
     spec = sub.add_parser("spec", help="target forwards per generated token with and without a draft "
                           "(speculative decoding) on a tiny checkpoint")
     spec.add_argument("--family", default="qwen3_next", help="a tiny checkpoint family")
-    spec.add_argument("--requests", type=positive_int, default=8)
+    spec.add_argument("--requests", type=REQUESTS, default=8)
     spec.add_argument("--num-speculative-tokens", type=positive_int, default=3)
     spec.add_argument("--draft", default="whole", help="first: the target's first layers; whole: all of them")
-    spec.add_argument("--max-new-tokens", type=positive_int, default=24)
-    spec.add_argument("--seed", type=non_negative_int, default=0)
+    spec.add_argument("--max-new-tokens", type=bounded_int(4096, "the tiny checkpoints' context"), default=24)
+    spec.add_argument("--seed", type=seed_int, default=0)
     spec.add_argument("--json", action="store_true")
 
 

@@ -162,7 +162,7 @@ class _Driver:
             self._preempt()
             preempted += 1
         while True:
-            rows = np.array(self.rows)
+            rows = np.array(self.rows, dtype=np.int64)
             t0 = self.clock()
             try:
                 if self.kvchain:

@@ -82,7 +82,7 @@ class StaticPagedPool:
         return self.alloc_extend(rows, self.seq_lens[rows] + 1)
 
     def page_tables(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        n = int(((self.seq_lens[rows] + self.ps - 1) // self.ps).max())
+        n = int(((self.seq_lens[rows] + self.ps - 1) // self.ps).max(initial=0))
         return {p["pool"].name: p["table"][rows, : (1 if p["pool"].kind is PoolKind.STATE else n)]
                 for p in self.pools}
 

@@ -20,6 +20,7 @@ import enum
 import logging
 import os
 import struct
+import sys
 import threading
 import zlib
 from abc import ABC, abstractmethod
@@ -268,6 +269,16 @@ class GlooEngine(TransferEngine):
 # -- NIXL -------------------------------------------------------------------------------------------
 
 
+def _nixl_logs_to_stderr() -> None:
+    """nixl configures its logger to write to stdout, where a command's `--json` document goes: its
+    lines go to stderr instead, as every other log line does."""
+    for handler in logging.getLogger("nixl").handlers:
+        # its console handler holds the stdout of when nixl was first imported (a file handler is
+        # a user's choice, and stays)
+        if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr:
+            handler.setStream(sys.stderr)
+
+
 def nixl_available() -> str | None:
     """None when NIXL imports, else why not."""
     try:
@@ -288,6 +299,7 @@ class NixlEngine(TransferEngine):
         os.environ.setdefault("UCX_NET_DEVICES", net_device)  # UCX binds only this interface
         from nixl._api import nixl_agent, nixl_agent_config
 
+        _nixl_logs_to_stderr()
         # an agent name no earlier process used: a restarted peer is a new agent, never a cached one
         self.agent = nixl_agent(f"{name}-{os.getpid()}-{os.urandom(4).hex()}", nixl_agent_config(backends=["UCX"]))
         self.remote: dict[str, tuple[str, int]] = {}  # peer -> (agent name, arena base address)

@@ -9,7 +9,6 @@ Every problem is one `InputError` line naming the path and what is wrong."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import jsonio
 from ..errors import InputError
 from ..models.registry import model_from_config
 from ..models.spec import ModelSpec
@@ -73,6 +73,7 @@ def load_checkpoint(
         raise InputError(f"checkpoint {path}: no such directory")
     config_dict = read_config(path)
     config = build_config(path, config_dict)
+    model_from_config(config_dict)  # kvchain's own checks of the fields, before transformers divides by them
     model = _empty_model(path, config, dtype, device)
     state = read_safetensors(path)
     state = to_module_layout(path, config_dict["model_type"], state, model.state_dict(keep_vars=True))
@@ -222,7 +223,7 @@ def _empty_model(path: Path, config: Any, dtype: torch.dtype, device: str | torc
     try:
         with torch.device(device), no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except ValueError as exc:
+    except (ValueError, ArithmeticError) as exc:
         raise InputError(
             f"checkpoint {path}: no causal-LM model for {config.model_type!r}: {_one_line(exc)}"
         ) from None
@@ -293,16 +294,14 @@ def _eos_token_ids(path: Path, config: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, (list, tuple)) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise InputError(f"checkpoint {path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in values):
+        raise InputError(f"checkpoint {path}: eos_token_id must be a token id or a list of them, got {value!r}")
     return tuple(values)
 
 
 def _read_json(path: Path, file: Path) -> Any:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"), object_hook=_special_float)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"checkpoint {path}: {file.name} is not valid JSON: {_one_line(exc)}") from None
+    where = f"checkpoint {path}: {file.name}"
+    return jsonio.loads(jsonio.read_text(file, where), where, object_hook=_special_float)
 
 
 def _special_float(obj: dict[str, Any]) -> Any:

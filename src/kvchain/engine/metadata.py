@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..units import zeros
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class MetadataBuffers:
     def __init__(self, pools: list[str], has_state: bool, *, max_tokens: int, max_requests: int, max_pages: int,
                  device: torch.device) -> None:
         def buf(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return zeros(shape, dtype, device, what="the forward's metadata buffers")
 
         self.max_tokens, self.max_requests, self.max_pages = max_tokens, max_requests, max_pages
         self.input_ids = buf(max_tokens)

@@ -194,6 +194,12 @@ def _backend(device: str, forward_delay: float, inline: bool = False) -> tuple[D
     raise InputError(f"device must be cpu or cuda, not {device!r}")
 
 
+def engine_context(context_len: int | None, spec) -> int:
+    """The longest sequence an engine serves: `context_len` when given, else the model's capped at
+    4,096."""
+    return context_len or min(spec.max_context or 4096, 4096)
+
+
 class Engine:
     """One model, one pool, one prefix cache that outlives each `generate` call."""
 
@@ -202,7 +208,7 @@ class Engine:
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         spec = checkpoint.model_spec()
-        context = config.context_len or min(spec.max_context or 4096, 4096)
+        context = engine_context(config.context_len, spec)
         draft = None
         if config.draft_model_path is not None or config.num_speculative_tokens:
             draft = load_draft(config, checkpoint, torch_device)
@@ -232,20 +238,26 @@ class Engine:
         cfg = self.config
         vocab = int(self.checkpoint.model.get_input_embeddings().num_embeddings)
         reqs = []
+        context = self.storage.table.context_len
+        asked = []
         for i, r in enumerate(requests):
-            prompt = np.asarray(list(r.prompt_token_ids), dtype=np.int64)
+            try:  # an id past int64 or of another type fails the conversion, before any range check
+                prompt = np.asarray(list(r.prompt_token_ids), dtype=np.int64)
+            except (OverflowError, TypeError, ValueError):
+                raise InputError(f"request {i}: token ids must be integers in [0, {vocab})") from None
             if prompt.ndim != 1 or not len(prompt):
                 raise InputError(f"request {i}: a prompt needs at least one token id")
             if prompt.min() < 0 or prompt.max() >= vocab:
                 raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
             if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
                 raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {r.max_new_tokens!r}")
+            asked.append(r.max_new_tokens)
+            # no sequence outgrows the context: what lies past it is never generated nor held
+            max_new = min(r.max_new_tokens, context)
             rid = self._rid
             self._rid += 1
-            reqs.append(ScheduledRequest(rid=rid, arrival=0, prompt=prompt, max_new=r.max_new_tokens,
-                                         output_len=r.max_new_tokens,
-                                         output=np.zeros(r.max_new_tokens, dtype=np.int64)))
-        asked = [r.max_new for r in reqs]
+            reqs.append(ScheduledRequest(rid=rid, arrival=0, prompt=prompt, max_new=max_new, output_len=max_new,
+                                         output=np.zeros(max_new, dtype=np.int64)))
         scheduler = Scheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens, max_running=cfg.max_running)
         scheduler.add(reqs)
         before = dict(self.pool.stats_counters)
@@ -281,8 +293,9 @@ class Engine:
             else:
                 reason = "length"
             clipped = req.phase is Phase.FINISHED and req.max_new < asked[i]
+            by = "the context length" if req.input_len + asked[i] > context else "memory"
             outputs.append(GenerateOutput(i, [int(t) for t in req.output[:n]], reason, int(req.cached),
-                                          f"max_new_tokens clipped to {req.max_new} by memory" if clipped
+                                          f"max_new_tokens clipped to {req.max_new} by {by}" if clipped
                                           else req.reason))
         stats = GenerateStats(
             requests=len(reqs), steps=scheduler.stats.steps, forwards=counters.forwards - forwards0,

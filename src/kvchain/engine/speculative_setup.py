@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..cache.checkpoints import default_checkpoint_interval
-from ..errors import InputError
+from ..errors import InputError, PlanError
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..storage import KVStorage
 from .checkpoint import LoadedCheckpoint, load_checkpoint
@@ -54,8 +54,14 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
     interval = None
     if alone.state is not None and config.prefix_cache:
         interval = config.checkpoint_interval or default_checkpoint_interval(alone)
-    plan = plan_with_draft(decls, draft.model_spec().decls, page_size=config.page_size,
-                           checkpoint_interval=interval, num_speculative_tokens=k)
+    try:
+        plan = plan_with_draft(decls, draft.model_spec().decls, page_size=config.page_size,
+                               checkpoint_interval=interval, num_speculative_tokens=k)
+    except PlanError:
+        if alone.state is None or config.prefix_cache:
+            raise
+        raise InputError("a draft with recurrent layers steps its state on the prefix cache's checkpoint grid, "
+                         "which prefix_cache=False removes (on the command line: drop --no-prefix-cache)") from None
     fuse_draft_layers(draft.model, draft_layer_offset(decls))
     return DraftSetup(draft, plan, interval)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..decl import MHA, MLA, Geometry, State
 from ..errors import DeclarationError, LayoutError
-from ..units import dtype_size
+from ..units import dtype_size, zeros
 
 #: Components start on this many bytes, and page envelopes are a multiple of it, so every typed
 #: view is aligned and page copies can run through a wide (int64) view of the arena.
@@ -115,4 +115,4 @@ class HostLayout:
         """A `[n_pages, page_bytes]` uint8 host tensor, pinned when CUDA is present."""
         if pin is None:
             pin = torch.cuda.is_available()
-        return torch.zeros((self.n_pages, self.page_bytes), dtype=torch.uint8, pin_memory=bool(pin and self.n_pages))
+        return zeros((self.n_pages, self.page_bytes), torch.uint8, what="a host pool", pin_memory=bool(pin and self.n_pages))

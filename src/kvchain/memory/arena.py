@@ -13,6 +13,7 @@ import torch
 
 from ..errors import BudgetError
 from ..plan import KVStoragePlan, Placement
+from ..units import zeros
 
 #: Arena sizes are rounded down to this, so every grid origin allows a wide (int64) view.
 ARENA_ALIGN = 16
@@ -90,7 +91,7 @@ class KVArena:
         if self.device.type == "meta":
             self.data = torch.empty(self.layout.arena_bytes, dtype=torch.uint8, device=self.device)
         else:
-            self.data = torch.zeros(self.layout.arena_bytes, dtype=torch.uint8, device=self.device)
+            self.data = zeros(self.layout.arena_bytes, torch.uint8, self.device, what="the arena")
 
     @property
     def nbytes(self) -> int:

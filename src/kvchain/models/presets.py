@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .. import jsonio
 from ..errors import InputError
 from .registry import model_from_config, num_model_layers, resolve_family
 from .spec import ModelSpec
@@ -80,16 +81,9 @@ def load_config_file(path: str | os.PathLike) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read config file {path}: {exc}") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not path.exists():
+        raise InputError(f"config file not found: {path}")
+    config = jsonio.loads(jsonio.read_text(path, f"config file {path}"), str(path))
     if not isinstance(config, dict):
         raise InputError(f"{path}: a model config must be a JSON object, got a JSON {type(config).__name__}")
     return config

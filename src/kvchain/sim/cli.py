@@ -15,9 +15,9 @@ from ..cli_common import (
     check_output_file,
     dump_json,
     load_model,
-    non_negative_int,
     positive_float,
     progress,
+    seed_int,
 )
 from ..cli_common import byte_size as _byte_size
 from ..cli_common import positive_int as _positive_int
@@ -44,7 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--requests", type=bounded_int(MAX_REQUESTS, "each request holds its tokens in memory"),
                    default=2000, help="requests to generate or replay (default 2000)")
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--pools", default=DEFAULT_POOLS,
                    help="comma-separated pools to compare (default: kvchain, the engines and the ideal bound; also "
                         "static-default, static-best, uniform-page: the layouts alone under kvchain's admission)")
@@ -100,7 +100,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "question asked of every stage's snapshot (default 1)")
     p.add_argument("--pp-partition", type=_layer_counts, default=None,
                    help="layers per stage with --pp, comma separated (default: an even split, as engines do)")
-    p.add_argument("--spec-tokens", type=_positive_int, default=None,
+    p.add_argument("--spec-tokens", type=bounded_int(64, "a round proposes a few tokens; each is a decode step of the draft"), default=None,
                    help="speculative decoding: a fused draft (the model's first layers) proposing this many "
                         "tokens per round; every pool then holds the draft's KV too")
     p.add_argument("--spec-acceptance", type=float, default=None,
@@ -229,6 +229,7 @@ def _run_stages(args: argparse.Namespace) -> int:
     check_model_flags(model, args)
     _check_attention(model)
     args.context = check_context(model, args.context)
+    _check_pages(model, args.budget)
     requests = _requests(args)
     if not requests:
         raise InputError("the workload has no requests")

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import jsonio
 from ..engine.request import ScheduledRequest
 from ..errors import InputError
 
@@ -523,12 +524,7 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
                 if not text.strip():
                     continue
                 where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from None
-                except RecursionError:
-                    raise InputError(f"{where}: JSON nested too deeply to read") from None
+                obj = jsonio.loads(text, where)
                 line = _parse_line(obj, where, lineno, block_tokens)
                 held += line.input_length + (line.max_new or line.output_length)
                 if held > MAX_TRACE_TOKENS:

@@ -143,9 +143,10 @@ def load_scenarios(folder: str | Path) -> list[Scenario]:
     out = []
     for path in sorted(Path(folder).glob("*.json")):
         try:
-            kind = json.loads(path.read_text()).get("kind")
-        except (OSError, ValueError):
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError):
             continue
+        kind = doc.get("kind") if isinstance(doc, dict) else None
         if kind == "trace-scenario":
             out.append(load_scenario(path))
     return out
@@ -581,13 +582,20 @@ def record_runs(page_sizes: Sequence[int], scenarios: Sequence[Scenario], seeds:
 
 
 def write_jsonl(runs: Iterable[TraceRun], path: str | Path) -> int:
+    """Write `runs` one a line; the file appears whole or not at all (a run that fails half-way
+    leaves no partial trace behind)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
     n = 0
-    with path.open("w") as f:
-        for run in runs:
-            f.write(json.dumps(run.to_json(), separators=(",", ":")) + "\n")
-            n += 1
+    try:
+        with partial.open("w") as f:
+            for run in runs:
+                f.write(json.dumps(run.to_json(), separators=(",", ":")) + "\n")
+                n += 1
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
     return n
 
 

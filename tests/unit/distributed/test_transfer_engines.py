@@ -96,3 +96,16 @@ def test_an_engine_refuses_segments_outside_its_registered_bytes():
     with pytest.raises(TransferError, match="outside the 64 registered bytes"):
         engine.expect("peer", [(60, 8)], "t")
     assert TransferState.ABORTED.quiescent and not TransferState.PENDING.quiescent
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"NIXL is not usable here: {NIXL_MISSING}")
+def test_nixl_logs_go_to_stderr_not_into_a_json_document(capfd):
+    """nixl configures its logger onto stdout, where `generate --pd --json` prints its document;
+    an agent's start-up lines land on stderr."""
+    from kvchain.dist.transfer import NixlEngine
+
+    capfd.readouterr()
+    NixlEngine("logs")
+    out, err = capfd.readouterr()
+    assert "NIXL" not in out and "NIXL" in err, (out, err)

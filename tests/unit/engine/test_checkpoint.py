@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from kvchain.engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from kvchain.engine.tiny import FAMILIES, VOCAB_SIZE, make_checkpoint, make_model, save_checkpoint
-from kvchain.errors import InputError
+from kvchain.errors import InputError, KVChainError
 from kvchain.plan import PoolKind, plan_kv_storage
 
 IDS = torch.tensor([[3, 70, 100, 5, 9, 200, 17, 42, 255, 0, 128, 64]])
@@ -180,7 +180,7 @@ def test_missing_config(llama_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("{not json", r"config\.json is not valid JSON"),
+        ("{not json", r"config\.json: invalid JSON"),
         ("[1, 2]", r"config\.json must hold a JSON object, got list"),
         ('{"hidden_size": 64}', r"config\.json has no string 'model_type'"),
         ('{"model_type": "not_a_model"}', r"model_type 'not_a_model' is unknown"),
@@ -249,3 +249,15 @@ def _rewrite(src: Path, tmp_path: Path, edit) -> Path:
     edit(state)
     save_file(state, out / "model.safetensors")
     return out
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_key_value_heads", 0), ("head_dim", 0), ("eos_token_id", 10**30)])
+def test_fields_transformers_would_divide_by_are_refused_first(llama_dir: Path, tmp_path: Path, field, value) -> None:
+    """kvchain's own checks of the config run before transformers builds the model: a zero head
+    count is a typed refusal naming the field, not a ZeroDivisionError from inside transformers."""
+    out = _copy(llama_dir, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config[field] = value
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KVChainError, match=field):
+        load_checkpoint(out)

@@ -50,7 +50,10 @@ def test_generate_text_prints_tables(tiny, capsys):
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("not json", "not JSON"),
+    ("not json", "invalid JSON"),
+    ('{"prompt_token_ids": [' + "9" * 5000 + "]}", "invalid JSON"),
+    ('{"prompt_token_ids": [100000000000000000000000]}', "token ids must lie in [0, 256)"),
+    ('{"prompt_token_ids": [' + ", ".join(["1"] * 600) + "]}", "reach the context length"),
     ("[1, 2]", "a request is a JSON object"),
     ('{"prompt_token_ids": []}', "non-empty list"),
     ('{"prompt_token_ids": [1, 999]}', "token ids must lie in [0, 256)"),
@@ -63,6 +66,56 @@ def test_bad_prompts_are_one_line_and_exit_2(tiny, tmp_path, capsys, line, messa
     assert main(["generate", "--model-path", str(tiny), "--prompts", str(prompts), "--budget", "4MiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_bad_bytes_flags_and_budgets_exit_2(tiny, tmp_path, capsys):
+    """A prompts file that is not UTF-8, state flags for a model without state, a context past the
+    model's, a budget no machine can allocate: one line each, before or instead of the run."""
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"prompt_token_ids": [1]}\n\xff\xfe\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    for argv, needle in (
+            (["--prompts", str(binary)], "not UTF-8"),
+            (["--prompts", str(tmp_path)], "is a folder"),
+            (["--prompts", str(good), "--checkpoint-interval", "4"], "no recurrent state"),
+            (["--prompts", str(good), "--context", "100000000"], "maximum context"),
+            (["--prompts", str(good), "--budget", "512TiB"], "cannot allocate the arena")):
+        capsys.readouterr()
+        assert main(["generate", "--model-path", str(tiny), *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_an_output_past_the_context_is_clipped_not_allocated(tiny, tmp_path, capsys):
+    """`--max-new-tokens` far past the context: the run holds only what the context allows and
+    says why the output stopped."""
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt_token_ids": [1, 2, 3], "max_new_tokens": 1000000000000}\n')
+    capsys.readouterr()
+    assert main(["generate", "--model-path", str(tiny), "--prompts", str(good), "--context", "16",
+                 "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert len(out["token_ids"]) == 13 and "by the context length" in out["reason"]
+
+
+def test_make_checkpoint_checks_every_argument_before_writing(tmp_path, capsys):
+    """A bad `--draft-layers`, or a `--draft` folder that holds a checkpoint, refuses before the
+    target is written: a corrected rerun then works."""
+    target, draft = tmp_path / "t", tmp_path / "d"
+    for extra in (["--draft-layers", "0,7"], ["--draft-layers", "1,0"], ["--draft-layers", ""]):
+        assert main(["make-checkpoint", "llama", str(target), "--draft", str(draft), *extra]) == 2, extra
+        assert not target.exists() and not draft.exists()
+    assert main(["make-checkpoint", "llama", str(target), "--draft-layers", "0"]) == 2
+    assert "--draft" in capsys.readouterr().err and not target.exists()
+    assert main(["make-checkpoint", "llama", str(draft)]) == 0
+    assert main(["make-checkpoint", "llama", str(target), "--draft", str(draft)]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err and not target.exists()
+    assert main(["make-checkpoint", "llama", str(target), "--draft", str(target)]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal: one line, exit code 2
+        main(["make-checkpoint", "llama", str(target), "--seed", str(2**64)])
+    assert refused.value.code == 2 and "--seed" in capsys.readouterr().err and not target.exists()
+    assert main(["make-checkpoint", "llama", ""]) == 2 and "empty path" in capsys.readouterr().err
 
 
 def test_bad_paths_and_families_exit_2(tiny, tmp_path, capsys):

@@ -280,7 +280,7 @@ def test_same_timestamp_keeps_file_order_and_own_fields(tmp_path):
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ("{not json", "bad JSON"),
+    ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ('{"timestamp": 0, "output_length": 3}', "missing field 'input_length'"),
     ('{"timestamp": 0, "input_length": 3}', "missing field 'output_length'"),
