@@ -32,8 +32,10 @@ from ..engine.serve import (
     EngineConfig,
     GenerateRequest,
     GenerateResult,
+    engine_context,
     open_checkpoint,
     pool_options,
+    refuse_unbuilt,
 )
 from ..engine.speculative_plan import draft_layer_offset, plan_with_draft
 from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
@@ -147,6 +149,7 @@ class StageEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: StageLink,
                  partition: Sequence[int] | None = None) -> None:
+        refuse_unbuilt(config, "pipeline stages", draft=True)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -154,7 +157,7 @@ class StageEngine(Engine):
         self.link = link
         stage, n_stages = link.stage, link.n_stages
         spec = checkpoint.model_spec()
-        context = config.context_len or min(spec.max_context or 4096, 4096)
+        context = engine_context(config.context_len, spec)
         n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
         ranges = stage_layer_ranges(n_layers, n_stages, partition)
         draft = None
@@ -285,6 +288,7 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
     """Serve `requests` from the checkpoint at `path` split into `n_stages` stage processes over
     gloo on 127.0.0.1; every stage's report, in stage order. A stage that failed raises its error
     (the first stage's to fail) as one line."""
+    refuse_unbuilt(config, "pipeline stages", draft=True)  # in the parent, before any process starts
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
     out = run_stage_processes(generate_stage_process, n_stages, (path, config, requests, partition),

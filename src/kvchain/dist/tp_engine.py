@@ -26,8 +26,10 @@ from ..engine.serve import (
     EngineConfig,
     GenerateRequest,
     GenerateResult,
+    engine_context,
     open_checkpoint,
     pool_options,
+    refuse_unbuilt,
 )
 from ..errors import InputError
 from ..models.registry import model_from_config
@@ -54,6 +56,7 @@ class RankEngine(Engine):
     KV heads, sized for the group's least budget; its decisions compared after every step."""
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: RankLink) -> None:
+        refuse_unbuilt(config, "tensor-parallel ranks")
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -62,7 +65,7 @@ class RankEngine(Engine):
         spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=link.n_ranks)
         check_split(checkpoint.model, link.n_ranks, (d.layer_id for d in spec.decls if d.parts))
         shard_model(checkpoint.model, link.rank, link.n_ranks)
-        context = config.context_len or min(spec.max_context or 4096, 4096)
+        context = engine_context(config.context_len, spec)
         budget = link.min_reduce(config.budget_bytes)
         self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)
         sizing = size_plan(self.plan, budget, context_len=context, max_running_requests=config.max_running)
@@ -124,6 +127,7 @@ def generate_in_ranks(path: str, config: EngineConfig, requests: list[GenerateRe
                       timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[RankRun]:
     """Serve `requests` from the checkpoint at `path` with its heads split over `n_ranks` rank
     processes over gloo on 127.0.0.1; every rank's report, in rank order."""
+    refuse_unbuilt(config, "tensor-parallel ranks")  # in the parent, before any process starts
     out = run_stage_processes(generate_rank_process, n_ranks, (path, config, requests), timeout_s=timeout_s,
                               env=env)
     for rank in range(n_ranks):

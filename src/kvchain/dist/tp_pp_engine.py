@@ -33,8 +33,10 @@ from ..engine.serve import (
     EngineConfig,
     GenerateRequest,
     GenerateResult,
+    engine_context,
     open_checkpoint,
     pool_options,
+    refuse_unbuilt,
 )
 from ..errors import InputError
 from ..models.registry import model_from_config
@@ -89,6 +91,7 @@ class StageRankEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, ranks: GroupRankLink,
                  stages: StageLink, partition: Sequence[int] | None = None) -> None:
+        refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages")
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -97,7 +100,7 @@ class StageRankEngine(Engine):
         stage, n_stages, n_ranks = stages.stage, stages.n_stages, ranks.n_ranks
         shard_model(checkpoint.model, ranks.rank, n_ranks, group=ranks.group)
         spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=n_ranks)
-        context = config.context_len or min(spec.max_context or 4096, 4096)
+        context = engine_context(config.context_len, spec)
         n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
         ranges = stage_layer_ranges(n_layers, n_stages, partition)
         plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition)
@@ -179,6 +182,7 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
                      env: dict[str, str] | None = None) -> list[GridRun]:
     """Serve `requests` from the checkpoint at `path` on `n_stages` stages of `n_ranks` ranks each,
     one process per (stage, rank) over gloo on 127.0.0.1; every process's report, stage-major."""
+    refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages")  # in the parent, before any process starts
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks and pipeline stages run on --device cpu (one process each over gloo)")
     if n_ranks < 2 or n_stages < 2:

@@ -77,6 +77,32 @@ class EngineConfig:
     #: the state slots resolved at its forward's metadata time, not those of when it runs (LIFE-15)
     relayed_commit_slots_from_metadata: bool = False
 
+    def __post_init__(self) -> None:
+        """Sizes and counts are integers (never bools) and positive, where given: a zero or negative
+        one would be read as "not given" or reach the chunk arithmetic (`mamba_prefill_chunk_grid`)."""
+        for name in ("budget_bytes", "page_size", "max_running", "max_batched_tokens"):
+            _positive(name, getattr(self, name))
+        for name in ("context_len", "checkpoint_interval", "host_budget"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        n = self.num_speculative_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InputError(f"num_speculative_tokens must be a non-negative integer, not {n!r}")
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"{name} must be a positive integer, not {value!r}")
+
+
+def refuse_unbuilt(config: EngineConfig, where: str, *, draft: bool = False, host_tier: bool = False) -> None:
+    """An engine that does not build speculative decoding (`draft`) or the host tier (`host_tier`)
+    refuses a config that asks for them, instead of serving without them."""
+    if not draft and (config.draft_model_path is not None or config.num_speculative_tokens):
+        raise InputError(f"{where}: speculative decoding (draft_model_path) is not built there")
+    if not host_tier and config.host_budget is not None:
+        raise InputError(f"{where}: the host tier (host_budget) is not built there")
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -241,15 +267,18 @@ class Engine:
         context = self.storage.table.context_len
         asked = []
         for i, r in enumerate(requests):
-            try:  # an id past int64 or of another type fails the conversion, before any range check
-                prompt = np.asarray(list(r.prompt_token_ids), dtype=np.int64)
+            try:  # an id past int64 fails the conversion; a float or a bool converts to another kind
+                prompt = np.asarray(list(r.prompt_token_ids))
+                if prompt.size and prompt.dtype.kind not in "iu":
+                    raise TypeError
+                prompt = prompt.astype(np.int64)
             except (OverflowError, TypeError, ValueError):
                 raise InputError(f"request {i}: token ids must be integers in [0, {vocab})") from None
             if prompt.ndim != 1 or not len(prompt):
                 raise InputError(f"request {i}: a prompt needs at least one token id")
             if prompt.min() < 0 or prompt.max() >= vocab:
                 raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
-            if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
+            if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
                 raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {r.max_new_tokens!r}")
             asked.append(r.max_new_tokens)
             # no sequence outgrows the context: what lies past it is never generated nor held

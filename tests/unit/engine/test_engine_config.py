@@ -1,0 +1,54 @@
+"""The library's own boundary: an `EngineConfig` or a request the engine cannot serve as asked is a
+typed refusal up front, never a run that breaks an invariant half-way or silently serves something
+else (each case was found by a fuzz of the API)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchain.dist.pp_engine import generate_in_stages
+from kvchain.dist.tp_engine import generate_in_ranks
+from kvchain.dist.tp_pp_engine import generate_in_grid
+from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
+from kvchain.errors import InputError
+from support.engine import checkpoint_dir
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("checkpoint_interval", -4),  # reached the chunk grid, which rounded a chunk past the prompt's end
+    ("checkpoint_interval", 0),
+    ("context_len", 0),  # was read as "not given"
+    ("page_size", 0),
+    ("budget_bytes", True),
+    ("max_batched_tokens", -1),
+    ("host_budget", 0),
+    ("num_speculative_tokens", -1),
+])
+def test_a_config_field_out_of_range_is_refused_where_it_is_made(field, value):
+    with pytest.raises(InputError, match=field):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("request_", "needle"), [
+    (GenerateRequest([1, 2, 3], True), "max_new_tokens"),  # a bool is an int to Python
+    (GenerateRequest([1.5, 2.0, 3.0], 2), "token ids must be integers"),  # was cast to 1 and served
+    (GenerateRequest([True, False], 2), "token ids must be integers"),
+    (GenerateRequest([10**23], 2), "token ids must be integers"),
+])
+def test_a_request_the_model_cannot_take_is_refused(request_, needle):
+    config = EngineConfig(budget_bytes=4 << 20, page_size=4)
+    with Engine(str(checkpoint_dir("llama")), config) as engine, pytest.raises(InputError, match=needle):
+        engine.generate([request_])
+
+
+@pytest.mark.parametrize("run", [
+    lambda path, cfg: generate_in_ranks(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
+    lambda path, cfg: generate_in_grid(path, cfg, [GenerateRequest([1, 2], 2)], 2, 2, timeout_s=5),
+    lambda path, cfg: generate_in_stages(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
+], ids=["ranks", "grid", "stages"])
+def test_split_engines_refuse_what_they_do_not_build_before_any_process(run):
+    """Ranks and stages have no host tier (and ranks no draft): asked for one, they refuse in the
+    parent, where they used to serve without it."""
+    path = str(checkpoint_dir("llama"))
+    with pytest.raises(InputError, match="host tier"):
+        run(path, EngineConfig(budget_bytes=4 << 20, page_size=4, host_budget=1 << 20))
