@@ -68,6 +68,18 @@ def non_negative_int(text: str) -> int:
 MAX_SEED = 2**63 - 1
 
 
+def path_arg(text: str) -> Path:
+    """A path a flag names: never the empty string, which `Path` reads as the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
+
+
+def path_text(text: str) -> str:
+    """`path_arg` for a flag whose value stays a string."""
+    return str(path_arg(text))
+
+
 def seed_int(text: str) -> int:
     """A seed: an integer in [0, 2**63)."""
     value = non_negative_int(text)
@@ -133,7 +145,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model or --config, and the flags that change how a model's KV state is declared."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a built-in preset (see `kvchain models`)")
-    src.add_argument("--config", help="path to a HuggingFace config.json")
+    src.add_argument("--config", type=path_text, help="path to a HuggingFace config.json")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--kv-dtype", default=None, help="attention KV dtype: bfloat16, float16, float32 or auto (default auto: the model's "
                         "16-bit dtype, bfloat16 for a float32 config, as engines serve it)")

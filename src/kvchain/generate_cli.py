@@ -133,6 +133,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise InputError("--device cuda: CUDA is not available on this machine")
+    if args.pd_engine is not None and not args.pd:
+        raise InputError("--pd-engine chooses --pd's data plane; --pd is not given")
     parsed = _read_prompts(args)  # before the checkpoint loads: a bad file costs nothing
     checkpoint = load_checkpoint(args.model_path, device=args.device)
     tokenizer = checkpoint.tokenizer

@@ -128,6 +128,16 @@ CASES = [
     ("pp-budget-pages", [*SIM[:3], "--budget", "1000TiB", *SIM[5:], "--pp", "2"], "pages"),
     ("partition-without-pp", [*PLAN, "--pp-partition", "12,12"], "--pp 2"),
     ("bench-repeats", ["bench", "moves", "--repeats", "100000000000"], "--repeats"),
+    ("pp-spec-tokens", [*SIM, "--pp", "2", "--spec-tokens", "2", "--spec-acceptance", "0.5"], "--spec-tokens"),
+    ("pp-host-budget", [*SIM, "--pp", "2", "--host-budget", "1GiB"], "--host-budget"),
+    ("pp-waiting-order", [*SIM, "--pp", "2", "--waiting-order", "longest-prefix"], "--waiting-order"),
+    ("pp-eviction", [*SIM, "--pp", "2", "--eviction", "lru"], "--eviction"),
+    ("step-time-twice", [*SIM, "--step-time", "base_ms=1,base_ms=2"], "more than once"),
+    ("plot-empty", [*SIM, "--plot", ""], "empty path"),
+    ("trace-empty", [*LLAMA_SIM, "--trace", ""], "empty path"),
+    ("stress-out-empty", ["stress", "--seeds", "0:1", "--out", ""], "empty path"),
+    ("min-rate-alone", ["stress", "--seeds", "0:1", "--min-rate", "0.5"], "--mutant-table"),
+    ("replay-minimize", ["stress", "--replay", "{case_zero_rows_json}", "--minimize"], "--minimize"),
 ]
 
 
@@ -177,3 +187,17 @@ def test_a_write_that_fails_at_the_end_is_one_line(files, monkeypatch, capsys):
     assert main(["trace", "record", "--seeds", "0:1", "--steps", "5", "--out", f"{files['dir']}/t.jsonl"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and "t.jsonl" in err, err
+
+
+def test_stress_listings_and_replays_print_json_when_asked(tmp_path, capsys):
+    """`--json` holds for every stress mode: the mutant list and a replay are one JSON document."""
+    import json as _json
+
+    assert main(["stress", "--list-mutants", "--json"]) == 0
+    listed = _json.loads(capsys.readouterr().out)
+    assert {"name", "target", "description"} <= set(listed["mutants"][0])
+    case = tmp_path / "case.json"
+    case.write_text(_json.dumps(seed_case(0, 5).to_json()))
+    assert main(["stress", "--replay", str(case), "--json"]) == 0
+    replayed = _json.loads(capsys.readouterr().out)
+    assert replayed["ops"] == 5 and replayed["failure"] is None

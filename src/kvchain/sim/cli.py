@@ -15,6 +15,7 @@ from ..cli_common import (
     check_output_file,
     dump_json,
     load_model,
+    path_text,
     positive_float,
     progress,
     seed_int,
@@ -41,7 +42,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", required=True, type=_byte_size, help="bytes for the KV pool, e.g. 80GiB")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default="mixed", help="a built-in workload (default mixed)")
-    src.add_argument("--trace", help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
+    src.add_argument("--trace", type=path_text, help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--requests", type=bounded_int(MAX_REQUESTS, "each request holds its tokens in memory"),
                    default=2000, help="requests to generate or replay (default 2000)")
     p.add_argument("--seed", type=seed_int, default=0)
@@ -93,7 +94,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "before it finishes, not at a time fixed in advance")
     p.add_argument("--jobs", type=bounded_int(256, "one process each"), default=None,
                    help="worker processes (default: the cores)")
-    p.add_argument("--plot", default=None, help="write utilisation and running requests over time to this PNG")
+    p.add_argument("--plot", type=path_text, default=None, help="write utilisation and running requests over time to this PNG")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--pp", type=_positive_int, default=1,
                    help="pipeline stages: serve kvchain alone, each stage its own layers and arena, every capacity "

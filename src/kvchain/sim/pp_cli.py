@@ -34,7 +34,12 @@ def check_pp_flags(args: argparse.Namespace, default_pools: str) -> None:
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]
     if args.pools != default_pools and pools != ["kvchain"]:
         raise InputError(f"--pp {args.pp}: only kvchain serves pipeline stages; --pools {args.pools} needs --pp 1")
-    for flag, given in (("--plot", args.plot), ("--step-time", args.step_time), ("--priority", args.priority)):
+    for flag, given in (("--plot", args.plot), ("--step-time", args.step_time), ("--priority", args.priority),
+                        ("--spec-tokens", args.spec_tokens is not None),
+                        ("--spec-acceptance", args.spec_acceptance is not None),
+                        ("--host-budget", args.host_budget),
+                        ("--waiting-order", args.waiting_order != "fcfs"),
+                        ("--eviction", args.eviction != "waiting-aware")):
         if given:
             raise InputError(f"--pp {args.pp}: {flag} is not served with pipeline stages (use --pp 1)")
 

@@ -59,6 +59,8 @@ class StepTimeModel:
             if not part.strip():
                 continue
             key, _, value = part.partition("=")
+            if key.strip() in fields:
+                raise InputError(f"step-time model: {key.strip()} given more than once")
             if key.strip() not in cls.__dataclass_fields__:
                 raise InputError(f"step-time model: unknown field {key.strip()!r} (use base_ms, per_token_us, "
                                  "per_kv_token_ns, per_host_byte_ps)")

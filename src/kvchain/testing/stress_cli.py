@@ -19,6 +19,7 @@ from ..cli_common import (
     check_output_dir,
     check_output_file,
     dump_json,
+    path_arg,
     progress,
     read_json,
     read_json_file,
@@ -196,8 +197,8 @@ def configure_stress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=bounded_int(256, "one process each"), default=1,
                    help="worker processes (default 1)")
     p.add_argument("--minimize", action="store_true", help="shrink each failing sequence to a minimal one")
-    p.add_argument("--out", type=Path, default=None, help="folder for failing cases (JSON)")
-    p.add_argument("--replay", type=Path, default=None, help="replay a saved case instead of seeds")
+    p.add_argument("--out", type=path_arg, default=None, help="folder for failing cases (JSON)")
+    p.add_argument("--replay", type=path_arg, default=None, help="replay a saved case instead of seeds")
     p.add_argument("--device", default="modeled",
                    help="modeled (default: every check), threads (real CPU threads) or cuda (real streams, "
                         "delayed kernels): threads and cuda check payloads, divergence and the ledger")
@@ -277,9 +278,13 @@ def _check_processes(args: argparse.Namespace) -> None:
         raise InputError("--processes 2 runs seeds: --replay and --mutant-table run in one process")
 
 
-def _list_mutants() -> int:
+def _list_mutants(as_json: bool) -> int:
     from .mutants import MUTANTS
 
+    if as_json:
+        print(dump_json({"mutants": [{"name": m.name, "target": m.target, "description": m.description}
+                                     for m in MUTANTS.values()]}, indent=1))
+        return 0
     for m in MUTANTS.values():
         print(f"{m.name}  {m.target}  {m.description}")
     return 0
@@ -378,12 +383,17 @@ def _replay(args: argparse.Namespace) -> int:
         result = run_case(case, args.device, until=until)
     console = Console()
     saved = case.failure
+    same = result.failure is not None and saved is not None and saved.get("op") == result.failure.op and \
+        list(saved.get("checks", [])) == list(result.failure.checks)
+    if args.json:
+        print(dump_json({"ops": len(case.ops), "mutant": mutant, "device": args.device,
+                         "failure": None if result.failure is None else result.failure.describe(),
+                         "saved_failure": saved, "same_as_saved": same}, indent=1))
+        return 0 if result.failure is None else 1
     if result.failure is None:
         console.print(f"replayed {len(case.ops)} ops: [green]no failure[/]"
                       + (" (the saved case failed: it no longer reproduces)" if saved else ""))
         return 0
-    same = saved is not None and saved.get("op") == result.failure.op and \
-        list(saved.get("checks", [])) == list(result.failure.checks)
     console.print(f"replayed {len(case.ops)} ops: [red]{result.failure.describe()}[/]")
     if saved is not None:
         console.print("same failure as saved" if same else f"[yellow]differs from the saved failure[/]: {saved}")
@@ -404,14 +414,19 @@ def run_stress(args: argparse.Namespace) -> int:
     from . import checks, mutants
 
     if args.list_mutants:
-        return _list_mutants()
+        return _list_mutants(args.json)
     _check_device(args.device)
     if args.processes == 2:
         _check_processes(args)
     if args.mutant_table:
         return _mutant_table(args)
+    if args.min_rate:
+        raise InputError("--min-rate sets --mutant-table's bar; --mutant-table is not given")
     until = _target(args.mutant, args.device)
     if args.replay is not None:
+        for flag, given in (("--minimize", args.minimize), ("--out", args.out is not None)):
+            if given:
+                raise InputError(f"--replay runs the saved case once: {flag} does not apply")
         return _replay(args)
     if args.device == "cuda" and args.jobs > 1:
         raise InputError("--device cuda runs one job (the ranks share one GPU)")
@@ -500,13 +515,13 @@ def configure_trace(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="trace", required=True, parser_class=type(p))
     rec = sub.add_parser("record", help="record allocator traces from the scenarios and seeds")
     rec.add_argument("--page-sizes", type=_page_sizes, default=[1, 16, 64], help="e.g. 1,16,64 (default)")
-    rec.add_argument("--out", type=Path, required=True, help="the JSONL trace to write")
+    rec.add_argument("--out", type=path_arg, required=True, help="the JSONL trace to write")
     rec.add_argument("--seeds", type=_seed_range, default=range(0, 4), help="seeded runs per configuration (0:4)")
     rec.add_argument("--steps", type=bounded_int(MAX_OPS, "a run holds its steps in memory"), default=120,
                      help="steps per seeded run (default 120)")
-    rec.add_argument("--scenarios", type=Path, default=None, help="scenario folder (default tests/scenarios)")
+    rec.add_argument("--scenarios", type=path_arg, default=None, help="scenario folder (default tests/scenarios)")
     cmp = sub.add_parser("compare", help="replay a recorded trace against this checkout")
-    cmp.add_argument("--trace", type=Path, required=True, help="a JSONL trace from `kvchain trace record`")
+    cmp.add_argument("--trace", type=path_arg, required=True, help="a JSONL trace from `kvchain trace record`")
     cmp.add_argument("--json", action="store_true", help="print one JSON object per run")
 
 
