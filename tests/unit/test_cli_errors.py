@@ -37,6 +37,12 @@ def files(tmp_path):
     case = seed_case(0, 5).to_json()
     case["ops"][0] = {"op": "admit", "len": [3]}
     put("case_bad_op.json", json.dumps(case))
+    case = seed_case(0, 5).to_json()
+    case["config"]["timing"] = case["config"]["timing"][:1]
+    put("case_one_timing.json", json.dumps(case))
+    case = seed_case(0, 5).to_json()
+    case["config"]["windows"] = [case["config"]["windows"][0][:2]]
+    put("case_short_window.json", json.dumps(case))
     run = {"version": 1, "run": "x", "config": {"name": "x", "page_size": "4", "windows": [2], "state": True},
            "source": {}, "calls": []}
     put("run_str_field.jsonl", json.dumps(run) + "\n")
@@ -97,6 +103,8 @@ CASES = [
     ("replay-zero-rows", ["stress", "--replay", "{case_zero_rows_json}"], "'rows'"),
     ("replay-op-type", ["stress", "--replay", "{case_bad_op_json}"], "'len'"),
     ("replay-folder", ["stress", "--replay", "{dir}"], "folder"),
+    ("replay-one-timing", ["stress", "--replay", "{case_one_timing_json}"], "config.timing"),
+    ("replay-short-window", ["stress", "--replay", "{case_short_window_json}"], "config.windows[0]"),
     ("compare-list", ["trace", "compare", "--trace", "{list_jsonl}"], "JSON list"),
     ("compare-field-type", ["trace", "compare", "--trace", "{run_str_field_jsonl}"], "'page_size'"),
     ("compare-call-type", ["trace", "compare", "--trace", "{run_bad_call_jsonl}"], "calls[0].step"),

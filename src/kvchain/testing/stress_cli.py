@@ -112,6 +112,11 @@ def _object(value: object, where: str) -> dict:
     return value
 
 
+def _length(values: list, n: int, where: str, what: str) -> None:
+    if len(values) != n:
+        raise InputError(f"{where} must hold {n} entries ({what}), got {len(values)}")
+
+
 def check_case_shape(data: object, where: str) -> None:
     """Refuse a saved stress case whose fields have the wrong types, before it is replayed."""
     from .harness_config import OP_WEIGHTS
@@ -125,10 +130,15 @@ def check_case_shape(data: object, where: str) -> None:
     _field(config, "profile", "str", f"{where}: config", required=False)
     _field(config, "gap_fraction", "number", f"{where}: config")
     _field(config, "full", "ints", f"{where}: config")
+    _length(config["full"], 2, f"{where}: config.full", "[heads, head_dim]")
     _field(config, "windows", "list", f"{where}: config")
+    if not config["windows"]:
+        raise InputError(f"{where}: config.windows must name at least one window")
     for k, w in enumerate(config["windows"]):
         _field({"window": w}, "window", "ints", f"{where}: config.windows[{k}]")
+        _length(w, 3, f"{where}: config.windows[{k}]", "[window, heads, head_dim]")
     _field(config, "timing", "list", f"{where}: config")
+    _length(config["timing"], 2, f"{where}: config.timing", "one object per rank")
     for k, t in enumerate(config["timing"]):
         timing = _object(t, f"{where}: config.timing[{k}]")
         _field(timing, "seed", "int", f"{where}: config.timing[{k}]")
