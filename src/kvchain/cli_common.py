@@ -119,11 +119,12 @@ def positive_float(text: str) -> float:
 def byte_size(text: str) -> int:
     """A byte budget such as `80GiB`, `512MiB` or a plain number of bytes, at most 1024TiB."""
     try:
-        number = float(str(text).strip().rstrip("bBkKmMgGtTiI") or "nan")
+        number = float(str(text).strip().rstrip("bBkKmMgGtTpPiI") or "nan")
     except ValueError:
         number = 0.0  # not a number: parse_bytes names the problem
     if math.isnan(number) or math.isinf(number):
-        raise argparse.ArgumentTypeError(f"not a finite byte size: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a finite byte size: {text[:24]!r}{'...' if len(text) > 24 else ''} "
+                                         "(the largest budget is 1024TiB)")
     try:
         value = parse_bytes(text)
     except (InputError, OverflowError) as e:

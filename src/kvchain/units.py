@@ -23,6 +23,9 @@ _SUFFIX = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "p": 10**15,
+    "pb": 10**15,
+    "pib": 2**50,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -37,7 +40,7 @@ def parse_bytes(text: str | int) -> int:
             raise InputError(f"not a byte size: {text!r} (try 80GiB, 512MiB or a number of bytes)")
         value = int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
     if value <= 0:
-        raise InputError(f"a byte size must be positive, got {text!r}")
+        raise InputError(f"a byte size must be at least one byte, got {text!r}")
     return value
 
 

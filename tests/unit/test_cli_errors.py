@@ -49,6 +49,7 @@ def files(tmp_path):
     run = {**run, "config": {**run["config"], "page_size": 4}, "calls": [{"step": 5}]}
     put("run_bad_call.jsonl", json.dumps(run) + "\n")
     put("afile", "x")
+    put("empty.jsonl", "")
     put("hugeint.json", '{"x": ' + "9" * 5000 + "}")
     put("hugeint.jsonl", '{"x": ' + "9" * 5000 + "}\n")
     made["dir"] = tmp_path
@@ -136,6 +137,10 @@ CASES = [
     ("pp-budget-pages", [*SIM[:3], "--budget", "1000TiB", *SIM[5:], "--pp", "2"], "pages"),
     ("partition-without-pp", [*PLAN, "--pp-partition", "12,12"], "--pp 2"),
     ("bench-repeats", ["bench", "moves", "--repeats", "100000000000"], "--repeats"),
+    ("context-below-every-prompt", [*SIM, "--context", "1"], "none would be served"),
+    ("compare-empty", ["trace", "compare", "--trace", "{empty_jsonl}"], "no runs"),
+    ("budget-half-byte", [*PLAN[:3], "--budget", "0.5"], "at least one byte"),
+    ("budget-pib", [*PLAN[:3], "--budget", "2PiB"], "1024TiB"),
     ("pp-spec-tokens", [*SIM, "--pp", "2", "--spec-tokens", "2", "--spec-acceptance", "0.5"], "--spec-tokens"),
     ("pp-host-budget", [*SIM, "--pp", "2", "--host-budget", "1GiB"], "--host-budget"),
     ("pp-waiting-order", [*SIM, "--pp", "2", "--waiting-order", "longest-prefix"], "--waiting-order"),

@@ -126,6 +126,19 @@ def _requests(args: argparse.Namespace):
     return workloads.workload_from_name(args.workload, args.requests, args.seed, **params)
 
 
+def _served_requests(args: argparse.Namespace):
+    """The workload's requests, refused when none could be served: an empty trace, or a context no
+    request's prompt fits in (every one would be rejected on arrival)."""
+    requests = _requests(args)
+    if not requests:
+        raise InputError("the workload has no requests")
+    shortest = min(r.input_len for r in requests)
+    if shortest >= args.context:
+        raise InputError(f"--context {args.context:,}: every request's prompt reaches it (the shortest has "
+                         f"{shortest:,} tokens), so none would be served")
+    return requests
+
+
 def _check_pages(model, budget: int) -> None:
     """Refuse a budget whose pages the simulated pools could not index on the host (the ideal pool
     pages every sub-pool by `IDEAL_PAGE_TOKENS` tokens, the smallest page of all)."""
@@ -184,9 +197,7 @@ def run(args: argparse.Namespace) -> int:
         spec = spec_summary(model.decls, args.spec_tokens, args.spec_acceptance, args.page_size)
         decls = fused_decls(model.decls)
         decode_tokens = SpecSteps(args.spec_tokens, args.spec_acceptance, seed=args.seed)
-    requests = _requests(args)
-    if not requests:
-        raise InputError("the workload has no requests")
+    requests = _served_requests(args)
     cfg = PoolConfig(args.budget, page_size=args.page_size, context_len=args.context, max_running=args.max_running,
                      prefix_cache=not args.no_prefix_cache, checkpoint_interval=args.checkpoint_every,
                      strategy=None if args.strategy == "auto" else CheckpointStrategy(args.strategy),
@@ -231,7 +242,5 @@ def _run_stages(args: argparse.Namespace) -> int:
     _check_attention(model)
     args.context = check_context(model, args.context)
     _check_pages(model, args.budget)
-    requests = _requests(args)
-    if not requests:
-        raise InputError("the workload has no requests")
+    requests = _served_requests(args)
     return run_pp(model, args, requests)

@@ -575,6 +575,8 @@ def run_trace(args: argparse.Namespace) -> int:
             console.print(f"{run.name}: [green]matches[/] ({len(run.calls)} calls)")
         else:
             console.print(found.describe(run.name), markup=False)
+    if not runs:
+        raise InputError(f"--trace {args.trace}: no runs in the file")
     if not args.json:
         console.print(f"{runs - diverged} of {runs} runs match" + (f", {diverged} diverge" if diverged else ""))
     return 1 if diverged else 0
