@@ -141,6 +141,8 @@ CASES = [
     ("compare-empty", ["trace", "compare", "--trace", "{empty_jsonl}"], "no runs"),
     ("budget-half-byte", [*PLAN[:3], "--budget", "0.5"], "at least one byte"),
     ("budget-pib", [*PLAN[:3], "--budget", "2PiB"], "1024TiB"),
+    ("bench-pd-budget", ["bench", "pd", "--engine", "gloo", "--budget", "1"], "do not fit"),
+    ("bench-pd-tokens", ["bench", "pd", "--engine", "gloo", "--tokens", "100000000000"], "do not fit"),
     ("pp-spec-tokens", [*SIM, "--pp", "2", "--spec-tokens", "2", "--spec-acceptance", "0.5"], "--spec-tokens"),
     ("pp-host-budget", [*SIM, "--pp", "2", "--host-budget", "1GiB"], "--host-budget"),
     ("pp-waiting-order", [*SIM, "--pp", "2", "--waiting-order", "longest-prefix"], "--waiting-order"),

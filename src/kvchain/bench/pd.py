@@ -29,12 +29,14 @@ SCHEMA = ("engine", "repeats", "requests", "tokens", "bytes", "segments", "pages
           "large_gb_per_s", "ratio", "samples")
 
 
-def bench_storage(budget: int, requests: int, tokens: int):
+def bench_storage(budget: int, requests: int, tokens: int, device: str = "cpu"):
     state = State((StateTensor("conv", (4, 256)), StateTensor("ssm", (8, 64, 16), "float32")))
     decls = small_hybrid(MHA(HEADS, HEAD_DIM), (WINDOW,), state=state, blocks=BLOCKS)
     plan = plan_kv_storage(decls, page_size=PAGE_TOKENS)
-    sizing = size_plan(plan, budget, context_len=tokens + PAGE_TOKENS, max_running_requests=4 * requests + 2)
-    return build_kv_storage(plan, sizing, "cpu")
+    # the short filler requests run up to 4 pages, whatever `tokens` is
+    context = max(tokens, 4 * PAGE_TOKENS) + PAGE_TOKENS
+    sizing = size_plan(plan, budget, context_len=context, max_running_requests=4 * requests + 2)
+    return build_kv_storage(plan, sizing, device)
 
 
 def scattered_rows(storage, requests: int, tokens: int, seed: int) -> list[int]:
@@ -130,11 +132,18 @@ def run_pd_bench(engine: str = "nixl", repeats: int = 5, requests: int = 8, toke
                  budget: int = 256 * 2**20, timeout_s: float = 300.0) -> dict:
     """Two processes on the loopback interface; the prefill side's numbers."""
     from ..dist.pp import run_stage_processes
-    from ..errors import KVChainError
+    from ..errors import InputError, KVChainError
 
+    # the rows each process lays out, first on a `meta` arena here: a budget or a size they cannot
+    # hold is one line before any process starts
+    try:
+        scattered_rows(bench_storage(budget, requests, tokens, "meta"), requests, tokens, seed=0)
+    except KVChainError as e:
+        raise InputError(f"{requests} requests of {tokens} tokens do not fit a budget of {budget:,} bytes "
+                         f"({type(e).__name__}: {e})") from None
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     out = run_stage_processes(bench_node, 2, (engine, repeats, requests, tokens, budget), timeout_s=timeout_s, env=env)
-    bad = {s: v for s, v in out.items() if v[0] != "ok"}
+    bad = [f"process {s}: {str(v[1]).strip().splitlines()[0]}" for s, v in sorted(out.items()) if v[0] != "ok"]
     if bad:
-        raise KVChainError(f"bench pd: {bad}")
+        raise KVChainError("bench pd: " + "; ".join(bad))
     return out[0][1]
