@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,18 @@ def path_arg(text: str) -> Path:
 def path_text(text: str) -> str:
     """`path_arg` for a flag whose value stays a string."""
     return str(path_arg(text))
+
+
+#: the widest line a command prints as prose (tables wrap or stack to the same width)
+WIDTH = 100
+
+
+def say(text: str) -> None:
+    """Print a line of prose wrapped at `WIDTH` columns, its continuation lines indented under its
+    first word; a word (a number, a path) is never cut."""
+    lead = len(text) - len(text.lstrip(" "))
+    print(textwrap.fill(text, WIDTH, subsequent_indent=" " * (lead + 2), break_long_words=False,
+                        break_on_hyphens=False))
 
 
 def seed_int(text: str) -> int:

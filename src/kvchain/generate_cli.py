@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import jsonio
-from .cli_common import byte_size, positive_int, progress, seed_int
+from .cli_common import byte_size, positive_int, progress, say, seed_int
 from .errors import InputError
 
 
@@ -272,7 +272,7 @@ def _report(args: argparse.Namespace, result, tokenizer, budget_bytes: int, line
         return 0
     _render(result, tokenizer, budget_bytes, host_bytes=host_bytes)
     for line in lines:
-        print(line)
+        say(line)
     return 0
 
 

@@ -71,6 +71,20 @@ def test_simulate_tables_fit_100_columns(step_time, monkeypatch, capsys):
         assert re.search(rf"│ {re.escape(pool)} +│", text), pool
 
 
+@pytest.mark.parametrize("argv", [
+    ["stress", "--list-mutants"],
+    ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "5",
+     "--jobs", "1", "--pp", "2"],
+    ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "5",
+     "--jobs", "1", "--spec-tokens", "2", "--spec-acceptance", "0.5", "--pools", "kvchain"],
+], ids=["list-mutants", "simulate-pp", "simulate-spec"])
+def test_prose_lines_wrap_at_100_columns(argv, capsys):
+    """Lines printed as prose (`cli_common.say`) wrap at 100 columns, a number never cut."""
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

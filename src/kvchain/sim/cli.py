@@ -18,6 +18,7 @@ from ..cli_common import (
     path_text,
     positive_float,
     progress,
+    say,
     seed_int,
 )
 from ..cli_common import byte_size as _byte_size
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_comparison(model, args, result)
         if spec is not None:
-            print(f"speculative: {spec['draft_layers']} draft layers fused into every pool "
+            say(f"speculative: {spec['draft_layers']} draft layers fused into every pool "
                   f"({spec['token_bytes_with_draft']:,} KV bytes per token, {spec['token_bytes_target']:,} without); "
                   f"{spec['tokens_per_target_forward']:.2f} tokens per decode step per request at "
                   f"{spec['spec_acceptance']:.0%} acceptance of {spec['spec_tokens']} (seeded draws: the steps "

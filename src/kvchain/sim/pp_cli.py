@@ -15,7 +15,7 @@ from ..alloc.stage_capacity import StageGeometry
 from ..build import build_kv_storage
 from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy
-from ..cli_common import dump_json
+from ..cli_common import dump_json, say
 from ..engine.pool import KVChainPool
 from ..engine.request import ScheduledRequest
 from ..env import invariant_level
@@ -96,14 +96,14 @@ def run_pp(model, args: argparse.Namespace, requests: list[ScheduledRequest]) ->
     if args.json:
         print(dump_json(report, indent=2))
         return 0
-    print(f"{model.name}: {args.pp} pipeline stage{'s' if args.pp > 1 else ''}, kvchain, {len(requests)} requests")
+    say(f"{model.name}: {args.pp} pipeline stage{'s' if args.pp > 1 else ''}, kvchain, {len(requests)} requests")
     for s in report["stages"]:
-        print(f"  stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
+        say(f"  stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
               f"{s['bytes_per_token']:,} B/token, concurrency {s['concurrency']:,}")
-    print(f"  concurrency after the MIN-reduce: {report['concurrency']:,} (stage {report['limiting_stage']} limits)")
-    print(f"  {report['steps']:,} steps, {report['finished']:,} finished, {report['preemptions']:,} preemptions, "
+    say(f"  concurrency after the MIN-reduce: {report['concurrency']:,} (stage {report['limiting_stage']} limits)")
+    say(f"  {report['steps']:,} steps, {report['finished']:,} finished, {report['preemptions']:,} preemptions, "
           f"{report['throughput']:.2f} output tokens/step")
     what = "questions, answers and units held" if report["digests_fold_questions"] else \
         "units held; KVCHAIN_INVARIANT_CHECK=1 folds every capacity question too"
-    print(f"  capacity digests ({what}) agreed on all {report['iterations_checked']:,} iterations")
+    say(f"  capacity digests ({what}) agreed on all {report['iterations_checked']:,} iterations")
     return 0

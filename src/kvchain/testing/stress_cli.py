@@ -23,6 +23,7 @@ from ..cli_common import (
     progress,
     read_json,
     read_json_file,
+    say,
 )
 from ..errors import InputError
 
@@ -296,7 +297,7 @@ def _list_mutants(as_json: bool) -> int:
                                      for m in MUTANTS.values()]}, indent=1))
         return 0
     for m in MUTANTS.values():
-        print(f"{m.name}  {m.target}  {m.description}")
+        say(f"{m.name}  {m.target}  {m.description}")
     return 0
 
 
