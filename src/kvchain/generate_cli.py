@@ -335,6 +335,10 @@ def _checkpoint_dir(path: str, flag: str, force: bool) -> Path:
     holds a checkpoint already unless `force`."""
     if not path:
         raise InputError(f"{flag}: an empty path")
+    try:
+        path.encode("utf-8")  # the tokenizer's writer takes UTF-8 paths only
+    except UnicodeEncodeError:
+        raise InputError(f"{flag} {path!r}: not a UTF-8 path") from None
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} exists and is not a directory")

@@ -150,14 +150,21 @@ def test_dump_json_writes_null_for_nan_and_infinity():
 
 
 def test_simulate_json_of_a_trace_longer_than_the_context_has_no_nan(tmp_path, capsys):
-    """The only request exceeds the context: it is rejected, and the ratios over zero are null."""
+    """A request past the context is rejected and the JSON stays strict; a trace of nothing but such
+    requests would serve nothing, and is refused in one line."""
+    long = json.dumps({"timestamp": 0, "input_length": 200_000, "output_length": 5})
     trace = tmp_path / "t.jsonl"
-    trace.write_text(json.dumps({"timestamp": 0, "input_length": 200_000, "output_length": 5}) + "\n")
-    assert main(["simulate", "--model", "llama-3.1-8b", "--budget", "2GiB", "--trace", str(trace), "--jobs", "1",
-                 "--pools", "kvchain,ideal", "--json"]) == 0
+    trace.write_text(long + "\n" + json.dumps({"timestamp": 0, "input_length": 100, "output_length": 5}) + "\n")
+    argv = ["simulate", "--model", "llama-3.1-8b", "--budget", "2GiB", "--trace", str(trace), "--jobs", "1",
+            "--pools", "kvchain,ideal", "--json"]
+    assert main(argv) == 0
     out = _strict(capsys.readouterr().out)
     assert out["schema_version"] == SCHEMA_VERSION
     assert all(r["rejected"] == 1 for r in out["results"])
+    trace.write_text(long + "\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "none would be served" in err
 
 
 def _has_eta(columns) -> bool:

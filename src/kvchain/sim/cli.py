@@ -160,6 +160,23 @@ def _check_attention(model) -> None:
                          "pools by their attention pages: run `kvchain plan` for its state slots and concurrency")
 
 
+def _checked_model(args: argparse.Namespace):
+    """The model, once every flag it and the workload's source must agree with is checked (the
+    context set to what the run plans for)."""
+    if args.rate is not None and args.trace:
+        raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
+    if args.closed_loop and args.trace:
+        raise InputError("--closed-loop sets a generated workload's session arrivals; a trace's timestamps set them")
+    if args.host_budget and args.no_prefix_cache:
+        raise InputError("--host-budget backs kvchain's prefix tree, which --no-prefix-cache turns off")
+    model = load_model(args)
+    check_model_flags(model, args)
+    _check_attention(model)
+    args.context = check_context(model, args.context)
+    _check_pages(model, args.budget)
+    return model
+
+
 def run(args: argparse.Namespace) -> int:
     from ..units import format_bytes
     from .baselines import POOLS, PoolConfig
@@ -179,15 +196,7 @@ def run(args: argparse.Namespace) -> int:
     step_time = StepTimeModel.parse(args.step_time) if args.step_time else None
     if args.plot:
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
-    if args.rate is not None and args.trace:
-        raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
-    if args.closed_loop and args.trace:
-        raise InputError("--closed-loop sets a generated workload's session arrivals; a trace's timestamps set them")
-    model = load_model(args)
-    check_model_flags(model, args)
-    _check_attention(model)
-    args.context = check_context(model, args.context)
-    _check_pages(model, args.budget)
+    model = _checked_model(args)
     decls, spec = model.decls, None
     if (args.spec_tokens is None) != (args.spec_acceptance is None):
         raise InputError("--spec-tokens and --spec-acceptance go together")
@@ -234,14 +243,6 @@ def _run_stages(args: argparse.Namespace) -> int:
     from .pp_cli import check_pp_flags, run_pp
 
     check_pp_flags(args, DEFAULT_POOLS)
-    if args.rate is not None and args.trace:
-        raise InputError("--rate sets a generated workload's arrivals; a trace's timestamps set them")
-    if args.closed_loop and args.trace:
-        raise InputError("--closed-loop sets a generated workload's session arrivals; a trace's timestamps set them")
-    model = load_model(args)
-    check_model_flags(model, args)
-    _check_attention(model)
-    args.context = check_context(model, args.context)
-    _check_pages(model, args.budget)
+    model = _checked_model(args)
     requests = _served_requests(args)
     return run_pp(model, args, requests)

@@ -116,6 +116,8 @@ def test_make_checkpoint_checks_every_argument_before_writing(tmp_path, capsys):
         main(["make-checkpoint", "llama", str(target), "--seed", str(2**64)])
     assert refused.value.code == 2 and "--seed" in capsys.readouterr().err and not target.exists()
     assert main(["make-checkpoint", "llama", ""]) == 2 and "empty path" in capsys.readouterr().err
+    assert main(["make-checkpoint", "llama", f"{tmp_path}/ck_\udcff"]) == 2  # a byte no UTF-8 name holds
+    assert "not a UTF-8 path" in capsys.readouterr().err and not list(tmp_path.glob("ck_*"))
 
 
 def test_bad_paths_and_families_exit_2(tiny, tmp_path, capsys):
