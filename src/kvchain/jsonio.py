@@ -5,10 +5,11 @@ through here, so each refuses the same inputs with the same one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .errors import InputError
 
@@ -25,10 +26,13 @@ def loads(text: str, where: str, object_hook: Callable[[dict], Any] | None = Non
         raise InputError(f"{where}: invalid JSON: {e}") from None
 
 
-def read_text(path: str | Path, where: str) -> str:
-    """A file's text as UTF-8; a missing, unreadable or undecodable file is one `InputError`."""
+@contextlib.contextmanager
+def reading(path: str | Path, where: str) -> Iterator[TextIO]:
+    """A UTF-8 text file open for reading (line by line, for a file too long to hold whole); a
+    missing, unreadable or undecodable file, found at open or while reading, is one `InputError`."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with Path(path).open(encoding="utf-8") as f:
+            yield f
     except FileNotFoundError:
         raise InputError(f"{where}: no such file") from None
     except IsADirectoryError:
@@ -37,3 +41,9 @@ def read_text(path: str | Path, where: str) -> str:
         raise InputError(f"{where}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise InputError(f"{where}: cannot read ({e.strerror or e})") from None
+
+
+def read_text(path: str | Path, where: str) -> str:
+    """A file's text as UTF-8, refused as `reading` refuses it."""
+    with reading(path, where) as f:
+        return f.read()

@@ -516,27 +516,20 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
     path = Path(path)
     lines: list[_Line] = []
     held = 0
-    try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, text in enumerate(f, 1):
-                if limit is not None and len(lines) >= limit:
-                    break
-                if not text.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                obj = jsonio.loads(text, where)
-                line = _parse_line(obj, where, lineno, block_tokens)
-                held += line.input_length + (line.max_new or line.output_length)
-                if held > MAX_TRACE_TOKENS:
-                    raise InputError(f"{where}: the trace holds more than {MAX_TRACE_TOKENS:,} tokens so far; "
-                                     "replay fewer requests (--requests)")
-                lines.append(line)
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a folder, not a trace file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text: {e.reason}") from None
+    with jsonio.reading(path, f"trace {path}") as f:
+        for lineno, text in enumerate(f, 1):
+            if limit is not None and len(lines) >= limit:
+                break
+            if not text.strip():
+                continue
+            where = f"{path}:{lineno}"
+            obj = jsonio.loads(text, where)
+            line = _parse_line(obj, where, lineno, block_tokens)
+            held += line.input_length + (line.max_new or line.output_length)
+            if held > MAX_TRACE_TOKENS:
+                raise InputError(f"{where}: the trace holds more than {MAX_TRACE_TOKENS:,} tokens so far; "
+                                 "replay fewer requests (--requests)")
+            lines.append(line)
 
     times = [ln.time_ms for ln in lines if ln.step < 0]
     t0 = min(times) if times else 0.0
