@@ -9,6 +9,7 @@ stream, overlapped with scheduling (`ModelPool`). Greedy decoding."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,12 +87,12 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         n = self.num_speculative_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
             raise InputError(f"num_speculative_tokens must be a non-negative integer, not {n!r}")
 
 
 def _positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value <= 0:
         raise InputError(f"{name} must be a positive integer, not {value!r}")
 
 
