@@ -7,11 +7,11 @@ JOBS    ?= 2
 
 .PHONY: run test lint install clean mutation
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@bash scripts/install-torch.sh $(PY)
 	@bash scripts/install-nixl.sh $(PY)
-	@$(PY) -m pip install -q -e '.[test]'
+	@$(PY) -m pip install -q -e '.[test]' -c constraints.txt
 	@touch $(STAMP)
 
 install: $(STAMP)
