@@ -141,6 +141,7 @@ CASES = [
     ("compare-empty", ["trace", "compare", "--trace", "{empty_jsonl}"], "no runs"),
     ("budget-half-byte", [*PLAN[:3], "--budget", "0.5"], "at least one byte"),
     ("budget-pib", [*PLAN[:3], "--budget", "2PiB"], "1024TiB"),
+    ("bench-pressure-roomy", ["bench", "alloc", "--profile", "roomy", "--pressure", "0.5"], "--pressure"),
     ("host-without-tree", [*SIM, "--host-budget", "1GiB", "--no-prefix-cache"], "--no-prefix-cache"),
     ("bench-pd-budget", ["bench", "pd", "--engine", "gloo", "--budget", "1"], "do not fit"),
     ("bench-pd-tokens", ["bench", "pd", "--engine", "gloo", "--tokens", "100000000000"], "do not fit"),

@@ -24,8 +24,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     alloc.add_argument("--seed", type=seed_int, default=0)
     alloc.add_argument("--profile", choices=("both", "roomy", "pressure"), default="both",
                        help="roomy: 4x the workload's bytes, nothing moves; pressure: --pressure of them")
-    alloc.add_argument("--pressure", type=share, default=DEFAULT_PRESSURE,
-                       help="the pressure profile's chain bytes over the workload's unrefused peak")
+    alloc.add_argument("--pressure", type=share, default=None,
+                       help="the pressure profile's chain bytes over the workload's unrefused peak "
+                            f"(default {DEFAULT_PRESSURE})")
     alloc.add_argument("--json", action="store_true")
     moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_, "
                            "swept over page sizes and torch threads")
@@ -91,10 +92,13 @@ def run(args: argparse.Namespace) -> int:
         from .alloc import PROFILES, run_alloc_bench
 
         profiles = PROFILES if args.profile == "both" else (args.profile,)
+        if args.pressure is not None and "pressure" not in profiles:
+            raise InputError("--pressure sizes the pressure profile, which --profile roomy leaves out")
         with progress(disable=args.json, unit="iterations") as bar:
             task = bar.add_task("bench alloc", total=args.iters)
             result = run_alloc_bench(iters=args.iters, batch=args.batch, page_size=args.page_size, seed=args.seed,
-                                     profiles=profiles, pressure=args.pressure,
+                                     profiles=profiles,
+                                     pressure=DEFAULT_PRESSURE if args.pressure is None else args.pressure,
                                      progress=lambda n: bar.advance(task, n))
         if args.json:
             print(dump_json(result))

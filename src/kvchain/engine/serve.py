@@ -232,6 +232,13 @@ class Engine:
 
     def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        if config.host_budget is not None:  # refused before the checkpoint loads and the arena is taken
+            if config.draft_model_path is not None or config.num_speculative_tokens:
+                raise InputError("a host tier (host_budget; --host-budget on the command line) with a draft model: "
+                                 "the host tier under speculative decoding is not built")
+            if not config.prefix_cache:
+                raise InputError("a host tier backs the prefix cache: host_budget needs prefix_cache on (on the "
+                                 "command line, drop --no-prefix-cache)")
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         spec = checkpoint.model_spec()
@@ -253,8 +260,6 @@ class Engine:
             self.pool = ModelPool(self.storage, self.runner, **pool_kwargs)
         check_token_budget(self.pool, config.max_batched_tokens, config.max_running)
         if config.host_budget is not None:
-            if draft is not None:
-                raise InputError("host_budget with a draft model: the host tier under speculative decoding is not built")
             self.pool.enable_host_tier(config.host_budget)
         self._rid = 0
 
