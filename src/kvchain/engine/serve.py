@@ -237,7 +237,7 @@ class Engine:
                 raise InputError("a host tier (host_budget; --host-budget on the command line) with a draft model: "
                                  "the host tier under speculative decoding is not built")
             if not config.prefix_cache:
-                raise InputError("a host tier backs the prefix cache: host_budget needs prefix_cache on (on the "
+                raise InputError("a host tier backs the prefix cache: host_budget needs prefix caching on (prefix_cache; on the "
                                  "command line, drop --no-prefix-cache)")
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
