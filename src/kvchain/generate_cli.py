@@ -105,13 +105,12 @@ def _check_requests(args: argparse.Namespace, checkpoint, requests: list) -> Non
     """What the checkpoint alone says about the flags and prompts, before any process starts: a
     context past the model's, state flags for a model without state, ids outside the vocabulary,
     and a prompt the context can never hold."""
-    from .cli_common import check_context
+    from .cli_common import check_context, has_state
     from .engine.serve import engine_context
 
     spec = checkpoint.model_spec()
     check_context(spec, args.context)
-    if args.checkpoint_interval is not None and spec.decls and not any(
-            not part.is_attention for decl in spec.decls for part in decl.parts):
+    if args.checkpoint_interval is not None and not has_state(spec):
         raise InputError(f"--checkpoint-interval: {args.model_path} has no recurrent state")
     vocab = int(checkpoint.model.get_input_embeddings().num_embeddings)
     context = engine_context(args.context, spec)
