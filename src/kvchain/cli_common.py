@@ -199,11 +199,6 @@ def has_state(model: ModelSpec) -> bool:
     return any(not part.is_attention for decl in model.decls for part in decl.parts)
 
 
-def read_json(text: str, where: str) -> Any:
-    """Parse JSON a user handed in, as one `InputError` for every way it can be wrong."""
-    return jsonio.loads(text, where)
-
-
 def read_json_file(path: str | os.PathLike, what: str) -> Any:
     """The JSON document in a file, or one `InputError` naming the file."""
     where = f"{what} {path}"

@@ -106,7 +106,7 @@ def _check_requests(args: argparse.Namespace, checkpoint, requests: list) -> Non
     context past the model's, state flags for a model without state, ids outside the vocabulary,
     and a prompt the context can never hold."""
     from .cli_common import check_context, has_state
-    from .engine.serve import engine_context
+    from .engine.serve import checked_prompt, engine_context
 
     spec = checkpoint.model_spec()
     check_context(spec, args.context)
@@ -115,11 +115,9 @@ def _check_requests(args: argparse.Namespace, checkpoint, requests: list) -> Non
     vocab = int(checkpoint.model.get_input_embeddings().num_embeddings)
     context = engine_context(args.context, spec)
     for i, req in enumerate(requests):
-        ids = req.prompt_token_ids
-        if any(not 0 <= t < vocab for t in ids):
-            raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
-        if len(ids) >= context:
-            raise InputError(f"request {i}: its {len(ids)} prompt tokens reach the context length {context}; "
+        n = len(checked_prompt(i, req, vocab))
+        if n >= context:
+            raise InputError(f"request {i}: its {n} prompt tokens reach the context length {context}; "
                              "give a larger --context or a shorter prompt")
 
 

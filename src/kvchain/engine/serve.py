@@ -221,6 +221,28 @@ def _backend(device: str, forward_delay: float, inline: bool = False) -> tuple[D
     raise InputError(f"device must be cpu or cuda, not {device!r}")
 
 
+def checked_prompt(i: int, request: GenerateRequest, vocab: int) -> np.ndarray:
+    """Request `i`'s prompt as int64 ids, refused (`InputError`) unless every id is an integer in
+    [0, vocab) and `max_new_tokens` a positive integer."""
+    ids = list(request.prompt_token_ids)
+    if np.asarray(ids).dtype.kind in "fbcUSV":  # floats, bools, strings: no cast makes them ids
+        raise InputError(f"request {i}: token ids must be integers in [0, {vocab})")
+    try:
+        prompt = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an integer past int64 is past the vocabulary too
+        raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model") from None
+    except (TypeError, ValueError):
+        raise InputError(f"request {i}: token ids must be integers in [0, {vocab})") from None
+    if prompt.ndim != 1 or not len(prompt):
+        raise InputError(f"request {i}: a prompt needs at least one token id")
+    if prompt.min() < 0 or prompt.max() >= vocab:
+        raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
+    n = request.max_new_tokens
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {n!r}")
+    return prompt
+
+
 def engine_context(context_len: int | None, spec) -> int:
     """The longest sequence an engine serves: `context_len` when given, else the model's capped at
     4,096."""
@@ -273,19 +295,7 @@ class Engine:
         context = self.storage.table.context_len
         asked = []
         for i, r in enumerate(requests):
-            try:  # an id past int64 fails the conversion; a float or a bool converts to another kind
-                prompt = np.asarray(list(r.prompt_token_ids))
-                if prompt.size and prompt.dtype.kind not in "iu":
-                    raise TypeError
-                prompt = prompt.astype(np.int64)
-            except (OverflowError, TypeError, ValueError):
-                raise InputError(f"request {i}: token ids must be integers in [0, {vocab})") from None
-            if prompt.ndim != 1 or not len(prompt):
-                raise InputError(f"request {i}: a prompt needs at least one token id")
-            if prompt.min() < 0 or prompt.max() >= vocab:
-                raise InputError(f"request {i}: token ids must lie in [0, {vocab}) for this model")
-            if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
-                raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {r.max_new_tokens!r}")
+            prompt = checked_prompt(i, r, vocab)
             asked.append(r.max_new_tokens)
             # no sequence outgrows the context: what lies past it is never generated nor held
             max_new = min(r.max_new_tokens, context)

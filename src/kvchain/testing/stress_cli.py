@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import jsonio
 from ..cli_common import (
     bounded_int,
     check_output_dir,
@@ -21,7 +22,6 @@ from ..cli_common import (
     dump_json,
     path_arg,
     progress,
-    read_json,
     read_json_file,
     say,
 )
@@ -180,7 +180,7 @@ def check_trace_shape(path: Path) -> None:
         if not text.strip():
             continue
         where = f"{path}:{k}"
-        run = _object(read_json(text, where), where)
+        run = _object(jsonio.loads(text, where), where)
         _field(run, "run", "str", where)
         config = _object(run.get("config"), f"{where}: config")
         _field(config, "name", "str", f"{where}: config")
