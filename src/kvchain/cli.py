@@ -164,13 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # an error line names the command as typed: `bench alloc`, `trace compare`
+    command = f"{args.command} {args.action}" if getattr(args, "action", None) else args.command
     try:
         return int(args.run(args) or 0)
     except KVChainError as e:
-        return report_error(args.command, e)
+        return report_error(command, e)
     except OSError as e:  # a write the checks up front could not foresee: a full disk, a read-only mount
         where = f"{e.filename}: " if e.filename else ""
-        return report_error(args.command, f"cannot write or read {where}{e.strerror or e}")
+        return report_error(command, f"cannot write or read {where}{e.strerror or e}")
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130

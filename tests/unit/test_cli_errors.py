@@ -218,3 +218,12 @@ def test_stress_listings_and_replays_print_json_when_asked(tmp_path, capsys):
     assert main(["stress", "--replay", str(case), "--json"]) == 0
     replayed = _json.loads(capsys.readouterr().out)
     assert replayed["ops"] == 5 and replayed["failure"] is None
+
+
+def test_an_error_line_names_the_command_as_typed(tmp_path, capsys):
+    """A refusal found while a sub-command runs names it whole (`kvchain trace compare:`), as
+    argparse's own refusals do."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["trace", "compare", "--trace", str(empty)]) == 2
+    assert capsys.readouterr().err.startswith("kvchain trace compare: error: --trace"), "the sub-command is named"

@@ -16,7 +16,7 @@ REQUESTS = bounded_int(10_000, "each request is served in every repeat")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", required=True)
+    sub = p.add_subparsers(dest="action", required=True)
     alloc = sub.add_parser("alloc", help="host us per decode iteration: chain allocator vs a static pool")
     alloc.add_argument("--iters", type=positive_int, default=2000)
     alloc.add_argument("--batch", type=positive_int, default=256)
@@ -72,13 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
     from ..errors import InputError
 
-    if args.bench == "engine":
+    if args.action == "engine":
         return _run_engine(args)
-    if args.bench == "pd":
+    if args.action == "pd":
         return _run_pd(args)
-    if args.bench == "host":
+    if args.action == "host":
         return _run_host(args)
-    if args.bench == "spec":
+    if args.action == "spec":
         from .spec import render_spec_bench, run_spec_bench
 
         result = run_spec_bench(family=args.family, requests=args.requests, k=args.num_speculative_tokens,
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             render_spec_bench(result, Console())
         return 0
-    if args.bench == "alloc":
+    if args.action == "alloc":
         from .alloc import PROFILES, run_alloc_bench
 
         profiles = PROFILES if args.profile == "both" else (args.profile,)

@@ -523,7 +523,7 @@ def run_stress(args: argparse.Namespace) -> int:
 
 
 def configure_trace(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="trace", required=True, parser_class=type(p))
+    sub = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     rec = sub.add_parser("record", help="record allocator traces from the scenarios and seeds")
     rec.add_argument("--page-sizes", type=_page_sizes, default=[1, 16, 64], help="e.g. 1,16,64 (default)")
     rec.add_argument("--out", type=path_arg, required=True, help="the JSONL trace to write")
@@ -554,7 +554,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from . import trace
 
     console = Console()
-    if args.trace == "record":
+    if args.action == "record":
         check_output_file(args.out, "--out")
         scenarios = trace.load_scenarios(_scenario_folder(args.scenarios))
         n = trace.write_jsonl(trace.record_runs(args.page_sizes, scenarios, args.seeds, args.steps), args.out)
