@@ -20,12 +20,12 @@ run: $(STAMP)
 	@$(VENV)/bin/kvchain simulate --model qwen3-next-80b --budget 80GiB --workload mixed --jobs $(JOBS)
 
 test: $(STAMP)
-	@$(VENV)/bin/ruff check src tests
+	@$(VENV)/bin/ruff check src tests examples
 	@$(VENV)/bin/lint-imports --no-cache --no-logo
 	@$(PY) -m pytest -q -n $(JOBS)
 
 lint: $(STAMP)
-	@$(VENV)/bin/ruff check src tests
+	@$(VENV)/bin/ruff check src tests examples
 	@$(VENV)/bin/lint-imports --no-cache --no-logo
 
 clean:
