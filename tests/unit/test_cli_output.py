@@ -215,3 +215,49 @@ def test_stress_bar_has_an_eta(monkeypatch, capsys):
     assert main(["stress", "--seeds", "0:2", "--ops", "30"]) == 0
     capsys.readouterr()
     assert len(seen) == 1 and _has_eta(seen[0])
+
+
+@pytest.mark.parametrize("timed", [True, False], ids=["seconds", "steps"])
+def test_simulate_tables_keep_every_figure_whole_at_real_scale(timed, capsys):
+    """Figures as large as a real run's (the default `make run` trace with the step-time model:
+    TTFT p99 343.47 s, 16,295 steps) and larger: each table fits 100 columns, stacked into two
+    where it must, and every figure and pool name is printed whole on one line (a folded cell,
+    "238.90/343.4" then "7" on the next line, is a cut number)."""
+    from kvchain.sim.compare import Comparison
+    from kvchain.sim.report import render_comparison
+    from kvchain.sim.runner import PoolResult
+
+    def result(pool: str, k: float) -> PoolResult:
+        return PoolResult(pool=pool, requests=2000, steps=int(16_295 * k), throughput=247.4, mean_concurrency=247.5,
+                          peak_running=256, utilisation=0.981, utilisation_mean=0.9, throughput_overall=240.0,
+                          concurrency_overall=240.0, saturated_steps=15_000, hit_rate=0.108, queue_delay=0.0,
+                          preemptions=int(123_456 * k), finished=2000, aborted=0, rejected=0, output_tokens=3_000_000,
+                          recomputed_tokens=int(12_345_678 * k),
+                          ttft_steps={"p50": 3039.0 * k, "p99": 4781.0 * k}, tpot_steps={"p50": 1.0, "p99": 12.25 * k},
+                          seconds=876.8 * k if timed else None, tokens_per_second=2601.0 / k if timed else None,
+                          ttft_s={"p50": 291.36 * k, "p99": 343.47 * k} if timed else None,
+                          tpot_s={"p50": 0.0923 * k, "p99": 0.2028 * k} if timed else None)
+
+    def short(x: float) -> str:  # three significant figures, at least the integer part
+        return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+    def _pair(d: dict, scale: float = 1.0) -> str:
+        return f"{short(d['p50'] * scale)}/{short(d['p99'] * scale)}"
+
+    pools = ["kvchain", "vllm-hybrid", "sglang-static", "static-default", "ideal"]
+    results = [result(p, 1.0 + 11 * i) for i, p in enumerate(pools)]
+    comparison = Comparison(results=results, histories={})
+    args = type("Args", (), {"budget": 80 * 2**30, "trace": None, "workload": "mixed"})()
+    console = narrow_console()
+    render_comparison(type("Model", (), {"name": "qwen3-next-80b"})(), args, comparison, console)
+    text = console.export_text()
+    assert_fits(text)
+    lines = text.splitlines()
+    for r in results:
+        figures = [r.pool, f"{r.steps:,}", f"{r.preemptions:,}", f"{r.recomputed_tokens:,}"]
+        if timed:
+            figures += [f"{r.seconds:,.1f}", _pair(r.ttft_s), _pair(r.tpot_s, 1e3)]
+        else:
+            figures += [_pair(r.ttft_steps), _pair(r.tpot_steps)]
+        for figure in figures:
+            assert any(re.search(rf"│ *{re.escape(figure)} *│", line) for line in lines), (figure, text)

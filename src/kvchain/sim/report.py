@@ -9,6 +9,7 @@ ended with requests waiting, where a pool's memory sets the pace) and are labell
 from __future__ import annotations
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from ..units import format_bytes
@@ -34,22 +35,59 @@ def comparison_json(model, args, result: Comparison) -> dict:
     }
 
 
-def _p(d: dict | None, key: str, fmt: str) -> str:
-    return format(d[key], fmt) if d and key in d else "-"
-
-
 #: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
 TABLE_WIDTH = 100
 
 
 def _table(title: str, columns: list[str]) -> Table:
     """Headers are broken onto lines no wider than their figures, so the tables keep their natural
-    width within 100 columns and no cell is squeezed; were one too narrow anyway, `fold` breaks a
-    word rather than hiding its end behind an ellipsis."""
+    width; `fold` would break a word rather than hide its end behind an ellipsis, but `_print_fitted`
+    never lets a table be squeezed that far."""
     table = Table(title=title, title_justify="left")
     for c in columns:
         table.add_column(c, justify="left" if c == "pool" else "right", overflow="fold")
     return table
+
+
+def _natural_width(console: Console, table: Table) -> int:
+    """The width `table` takes unsqueezed (measured as if the console had no right edge)."""
+    return Measurement.get(console, console.options.update_width(10**6), table).maximum
+
+
+def _print_fitted(console: Console, title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """One table of `columns` (the first is the pool), or, where its natural width is past the
+    console's, consecutive tables of as many columns as fit, each led by the pool column: a figure
+    is never folded onto two lines nor cut."""
+    def build(title: str, cols: list[int]) -> Table:
+        table = _table(title, [columns[i] for i in cols])
+        for row in rows:
+            table.add_row(*(row[i] for i in cols))
+        return table
+
+    pending = list(range(1, len(columns)))
+    part = 0
+    while pending:
+        cols = [0, pending[0]]
+        for i in pending[1:]:
+            if _natural_width(console, build(title, [*cols, i])) > console.width:
+                break
+            cols.append(i)
+        pending = pending[len(cols) - 1:]
+        part += 1
+        name = title if part == 1 and not pending else f"{title} ({part})"
+        console.print(build(name, cols))
+
+
+def _short(x: float) -> str:
+    """Three significant figures, at least the integer part: 0.412, 4.12, 41.2, 412, 4,120."""
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+
+
+def _pair(d: dict | None, scale: float = 1.0) -> str:
+    """p50/p99 of a latency summary, each to three significant figures ("-" where absent)."""
+    return "/".join(_short(d[k] * scale) if d and k in d else "-" for k in ("p50", "p99"))
 
 
 def headline_text(result: Comparison) -> str:
@@ -86,36 +124,29 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     else:
         cols += ["TTFT\np50/p99\nsteps", "TPOT\np50/p99\nsteps"]
     cols += ["pre-\nempted", "recomp.\ntokens"]
-    whole = _table("Whole run", cols)
-    memory = _table("Slice: at saturation (steps with requests waiting), and requests", ["pool", "hit\nrate", "tok/\nstep", "running", "memory\nused",
-                                                     "peak", "aborted", "rejected", "finished"])
+    whole, memory = [], []
     for r in result.results:
         ratio = steps.get(r.pool)
         row = [r.pool, f"{r.steps:,}", f"{1 / ratio:.3f}x" if ratio else "-"]
         if timed:
-            tpot_ms = r.tpot_s and {k: v * 1e3 for k, v in r.tpot_s.items()}
-            row += [f"{r.seconds:,.1f}", f"{r.tokens_per_second:,.0f}",
-                    f"{_p(r.ttft_s, 'p50', '.2f')}/{_p(r.ttft_s, 'p99', '.2f')}",
-                    f"{_p(tpot_ms, 'p50', '.1f')}/{_p(tpot_ms, 'p99', '.1f')}"]
+            row += [f"{r.seconds:,.1f}", f"{r.tokens_per_second:,.0f}", _pair(r.ttft_s), _pair(r.tpot_s, 1e3)]
         else:
-            row += [f"{_p(r.ttft_steps, 'p50', '.0f')}/{_p(r.ttft_steps, 'p99', '.0f')}",
-                    f"{_p(r.tpot_steps, 'p50', '.2f')}/{_p(r.tpot_steps, 'p99', '.2f')}"]
-        row += [f"{r.preemptions:,}", f"{r.recomputed_tokens:,}"]
-        whole.add_row(*row)
-        memory.add_row(r.pool, f"{r.hit_rate:.1%}", f"{r.throughput:,.1f}", f"{r.mean_concurrency:,.1f}",
+            row += [_pair(r.ttft_steps), _pair(r.tpot_steps)]
+        whole.append([*row, f"{r.preemptions:,}", f"{r.recomputed_tokens:,}"])
+        memory.append([r.pool, f"{r.hit_rate:.1%}", f"{r.throughput:,.1f}", f"{r.mean_concurrency:,.1f}",
                        f"{r.utilisation:.1%}", f"{r.peak_running:,}", f"{r.aborted:,}", f"{r.rejected:,}",
-                       f"{r.finished:,}")
-    console.print(whole)
-    console.print(memory)
+                       f"{r.finished:,}"])
+    _print_fitted(console, "Whole run", cols, whole)
+    _print_fitted(console, "Slice: at saturation (steps with requests waiting), and requests",
+                  ["pool", "hit\nrate", "tok/\nstep", "running", "memory\nused", "peak", "aborted", "rejected",
+                   "finished"], memory)
     hosted = [r for r in result.results if r.host is not None]
     if hosted:
-        host = _table("Host tier", ["pool", "hit rate\ndevice", "hit rate\nhost", "swapped\ntokens",
-                                    "recomp.\ntokens", "copied", "loads", "swaps\nrefused"])
-        for r in hosted:
-            host.add_row(r.pool, f"{r.device_hit_rate:.1%}", f"{r.host_hit_rate:.1%}", f"{r.swapped_tokens:,}",
-                         f"{r.recomputed_tokens:,}", format_bytes(r.host_copied_bytes), f"{r.host['loads']:,}",
-                         f"{r.host['swap_refused']:,}")
-        console.print(host)
+        _print_fitted(console, "Host tier", ["pool", "hit rate\ndevice", "hit rate\nhost", "swapped\ntokens",
+                                             "recomp.\ntokens", "copied", "loads", "swaps\nrefused"],
+                      [[r.pool, f"{r.device_hit_rate:.1%}", f"{r.host_hit_rate:.1%}", f"{r.swapped_tokens:,}",
+                        f"{r.recomputed_tokens:,}", format_bytes(r.host_copied_bytes), f"{r.host['loads']:,}",
+                        f"{r.host['swap_refused']:,}"] for r in hosted])
     console.print("steps: to serve the whole trace; kvchain / pool: kvchain's steps over the pool's (below 1: "
                   "kvchain serves it in fewer); the saturation slice averages only the steps that ended with "
                   "requests waiting, not the whole run; memory used: bytes running requests and the prefix "
