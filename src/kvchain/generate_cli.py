@@ -16,7 +16,8 @@ from .errors import InputError
 def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", required=True, help="a checkpoint directory: config.json and *.safetensors")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", nargs="+", help="one or more prompts as text (needs a tokenizer in the directory)")
+    src.add_argument("--prompt", nargs="+", action="extend",
+                     help="one or more prompts as text (needs a tokenizer in the directory); the flag may repeat")
     src.add_argument("--prompts", help='a JSONL file: one request a line, {"prompt_token_ids": [...]} or '
                      '{"prompt": "text"}, each with an optional "max_new_tokens"')
     p.add_argument("--max-new-tokens", type=positive_int, default=16,

@@ -49,6 +49,14 @@ def test_generate_text_prints_tables(tiny, capsys):
     assert "throughput" in text and "prefix hits" in text and "compaction moves" in text
 
 
+def test_a_repeated_prompt_flag_adds_prompts(tiny, capsys):
+    """`--prompt A --prompt B C` serves all three, in order (a repeated flag once kept only its last)."""
+    assert main(["generate", "--model-path", str(tiny), "--prompt", "ab", "--prompt", "cd", "efg",
+                 "--max-new-tokens", "2", "--budget", "4MiB", "--json"]) == 0
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
+    assert [o["token_ids"] for o in outputs] == [_greedy(tiny, list(p), 2) for p in (b"ab", b"cd", b"efg")]
+
+
 @pytest.mark.parametrize(("line", "message"), [
     ("not json", "invalid JSON"),
     ('{"prompt_token_ids": [' + "9" * 5000 + "]}", "invalid JSON"),
