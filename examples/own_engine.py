@@ -283,7 +283,8 @@ class OwnEngine:
             vtok = self._grow(req, n)
             while vtok is None and req.row != -1:
                 if len(self.running) == 1:
-                    raise CapacityError(f"request {req.rid} alone does not fit the pool")
+                    raise CapacityError(f"request {req.rid} at {req.pos + n} tokens does not fit the pool even alone: "
+                                        "raise the budget")
                 plan.pop(self._preempt_newest().rid, None)
                 if req.row != -1:
                     vtok = self._grow(req, n)
