@@ -1,4 +1,5 @@
-"""Every Python example in README.md and docs/*.md runs as written, or says it is a fragment.
+"""Every Python example in README.md and docs/*.md runs as written, or says it is a fragment; and
+every name `kvchain` exports is documented.
 
 A fenced block opened by exactly "```python" is run as a script in a fresh interpreter (this one's
 `sys.executable`, in an empty temporary directory, with the environment as it is) and must exit 0.
@@ -121,3 +122,13 @@ def test_block_runs(key: str, tmp_path: Path):
         pytest.fail(f"{where}: still running after {TIMEOUT_S} s\nstderr tail:\n{_tail(stderr)}")
     if proc.returncode != 0:
         pytest.fail(f"{where}: exit code {proc.returncode}\nstderr tail:\n{_tail(proc.stderr)}")
+
+
+def test_every_public_name_is_documented():
+    """Each name `kvchain` exports (`__all__`) appears, as a word, in docs/api.md or the page it
+    points to for it: a new entry point comes with its documentation."""
+    import kvchain
+
+    docs = "\n".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs").glob("*.md")))
+    missing = [name for name in kvchain.__all__ if not re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", docs)]
+    assert not missing, f"exported but named in no page of docs/: {missing}"

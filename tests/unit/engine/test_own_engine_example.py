@@ -56,3 +56,44 @@ def test_the_example_catches_a_forward_reading_virtual_page_ids(own_engine, monk
     monkeypatch.setattr(KVStorage, "runner_ids", untranslated)
     with pytest.raises(AssertionError, match="!= dense"):
         own_engine.run(24, TIGHT_KIB, seed=0)
+
+
+def _draw(seed: int) -> dict:
+    """A configuration of the example's engine from `seed` alone: page size, token budget, batch
+    cap, budget (from below the floor to roomy), request count and overlap."""
+    rng = np.random.default_rng(seed)
+    return {
+        "page_size": int(rng.choice([1, 2, 4, 8, 16, 32, 64])),
+        "token_budget": int(rng.choice([1, 3, 8, 17, 32, 96, 256])),
+        "max_running": int(rng.choice([1, 2, 4, 8, 16])),
+        "budget_kib": int(rng.choice([420, 470, 520, 600, 700, 900, 1200, 4000])),
+        "requests": int(rng.choice([4, 12, 24, 40])),
+        "overlap": bool(rng.random() < 0.75),
+    }
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("seed", range(200))
+def test_the_example_matches_the_dense_model_on_drawn_configurations(own_engine, seed):
+    """Every drawn configuration the pool accepts serves every request with the dense model's tokens
+    and leaves the pool idle; one it cannot serve is refused with a typed error before a token is
+    wrong (a budget below the floor, a request that does not fit even alone)."""
+    from kvchain.errors import BudgetError, CapacityError
+
+    c = _draw(seed)
+    model, reqs = own_engine.ToyHybrid(seed), own_engine.make_requests(c["requests"], seed)
+    try:
+        engine = own_engine.OwnEngine(model, c["budget_kib"] * 1024, page_size=c["page_size"],
+                                      max_running=c["max_running"], token_budget=c["token_budget"],
+                                      overlap=c["overlap"])
+    except BudgetError:
+        pytest.skip(f"below the floor: {c}")
+    try:
+        engine.serve(reqs)
+    except CapacityError as e:
+        assert "even alone" in str(e), (c, e)
+        pytest.skip(f"a request larger than the pool: {c}")
+    finally:
+        engine.device.close()
+    for req in reqs:
+        assert req.output == model.generate_dense(req.prompt, req.max_new), (c, req.rid)
