@@ -131,7 +131,7 @@ def bench_node(stage: int, n: int, port: int, kind: str, repeats: int, requests:
 def run_pd_bench(engine: str = "nixl", repeats: int = 5, requests: int = 8, tokens: int = 2048,
                  budget: int = 256 * 2**20, timeout_s: float = 300.0) -> dict:
     """Two processes on the loopback interface; the prefill side's numbers."""
-    from ..dist.pp import run_stage_processes
+    from ..dist.pp import failures, run_stage_processes
     from ..errors import InputError, KVChainError
 
     # the rows each process lays out, first on a `meta` arena here: a budget or a size they cannot
@@ -143,7 +143,7 @@ def run_pd_bench(engine: str = "nixl", repeats: int = 5, requests: int = 8, toke
                          f"({type(e).__name__}: {e})") from None
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     out = run_stage_processes(bench_node, 2, (engine, repeats, requests, tokens, budget), timeout_s=timeout_s, env=env)
-    bad = [f"process {s}: {str(v[1]).strip().splitlines()[0]}" for s, v in sorted(out.items()) if v[0] != "ok"]
+    bad = [f"process {s}: {text}" for s, _status, text in failures(out)]  # the first to fail first
     if bad:
         raise KVChainError("bench pd: " + "; ".join(bad))
     return out[0][1]

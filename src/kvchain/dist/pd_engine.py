@@ -35,7 +35,7 @@ from ..errors import KVChainError
 from .pd import DecodeNode, PrefillNode, Received, Refused, deferred_publication, layout_digest
 from .pd_auth import PDListener
 from .pd_link import PDLink, hello
-from .pp import run_stage_processes
+from .pp import failures, run_stage_processes
 from .transfer import make_engine
 
 
@@ -225,11 +225,9 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     t0 = time.perf_counter()
     out = run_stage_processes(_node, 2, (str(path), config, requests, kind, secret), timeout_s=timeout_s, env=env)
-    bad = {s: v for s, v in out.items() if v[0] != "ok"}
-    if bad:  # one line: each failed node's first line, the decode node's first (its failure ends the prefill's)
-        raise KVChainError("generate --pd: " + "; ".join(
-            f"the {NODE_NAMES[s]} node: {str(bad[s][1]).splitlines()[0] if bad[s][1] else bad[s][0]}"
-            for s in sorted(bad, reverse=True)))
+    bad = failures(out)
+    if bad:  # one line: each failed node's first line, the first to fail first (the others failed after it)
+        raise KVChainError("generate --pd: " + "; ".join(f"the {NODE_NAMES[s]} node: {text}" for s, _status, text in bad))
     pre, dec = out[0][1], out[1][1]
     if report is not None:
         report.update(prefill_seconds=pre["seconds"], decode_seconds=dec["seconds"], decode_steps=dec["steps"],

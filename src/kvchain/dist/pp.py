@@ -152,9 +152,10 @@ def run_stage_processes(target: Callable[..., Any], n_stages: int, args: tuple =
                         env: dict[str, str] | None = None, start_method: str | None = None
                         ) -> dict[int, tuple[str, Any]]:
     """Run `target(stage, n_stages, port, *args)` in one process per stage and return each stage's
-    ("ok", result) or ("error", text). Stops waiting at the first error or after `timeout_s`; a
-    stage that did not report is ("timeout", None), or ("timeout", text) naming the exit code of
-    a process that ended on its own without reporting. Every process it started is ended before it
+    ("ok", result) or ("error", text), in the order the reports arrived (`first_failure` reads
+    that order). Stops waiting at the first error or after `timeout_s`; a stage that did not
+    report comes after those that did, as ("timeout", None), or ("timeout", text) naming the exit
+    code of a process that ended on its own without reporting. Every process it started is ended before it
     returns. Processes start from `stage_context(start_method)`: `target` and `args` are pickled
     (a module-level function), and each process runs with this process's environment as it is
     now, updated with `env`."""
@@ -198,3 +199,12 @@ def run_stage_processes(target: Callable[..., Any], n_stages: int, args: tuple =
             code = procs[s].exitcode
             out[s] = ("timeout", None if code in (None, -15, -9) else f"ended with exit code {code} without a report")
     return out
+
+
+def failures(out: dict[int, tuple[str, Any]]) -> list[tuple[int, str, str]]:
+    """The stages of a `run_stage_processes` result that did not end "ok", as (stage, status, first
+    line), in the order they reported: the first is the root cause, since a stage that fails first
+    reports first and its peers fail after it, on the link it left (a stage that never reported
+    comes last)."""
+    return [(s, status, str(value).splitlines()[0] if value else "no answer within the time allowed")
+            for s, (status, value) in out.items() if status != "ok"]

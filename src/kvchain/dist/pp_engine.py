@@ -42,7 +42,7 @@ from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
 from ..errors import InputError, InvariantError
 from ..plan import KVStoragePlan, plan_stages, stage_layer_ranges
 from ..sizing import size_stages
-from .pp import StageLink, run_stage_processes
+from .pp import StageLink, failures, run_stage_processes
 from .pp_spec import RelayedSpeculativePool
 
 
@@ -293,11 +293,8 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
     out = run_stage_processes(generate_stage_process, n_stages, (path, config, requests, partition),
                               timeout_s=timeout_s, env=env)
-    for stage in range(n_stages):
-        status, value = out[stage]
-        if status != "ok":
-            text = str(value).splitlines()[0] if value else "no answer within the time allowed"
-            raise _stage_error(stage, status, text)
+    for stage, status, text in failures(out)[:1]:  # the first to fail: the others failed after it
+        raise _stage_error(stage, status, text)
     runs = [out[s][1] for s in range(n_stages)]
     for run in runs:
         _as_tensors(run.result)

@@ -36,7 +36,7 @@ from ..models.registry import model_from_config
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from ..units import dtype_name
-from .pp import run_stage_processes
+from .pp import failures, run_stage_processes
 from .pp_engine import _as_tensors, _by_value, _stage_error
 from .tp import RankLink, check_rank_agreement, check_same_layout, digest
 from .tp_shard import check_split, shard_model
@@ -130,11 +130,8 @@ def generate_in_ranks(path: str, config: EngineConfig, requests: list[GenerateRe
     refuse_unbuilt(config, "tensor-parallel ranks")  # in the parent, before any process starts
     out = run_stage_processes(generate_rank_process, n_ranks, (path, config, requests), timeout_s=timeout_s,
                               env=env)
-    for rank in range(n_ranks):
-        status, value = out[rank]
-        if status != "ok":
-            text = str(value).splitlines()[0] if value else "no answer within the time allowed"
-            raise _stage_error(rank, status, text, "rank")
+    for rank, status, text in failures(out)[:1]:  # the first to fail: the others failed after it
+        raise _stage_error(rank, status, text, "rank")
     runs = [out[r][1] for r in range(n_ranks)]
     for run in runs:
         _as_tensors(run.result)

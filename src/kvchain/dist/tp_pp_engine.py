@@ -43,7 +43,7 @@ from ..models.registry import model_from_config
 from ..plan import plan_stages, stage_layer_ranges
 from ..sizing import size_stages
 from ..units import dtype_name
-from .pp import StageLink, loopback_env, run_stage_processes
+from .pp import StageLink, failures, loopback_env, run_stage_processes
 from .pp_engine import StageRunner, _as_tensors, _by_value, _stage_error, check_stage_split
 from .tp import RankLink, check_same_layout
 from .tp_engine import agree_with_ranks, check_tp_split, shard_model
@@ -190,12 +190,9 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
     n = n_ranks * n_stages
     out = run_stage_processes(generate_grid_process, n, (n_ranks, path, config, requests, partition),
                               timeout_s=timeout_s, env=env)
-    for process in range(n):
-        status, value = out[process]
-        if status != "ok":
-            text = str(value).splitlines()[0] if value else "no answer within the time allowed"
-            stage, rank = divmod(process, n_ranks)
-            raise _stage_error(stage, status, text, f"rank {rank} of stage")
+    for process, status, text in failures(out)[:1]:  # the first to fail: the others failed after it
+        stage, rank = divmod(process, n_ranks)
+        raise _stage_error(stage, status, text, f"rank {rank} of stage")
     runs = [out[p][1] for p in range(n)]
     for run in runs:
         _as_tensors(run.result)
