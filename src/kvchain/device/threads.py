@@ -9,6 +9,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +110,10 @@ class ThreadDevice(Device):
         self._host_ops = 0
         self._gates: list[tuple[int, int, threading.Event]] = []  # (host operation it opens at, serial, gate)
         self._gates_made = 0
+        # A device its user never closed (a script that raised) still stops its workers before the
+        # interpreter exits: a worker inside a torch kernel while torch's own state is torn down
+        # aborts the process ("terminate called without an active exception", exit code 134).
+        self._stop_workers = weakref.finalize(self, _stop, self._workers, self._gates)
 
     def host_op(self) -> None:
         """The host reached its next operation: open the gates held until it (`gate_ops`)."""
@@ -124,7 +129,7 @@ class ThreadDevice(Device):
                 gate.set()
             else:
                 keep.append((at, serial, gate))
-        self._gates = keep
+        self._gates[:] = keep  # in place: the exit hook holds this list
 
     def _gate(self, stream: Stream) -> threading.Event | None:
         if not self.gate_ops or stream.name == self.SCHEDULE:
@@ -207,9 +212,17 @@ class ThreadDevice(Device):
         self._raise_worker_errors()
 
     def close(self) -> None:
-        self._open_gates()
-        for worker in self._workers.values():
-            worker.queue.put(("stop", None))
-        for worker in self._workers.values():
-            worker.thread.join(timeout=10)
-        self._workers.clear()
+        self._stop_workers()
+
+
+def _stop(workers: dict[str, _Worker], gates: list[tuple[int, int, threading.Event]]) -> None:
+    """Open every gate, stop every worker once its queued work has run, and wait for them."""
+    for _at, _serial, gate in gates:
+        gate.set()
+    gates.clear()
+    for worker in workers.values():
+        worker.queue.put(("stop", None))
+    deadline = time.monotonic() + 10.0  # a worker held on an event nobody will set is left behind
+    for worker in workers.values():
+        worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    workers.clear()

@@ -175,3 +175,41 @@ def test_cuda_device_streams_and_events():
     dev.launch(dev.forward_stream, lambda: y.copy_(x))
     dev.host_wait(dev.record(dev.forward_stream), timeout=10)
     assert float(y[0]) == 1.0
+
+
+UNCLOSED = '''
+import torch
+from kvchain import ThreadDevice
+
+device = ThreadDevice()
+a = torch.ones(400, 400)
+
+
+def fails():
+    raise RuntimeError("a kernel failed")
+
+
+def busy():
+    for _ in range(20):
+        a @ a
+
+
+device.launch(device.forward_stream, fails)
+for _ in range(5):
+    device.launch(device.schedule_stream, busy)
+device.synchronize()  # raises: the script ends with the device never closed
+'''
+
+
+def test_a_thread_device_never_closed_lets_a_failing_script_exit_cleanly(tmp_path):
+    """A script that raises with its `ThreadDevice` still busy and never closed exits with Python's
+    own error (1), not an abort (134, "terminate called without an active exception") from a worker
+    left inside a torch kernel while the interpreter tears torch down."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "a kernel failed" in done.stderr and "terminate called" not in done.stderr, done.stderr[-2000:]
