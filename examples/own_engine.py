@@ -251,13 +251,17 @@ class OwnEngine:
 
     # -- 1: schedule -------------------------------------------------------------------------------
 
-    def _grow(self, req: Request, n: int) -> np.ndarray | None:
-        """`n` more tokens for a running request: their virtual token ids, or None when the pool
-        refused (the take changed nothing)."""
-        try:
-            return self.storage.alloc_extend(np.array([req.row]), np.array([req.pos + n]))
-        except CapacityError:
-            return None
+    def _grow(self, req: Request, n: int, shrink: bool = True) -> tuple[int, np.ndarray] | None:
+        """`n` more tokens for a request with a row, or with `shrink`, for a prefill chunk the pool
+        refuses, as many as fit (halving: the chunk's KV and its window rows grow with it).
+        Returns the tokens taken and their virtual token ids, or None when none fit (each refused
+        take changed nothing)."""
+        while n:
+            try:
+                return n, self.storage.alloc_extend(np.array([req.row]), np.array([req.pos + n]))
+            except CapacityError:
+                n = n // 2 if shrink else 0
+        return None
 
     def _preempt_newest(self) -> Request:
         """The newest running request leaves and returns first, to recompute what it had. Its pages
@@ -280,34 +284,39 @@ class OwnEngine:
             if req.row == -1 or not req.needs_more or budget <= 0:
                 continue
             n = min(len(req.fed) - req.pos, budget) if req.pos < len(req.fed) else 1
-            vtok = self._grow(req, n)
-            while vtok is None and req.row != -1:
+            grown = self._grow(req, n)
+            while grown is None and req.row != -1:
                 if len(self.running) == 1:
-                    raise CapacityError(f"request {req.rid} at {req.pos + n} tokens does not fit the pool even alone: "
-                                        "raise the budget")
+                    raise CapacityError(f"request {req.rid} at {req.pos + 1} tokens does not fit the pool even "
+                                        "alone: raise the budget")
                 plan.pop(self._preempt_newest().rid, None)
                 if req.row != -1:
-                    vtok = self._grow(req, n)
-            if vtok is not None:
-                plan[req.rid] = (req, n, vtok)
-                budget -= n
+                    grown = self._grow(req, n)
+            if grown is not None:
+                plan[req.rid] = (req, *grown)
+                budget -= grown[0]
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]
             if req.in_flight:  # a forward still samples for it: recompute once that token is known
                 break
             req.fed = req.prompt + req.output
-            n = min(len(req.fed), budget)
             req.row, req.pos = self.storage.alloc_row(), 0
-            vtok = self._grow(req, n)
-            if vtok is None:
+            # an arrival's first chunk shrinks to fit only an idle pool: beside running requests it
+            # waits, rather than squeeze in and make them preempt each other
+            idle = not self.running and not self.steps.in_flight
+            grown = self._grow(req, min(len(req.fed), budget), shrink=idle)
+            if grown is None:
                 self.storage.free_rows(np.array([req.row]))
                 req.row = -1
                 self.stats.refused_admissions += 1
+                if idle:
+                    raise CapacityError(f"request {req.rid}'s first token does not fit the empty pool: "
+                                        "raise the budget")
                 break
             self.waiting.popleft()
             self.running.append(req)
-            plan[req.rid] = (req, n, vtok)
-            budget -= n
+            plan[req.rid] = (req, *grown)
+            budget -= grown[0]
         return list(plan.values())
 
     # -- 2, 3: translate and launch ----------------------------------------------------------------
