@@ -384,8 +384,12 @@ class OwnEngine:
 
     def serve(self, requests: list[Request]) -> Stats:
         self.waiting.extend(requests)
+        idle, launched = 0, -1  # loop turns in a row that launched nothing: a stuck scheduler, not a slow one
         while self.step():
-            pass
+            idle = idle + 1 if self.steps.stats.launched == launched else 0
+            launched = self.steps.stats.launched
+            if idle > 100:
+                raise RuntimeError(f"no forward launched in {idle} turns with {len(self.waiting)} requests waiting")
         self.device.synchronize()
         self.steps.check_idle()  # nothing in flight, no page pending or leaked, byte accounting holds
         return self.stats
