@@ -227,7 +227,8 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     out = run_stage_processes(_node, 2, (str(path), config, requests, kind, secret), timeout_s=timeout_s, env=env)
     bad = failures(out)
     if bad:  # one line: each failed node's first line, the first to fail first (the others failed after it)
-        raise KVChainError("generate --pd: " + "; ".join(f"the {NODE_NAMES[s]} node: {text}" for s, _status, text in bad))
+        raise KVChainError("generate --pd: " + "; ".join(f"the {NODE_NAMES[s]} node: {text}"
+                                                         for s, _status, text in bad))
     pre, dec = out[0][1], out[1][1]
     if report is not None:
         report.update(prefill_seconds=pre["seconds"], decode_seconds=dec["seconds"], decode_steps=dec["steps"],

@@ -152,7 +152,7 @@ def run_stage_processes(target: Callable[..., Any], n_stages: int, args: tuple =
                         env: dict[str, str] | None = None, start_method: str | None = None
                         ) -> dict[int, tuple[str, Any]]:
     """Run `target(stage, n_stages, port, *args)` in one process per stage and return each stage's
-    ("ok", result) or ("error", text), in the order the reports arrived (`first_failure` reads
+    ("ok", result) or ("error", text), in the order the reports arrived (`failures` reads
     that order). Stops waiting at the first error or after `timeout_s`; a stage that did not
     report comes after those that did, as ("timeout", None), or ("timeout", text) naming the exit
     code of a process that ended on its own without reporting. Every process it started is ended before it
