@@ -21,8 +21,9 @@ state). What kvchain brings is the memory: every K/V row and every recurrent sta
 A decode's input token is the one the previous forward sampled, which the host has not read yet
 when it schedules: the forward reads it from a device-side buffer the previous forward wrote
 (`next_token`), ordered by the forward stream. On a CPU, `ThreadDevice` runs each stream on a
-worker thread, so a missing wait would corrupt real bytes; on a GPU, `CudaDevice` runs the same
-code. At the end every request's tokens are compared with the same model run densely (no paging,
+worker thread, so a missing wait would corrupt real bytes. On a GPU the loop is the same with
+`CudaDevice("cuda")`, the arena on "cuda", and the step's ids moved to the device
+(`IterationIds.to`, `RunnerIds.to`); this file runs on the CPU. At the end every request's tokens are compared with the same model run densely (no paging,
 no batching, one request at a time), and the pool is checked idle: nothing leaked or pending.
 
     python examples/own_engine.py --requests 24 --budget-kib 520
