@@ -4,12 +4,11 @@ kvchain pool, greedy, and write a tiny random checkpoint to try it on with no do
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from . import jsonio
-from .cli_common import byte_size, positive_int, progress, say, seed_int
+from .cli_common import byte_size, dump_json, positive_int, progress, say, seed_int
 from .errors import InputError
 
 
@@ -265,8 +264,8 @@ def _report(args: argparse.Namespace, result, tokenizer, budget_bytes: int, line
     """Print a run: with `--json` its outputs, stats and each process's figures (under their key in
     `processes`), else the rendered table and one line a process."""
     if args.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
-                          **processes}))
+        print(dump_json({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
+                         **processes}))
         return 0
     _render(result, tokenizer, budget_bytes, host_bytes=host_bytes)
     for line in lines:
@@ -283,7 +282,7 @@ def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None)
     outputs.add_column("#", justify="right")
     outputs.add_column("new tokens", justify="right")
     outputs.add_column("stop")
-    outputs.add_column("output")
+    outputs.add_column("output", overflow="fold")  # the whole text, wrapped: never cut
     for o in result.outputs:
         text = tokenizer.decode(o.token_ids) if tokenizer is not None else " ".join(map(str, o.token_ids))
         outputs.add_row(str(o.index), str(len(o.token_ids)), o.finish_reason + (f" ({o.reason})" if o.reason else ""),
@@ -301,7 +300,7 @@ def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None)
         ("compaction moves", str(s.compaction_moves)),
         ("window pages retired", str(s.window_pages_retired)),
         ("state checkpoints", str(s.checkpoints)),
-        ("pool utilisation (peak)", f"{s.peak_utilisation:.0%} of {budget_bytes:,} bytes"),
+        ("pool utilisation (peak)", f"{s.peak_utilisation * 100:.2g}% of {budget_bytes:,} bytes"),
     ]
     if host_bytes is not None:
         rows.append(("host tier", f"{s.host_hits} hits, {s.host_backups} backups, {s.host_loads} loads "

@@ -175,7 +175,9 @@ class GenerateStats:
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
                 "tokens_per_second": self.tokens_per_second, "prefix_hit_rate": self.prefix_hit_rate,
-                "acceptance_rate": self.acceptance_rate, "tokens_per_target_forward": self.tokens_per_target_forward}
+                # speculative decoding's figures exist only where a draft proposed tokens
+                "acceptance_rate": self.acceptance_rate if self.spec_rounds else None,
+                "tokens_per_target_forward": self.tokens_per_target_forward if self.spec_rounds else None}
 
 
 @dataclass

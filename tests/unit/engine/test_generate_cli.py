@@ -4,12 +4,14 @@ written, then served from a prompts file and from text; bad input is one line an
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from kvchain.cli import main
+from kvchain.cli_common import SCHEMA_VERSION
 from kvchain.engine.checkpoint import load_checkpoint
 
 
@@ -40,6 +42,9 @@ def test_generate_json_from_a_prompts_file(tiny, tmp_path, capsys):
     assert out["outputs"][0]["token_ids"] == _greedy(tiny, [5, 6, 7, 8, 9], 5)
     assert out["outputs"][1]["token_ids"] == _greedy(tiny, list(b"hello kvchain"), 7)
     assert out["stats"]["output_tokens"] == 12 and out["stats"]["tokens_per_second"] > 0
+    assert out["schema_version"] == SCHEMA_VERSION
+    # no draft, so speculative decoding's figures do not exist (not 0.0, nor the batch's tokens per forward)
+    assert out["stats"]["acceptance_rate"] is None and out["stats"]["tokens_per_target_forward"] is None
 
 
 def test_generate_text_prints_tables(tiny, capsys):
@@ -47,6 +52,20 @@ def test_generate_text_prints_tables(tiny, capsys):
                  "--budget", "4MiB", "--no-overlap"]) == 0
     text = capsys.readouterr().out
     assert "throughput" in text and "prefix hits" in text and "compaction moves" in text
+    # a small pool use is a figure, not "0%"
+    assert re.search(r"pool utilisation \(peak\) +│ +0\.\d+% of 4,194,304 bytes", text), text
+
+
+def test_generate_prints_each_output_whole(tiny, monkeypatch):
+    """A long output wraps in its cell; none is cut with an ellipsis."""
+    from support.output import narrow_console
+
+    console = narrow_console()
+    monkeypatch.setattr("rich.console.Console", lambda *a, **k: console)
+    assert main(["generate", "--model-path", str(tiny), "--prompt", "a", "b", "--max-new-tokens", "60",
+                 "--budget", "4MiB", "--ignore-eos"]) == 0
+    table = [line for line in console.export_text().splitlines() if line[:1] in "┏┃┡│└┌"]
+    assert table and not any("…" in line or len(line) > 100 for line in table), "\n".join(table)
 
 
 def test_a_repeated_prompt_flag_adds_prompts(tiny, capsys):
