@@ -261,3 +261,51 @@ def test_simulate_tables_keep_every_figure_whole_at_real_scale(timed, capsys):
             figures += [_pair(r.ttft_steps), _pair(r.tpot_steps)]
         for figure in figures:
             assert any(re.search(rf"│ *{re.escape(figure)} *│", line) for line in lines), (figure, text)
+
+
+def _rendered(results) -> str:
+    from kvchain.sim.compare import Comparison
+    from kvchain.sim.report import render_comparison
+
+    console = narrow_console()
+    args = type("Args", (), {"budget": 8 * 2**30, "trace": None, "workload": "mixed"})()
+    render_comparison(type("Model", (), {"name": "qwen3-next-80b"})(), args, Comparison(results, {}), console)
+    return console.export_text()
+
+
+def _pool_result(pool: str, steps: int, seconds: float | None, finished: int = 100, tokens_per_second=None):
+    from kvchain.sim.runner import PoolResult
+
+    return PoolResult(pool=pool, requests=100, steps=steps, throughput=10.0, mean_concurrency=10.0, peak_running=16,
+                      utilisation=0.9, utilisation_mean=0.8, throughput_overall=9.0, concurrency_overall=9.0,
+                      saturated_steps=steps // 2, hit_rate=0.1, queue_delay=0.0, preemptions=0, finished=finished,
+                      aborted=0, rejected=100 - finished, output_tokens=1000,
+                      ttft_steps={"p50": 10.0, "p99": 20.0}, tpot_steps={"p50": 1.0, "p99": 2.0}, seconds=seconds,
+                      tokens_per_second=tokens_per_second if seconds is None or tokens_per_second else 1000 / seconds,
+                      ttft_s={"p50": 1.0, "p99": 2.0} if seconds else None,
+                      tpot_s={"p50": 0.01, "p99": 0.02} if seconds else None)
+
+
+def test_the_ratio_column_is_the_headline_figure_and_names_it():
+    """With the step-time model the headline is seconds, and so is the table's ratio column (it
+    printed steps under the same "kvchain / pool", 1.030x beside a headline of 0.652x)."""
+    text = _rendered([_pool_result("kvchain", 10_300, 231.8), _pool_result("vllm-hybrid", 10_000, 355.5)])
+    assert "vllm-hybrid 0.652x" in text
+    assert re.search(r"│ vllm-hybrid +│ +10,000 │ +0\.652x │", text), text
+    assert "kvchain's seconds over the pool's" in text
+
+
+def test_a_pool_that_did_not_serve_every_request_says_so_in_the_headline():
+    text = _rendered([_pool_result("kvchain", 5_000, None), _pool_result("sglang-static", 6_000, None, finished=85)])
+    assert "sglang-static 0.833x (served 85 of 100)" in " ".join(text.split())
+
+
+def test_without_kvchain_the_ratio_names_the_reference_pool():
+    text = _rendered([_pool_result("vllm-hybrid", 5_000, None), _pool_result("sglang-static", 6_000, None)])
+    assert "vllm-hybrid / pool: sglang-static 0.833x" in " ".join(text.split())
+    assert re.search(r"│ sglang-static +│ +6,000 │ +0\.833x │", text) and "kvchain" not in text, text
+
+
+def test_a_tiny_rate_is_never_printed_as_zero():
+    text = _rendered([_pool_result("kvchain", 5_000, 7.5e11, tokens_per_second=8.79e-08)])
+    assert re.search(r"│ 8\.79e-08 │", text), text

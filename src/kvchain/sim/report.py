@@ -79,10 +79,13 @@ def _print_fitted(console: Console, title: str, columns: list[str], rows: list[l
 
 
 def _short(x: float) -> str:
-    """Three significant figures, at least the integer part: 0.412, 4.12, 41.2, 412, 4,120."""
+    """Three significant figures, at least the integer part: 4,120, 412, 41.2, 4.12, 0.412,
+    8.79e-08 (a figure that is not zero never prints as 0)."""
     if abs(x) >= 100:
         return f"{x:,.0f}"
-    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3g}"
 
 
 def _pair(d: dict | None, scale: float = 1.0) -> str:
@@ -95,13 +98,20 @@ def headline_text(result: Comparison) -> str:
     vllm-hybrid 0.997x, ..." (below 1: the reference serves the trace in less than that pool)."""
     h = result.headline()
     metric, ref = h["metric"], h["reference"]
+
+    def served(pool: str) -> str:
+        """A pool that did not serve every request (it aborted or rejected some) says so: its
+        figure is not the whole trace's."""
+        r = result.result(pool)
+        return "" if r.finished >= r.requests else f" (served {r.finished:,} of {r.requests:,})"
+
     value = f"{h['reference_value']:,.1f} s" if metric == "seconds" else f"{h['reference_value']:,}"
-    line = f"{metric} to serve the whole trace: {ref} {value}"
+    line = f"{metric} to serve the whole trace: {ref} {value}{served(ref)}"
     others = [p for p in h["pools"] if p["pool"] != ref]
     if not others:
         return line
-    ratios = ", ".join(f"{p['pool']} {p['reference_over_pool']:.3f}x" if p["value"] else f"{p['pool']} -"
-                       for p in others)
+    ratios = ", ".join((f"{p['pool']} {p['reference_over_pool']:.3f}x" if p["value"] else f"{p['pool']} -")
+                       + served(p["pool"]) for p in others)
     return f"{line}; {ref} / pool: {ratios} (below 1: {ref} takes less)"
 
 
@@ -113,12 +123,15 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     console = console or Console()
     if not console.is_terminal:
         console = Console(width=TABLE_WIDTH)
-    steps = result.ratios("steps")
-    timed = bool(result.results) and result.results[0].seconds is not None
+    head = result.headline()
+    metric, ref = head["metric"], head["reference"]  # the ratio column is the headline's own figure
+    over = {p["pool"]: p["reference_over_pool"] for p in head["pools"] if p["value"]}
+    timed = metric == "seconds"
+    # no highlighting: it would set "1." and "0x" of "1.000x" apart as if "0x" began a hex number
     console.print(f"[bold]{model.name}[/] · {format_bytes(args.budget)} · {args.trace or args.workload} · "
-                  f"{result.results[0].requests} requests")
-    console.print(f"[bold]Headline[/]: {headline_text(result)}")
-    cols = ["pool", "steps", "kvchain\n/ pool"]
+                  f"{result.results[0].requests} requests", highlight=False)
+    console.print(f"[bold]Headline[/]: {headline_text(result)}", highlight=False)
+    cols = ["pool", "steps", f"{ref}\n/ pool\n{metric}"]
     if timed:
         cols += ["seconds", "tok/s", "TTFT\np50/p99 s", "TPOT\np50/p99 ms"]
     else:
@@ -126,10 +139,9 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     cols += ["pre-\nempted", "recomp.\ntokens"]
     whole, memory = [], []
     for r in result.results:
-        ratio = steps.get(r.pool)
-        row = [r.pool, f"{r.steps:,}", f"{1 / ratio:.3f}x" if ratio else "-"]
+        row = [r.pool, f"{r.steps:,}", f"{over[r.pool]:.3f}x" if r.pool in over else "-"]
         if timed:
-            row += [f"{r.seconds:,.1f}", f"{r.tokens_per_second:,.0f}", _pair(r.ttft_s), _pair(r.tpot_s, 1e3)]
+            row += [f"{r.seconds:,.1f}", _short(r.tokens_per_second), _pair(r.ttft_s), _pair(r.tpot_s, 1e3)]
         else:
             row += [_pair(r.ttft_steps), _pair(r.tpot_steps)]
         whole.append([*row, f"{r.preemptions:,}", f"{r.recomputed_tokens:,}"])
@@ -147,10 +159,11 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
                       [[r.pool, f"{r.device_hit_rate:.1%}", f"{r.host_hit_rate:.1%}", f"{r.swapped_tokens:,}",
                         f"{r.recomputed_tokens:,}", format_bytes(r.host_copied_bytes), f"{r.host['loads']:,}",
                         f"{r.host['swap_refused']:,}"] for r in hosted])
-    console.print("steps: to serve the whole trace; kvchain / pool: kvchain's steps over the pool's (below 1: "
-                  "kvchain serves it in fewer); the saturation slice averages only the steps that ended with "
+    less = "in less time" if timed else "in fewer steps"
+    console.print(f"steps: to serve the whole trace; {ref} / pool: {ref}'s {metric} over the pool's (below 1: "
+                  f"{ref} serves it {less}); the saturation slice averages only the steps that ended with "
                   "requests waiting, not the whole run; memory used: bytes running requests and the prefix "
-                  "cache hold over the budget")
+                  "cache hold over the budget", highlight=False)
     if result.static_best is not None:
         console.print(f"static-best split (oracle, swept on the trace): window ratio {result.static_best.window_ratio}, "
                       f"state ratio {result.static_best.state_ratio}")
