@@ -61,7 +61,9 @@ class Comparison:
     results: list[PoolResult]
     histories: dict[str, list[StepRecord]]
     static_best: StaticSplit | None = None
-    sweep: dict[str, float] = field(default_factory=dict)
+    #: static-best's sweep: per split tried, `window_ratio` and `state_ratio` (None for a kind of
+    #: sub-pool the model lacks, whose ratio the split cannot use) and its `steps` on the sample
+    sweep: list[dict[str, float | None]] = field(default_factory=list)
     #: with the step-time model: when each history record of each pool ends, in seconds
     times: dict[str, list[float]] = field(default_factory=dict)
 
@@ -227,14 +229,17 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[Schedu
     jobs = jobs or min(len(pools), os.cpu_count() or 1)
     decls = list(decls)
     best = None
-    sweep: dict[str, float] = {}
+    sweep: list[dict[str, float | None]] = []
     grid: list[StaticSplit] = []
     sample = requests[:SWEEP_REQUESTS]
+    kinds = (False, False)  # whether the model has windows, state
     if "static-best" in pools:
         from ..plan import plan_kv_storage
         from .baselines import static_grid
 
-        grid = static_grid(plan_kv_storage(decls, page_size=cfg.page_size))
+        plan = plan_kv_storage(decls, page_size=cfg.page_size)
+        grid = static_grid(plan)
+        kinds = (bool(plan.windows), plan.state is not None)
     tally = _Tally(len(grid) + len(pools), len(grid) * len(sample) + len(pools) * len(requests), progress,
                    shared=jobs > 1 and progress is not None)
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(), initializer=_init_worker,
@@ -243,7 +248,8 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[Schedu
         if grid:
             tasks = [(i, split, decls, cfg, sample, sched) for i, split in enumerate(grid)]
             scores = _map(_sweep_score, tasks, executor, tally)
-            sweep = {f"window {s.window_ratio} state {s.state_ratio}": -v[0] for s, v in zip(grid, scores)}
+            sweep = [{"window_ratio": s.window_ratio if kinds[0] else None,
+                      "state_ratio": s.state_ratio if kinds[1] else None, "steps": -v[0]} for s, v in zip(grid, scores)]
             best = grid[max(range(len(grid)), key=lambda i: scores[i])]
         tasks = [(len(grid) + i, name, decls, cfg, best if name == "static-best" else None, requests, sched)
                  for i, name in enumerate(pools)]

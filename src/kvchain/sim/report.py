@@ -16,6 +16,15 @@ from ..units import format_bytes
 from .compare import Comparison
 
 
+def _static_best(result: Comparison) -> dict[str, float | None] | None:
+    """static-best's split, each ratio None where the model has no sub-pool of its kind."""
+    if result.static_best is None:
+        return None
+    tried = result.sweep[0] if result.sweep else {}
+    return {"window_ratio": result.static_best.window_ratio if tried.get("window_ratio") is not None else None,
+            "state_ratio": result.static_best.state_ratio if tried.get("state_ratio") is not None else None}
+
+
 def comparison_json(model, args, result: Comparison) -> dict:
     steps = result.ratios("steps")
     throughput = result.ratios("throughput")
@@ -29,8 +38,7 @@ def comparison_json(model, args, result: Comparison) -> dict:
         "results": [{**r.to_dict(), "steps_vs_kvchain": steps.get(r.pool),
                      "kvchain_steps_ratio": (1 / steps[r.pool]) if steps.get(r.pool) else None,
                      "throughput_vs_kvchain": throughput.get(r.pool)} for r in result.results],
-        "static_best_split": None if result.static_best is None else {
-            "window_ratio": result.static_best.window_ratio, "state_ratio": result.static_best.state_ratio},
+        "static_best_split": _static_best(result),
         "static_best_sweep": result.sweep,
     }
 
@@ -164,9 +172,10 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
                   f"{ref} serves it {less}); the saturation slice averages only the steps that ended with "
                   "requests waiting, not the whole run; memory used: bytes running requests and the prefix "
                   "cache hold over the budget", highlight=False)
-    if result.static_best is not None:
-        console.print(f"static-best split (oracle, swept on the trace): window ratio {result.static_best.window_ratio}, "
-                      f"state ratio {result.static_best.state_ratio}")
+    split = _static_best(result)
+    if split is not None:
+        ratios = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in split.items() if v is not None)
+        console.print(f"static-best split (oracle, swept on the trace): {ratios or 'one pool per kind'}")
 
 
 #: one marker and one line style a pool, in `--pools` order, so that pools with identical curves

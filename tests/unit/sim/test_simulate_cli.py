@@ -260,3 +260,20 @@ def test_host_budget_adds_the_host_tier_table(capsys):
     assert vllm["host"] is None  # the host tier is kvchain's
     assert main([*SMALL, "--pools", "kvchain", "--host-budget", "4GiB"]) == 0
     assert "Host tier" in capsys.readouterr().out
+
+
+def test_the_static_best_sweep_is_a_list_with_fixed_keys_and_no_ratio_a_model_cannot_use(capsys):
+    """JSON keys are fixed snake_case: the sweep is one object per split tried (its keys once held
+    the ratios, "window 0.8 state 0.05"), and a model with no window sub-pool has no window ratio
+    (Qwen3-Next printed "window ratio 0.8")."""
+    assert main(["simulate", "--model", "qwen3-next-80b", "--budget", "8GiB", "--requests", "12", "--jobs", "1",
+                 "--pools", "kvchain,static-best", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["static_best_split"]["window_ratio"] is None and out["static_best_split"]["state_ratio"] > 0
+    sweep = out["static_best_sweep"]
+    assert len(sweep) > 1 and all(set(s) == {"window_ratio", "state_ratio", "steps"} for s in sweep)
+    assert all(s["window_ratio"] is None and s["steps"] > 0 for s in sweep)
+    assert main(["simulate", "--model", "qwen3-next-80b", "--budget", "8GiB", "--requests", "12", "--jobs", "1",
+                 "--pools", "kvchain,static-best"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("static-best split"))
+    assert "state ratio" in line and "window" not in line, line
