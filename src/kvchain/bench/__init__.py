@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_common import bounded_int, byte_size, dump_json, positive_int, progress, seed_int, share
+from ..cli_common import bounded_int, byte_size, dump_json, positive_int, progress, say, seed_int, share
 
 #: the pressure profile's default: its chain's bytes over the peak bytes the workload's requests
 #: would hold if none were ever refused (here, so `--help` imports nothing heavy)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(dump_json(result))
             return 0
-        Console().print(alloc_table(result))
+        _print_titled(alloc_title(result), alloc_table(result))
         return 0
     import torch
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(dump_json(result))
         return 0
-    Console().print(moves_table(result))
+    _print_titled(moves_title(result), moves_table(result))
     return 0
 
 
@@ -132,14 +132,26 @@ ALLOC_COLUMNS = (("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", 
                  ("boundary checks' cost (own time)", "boundary_ratio"))
 
 
+def _print_titled(title: str, table) -> None:
+    """A bench's title as a line of prose (wrapped at 100 columns, not at the table's width), then
+    its table."""
+    from rich.console import Console
+
+    say(title)
+    Console().print(table)
+
+
+def alloc_title(result: dict) -> str:
+    head = result["headline"]
+    return (f"kvchain bench alloc: batch {result['batch']}, {result['iters']} iterations, medians of blocks of "
+            f"{result['block']}; worst ratio {head['ratio']} ({head['worst_profile']})")
+
+
 def alloc_table(result: dict):
-    """A row per figure, a column per profile."""
+    """A row per figure, a column per profile (the title is `alloc_title`)."""
     from rich.table import Table
 
-    head = result["headline"]
-    table = Table(title=f"kvchain bench alloc: batch {result['batch']}, {result['iters']} iterations, medians of "
-                  f"blocks of {result['block']}; worst ratio {head['ratio']} ({head['worst_profile']})",
-                  title_justify="left")
+    table = Table()
     table.add_column("")
     profiles = result["profiles"]
     for name in profiles:
@@ -150,13 +162,17 @@ def alloc_table(result: dict):
     return table
 
 
+def moves_title(result: dict) -> str:
+    head = result["headline"]
+    return (f"kvchain bench moves on {result['device']}, medians of {result['repeats']}; worst ratio "
+            f"{head['worst_ratio']} ({head['page_bytes'] // 1024} KiB pages, {head['threads']} threads)")
+
+
 def moves_table(result: dict):
+    """A row per cell of the sweep (the title is `moves_title`)."""
     from rich.table import Table
 
-    head = result["headline"]
-    table = Table(title=f"kvchain bench moves on {result['device']}, medians of {result['repeats']}; worst ratio "
-                  f"{head['worst_ratio']} ({head['page_bytes'] // 1024} KiB pages, {head['threads']} threads)",
-                  title_justify="left")
+    table = Table()
     for label in ("page KiB", "threads", "pages moved", "moves GB/s", "copy_ GB/s", "ratio (moves / copy_)"):
         table.add_column(label, justify="right")
     for c in result["cells"]:
@@ -184,7 +200,6 @@ def _run_engine(args: argparse.Namespace) -> int:
 
 
 def _run_pd(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from ..dist.transfer import TransferError, nixl_available
@@ -197,20 +212,18 @@ def _run_pd(args: argparse.Namespace) -> int:
     if args.json:
         print(dump_json(result))
         return 0
-    table = Table(title=f"kvchain bench pd over {result['engine']}: {result['requests']} requests of "
-                  f"{result['tokens']} tokens, {result['bytes']:,} bytes in {result['segments']} segments, "
-                  f"medians of {result['repeats']}", title_justify="left")
+    table = Table()
     for label in ("page batch GB/s", "large buffer GB/s", "ratio (batch / large)"):
         table.add_column(label, justify="right")
     table.add_row(str(result["batch_gb_per_s"]), str(result["large_gb_per_s"]), str(result["ratio"]))
-    Console().print(table)
+    _print_titled(f"kvchain bench pd over {result['engine']}: {result['requests']} requests of {result['tokens']} "
+                  f"tokens, {result['bytes']:,} bytes in {result['segments']} segments, medians of "
+                  f"{result['repeats']}", table)
     return 0
 
 
 def _run_host(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from .host import SWEEP_LAYERS, _backend, host_table, run_host_bench
+    from .host import SWEEP_LAYERS, _backend, host_table, host_title, run_host_bench
 
     _backend(args.device).__getitem__(0).close()  # refuses an unknown device or a missing CUDA first
     with progress(disable=args.json, unit="cells") as bar:
@@ -219,5 +232,5 @@ def _run_host(args: argparse.Namespace) -> int:
     if args.json:
         print(dump_json(result))
         return 0
-    Console().print(host_table(result))
+    _print_titled(host_title(result), host_table(result))
     return 0

@@ -206,8 +206,9 @@ class BoundaryCost:
             "checks_us_per_iter": round(sum(self.check_ns) / n / 1e3, 2),
             "checks_warm_us_per_iter": round(sum(self.warm_ns) / n / 1e3, 2),
             "per_check": {name: {"calls_per_iter": round(calls / n, 2),
-                                 "us_per_call": round(ns / calls / 1e3, 3) if calls else 0.0,
-                                 "warm_us_per_call": round(warm / calls / 1e3, 3) if calls else 0.0}
+                                 # a check the run never called has no time per call (null, not 0)
+                                 "us_per_call": round(ns / calls / 1e3, 3) if calls else None,
+                                 "warm_us_per_call": round(warm / calls / 1e3, 3) if calls else None}
                           for name, (calls, ns, warm) in sorted(self.by_check.items())},
             "samples_per_call": SAMPLES,
             "timer_ns": {"inner": round(self.timer.inner_ns, 1), "outer": round(self.timer.outer_ns, 1)},

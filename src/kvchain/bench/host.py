@@ -211,13 +211,18 @@ def run_host_bench(layers: tuple[int, ...] = SWEEP_LAYERS, repeats: int = 5, dev
             "cells": cells}
 
 
+def host_title(result: dict) -> str:
+    head = result["headline"]
+    return (f"kvchain bench host on {result['device']}: {result['batch_pages']}-page prefixes, medians of "
+            f"{result['repeats']}; worst ratio {head['worst_ratio']} ({head['direction']}, "
+            f"{head['page_bytes'] // 1024} KiB pages)")
+
+
 def host_table(result: dict):
+    """A row per page size (the title is `host_title`)."""
     from rich.table import Table
 
-    head = result["headline"]
-    table = Table(title=f"kvchain bench host on {result['device']}: {result['batch_pages']}-page prefixes, medians of "
-                  f"{result['repeats']}; worst ratio {head['worst_ratio']} ({head['direction']}, "
-                  f"{head['page_bytes'] // 1024} KiB pages)", title_justify="left")
+    table = Table()
     for label in ("page KiB", "backup MiB", "backup GB/s", "copy_ GB/s", "backup ratio", "load MiB", "load GB/s",
                   "copy_ GB/s", "load ratio"):
         table.add_column(label, justify="right")

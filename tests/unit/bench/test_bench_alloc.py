@@ -146,3 +146,17 @@ def test_the_table_fits_100_columns_without_cutting_a_figure(result: dict) -> No
     assert_fits(text)
     for row in result["profiles"].values():
         assert str(row["kvchain_us_per_iter"]) in text and str(row["ratio"]) in text
+
+
+def test_the_title_is_one_line_of_prose_and_an_uncalled_check_has_no_time(result: dict, capsys) -> None:
+    """The title wraps at 100 columns, not at the table's width ("kvchain bench alloc: batch 256,
+    300 iterations," then "medians of blocks of 50; worst ratio 2.149" then "(pressure)"); a check
+    the run never called has no time per call (null, not 0.0)."""
+    from kvchain.bench import _print_titled, alloc_title
+
+    _print_titled(alloc_title(result), alloc_table(result))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("kvchain bench alloc: batch") and "medians of blocks of" in first, first
+    for profile in result["profiles"].values():
+        for name, check in profile["boundary"]["per_check"].items():
+            assert (check["us_per_call"] is None) == (check["calls_per_iter"] == 0), (name, check)
