@@ -8,7 +8,7 @@ from rich.table import Table
 
 from .plan import KVStoragePlan, TokenIds
 from .sizing import PlanSizing
-from .units import format_bytes
+from .units import count_of, format_bytes
 
 #: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
 TABLE_WIDTH = 100
@@ -42,7 +42,7 @@ def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console
     console = console or _console()
     console.print(
         f"[bold]{model.name}[/] ({model.family}, tp={model.tp_size}) · budget {format_bytes(sizing.budget_bytes)}"
-        f" · page size {plan.page_size} tokens · context {sizing.context_len:,}"
+        f" · page size {count_of(plan.page_size, 'token')} · context {sizing.context_len:,}"
     )
     chain = Table(title="Chain (grow-up end first, grow-down end last)", title_justify="left")
     for col in ("#", "sub-pool", "placement", "lifetime", "geometry", "layers"):

@@ -67,6 +67,11 @@ _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "f
             "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
+def count_of(n: int, noun: str) -> str:
+    """`n` and its noun, singular for one: "1 token", "2,048 tokens"."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def dtype_name(dtype: str | torch.dtype) -> str:
     """Canonical dtype name ('bfloat16') for a name, an alias or a torch dtype."""
     if isinstance(dtype, torch.dtype):

@@ -309,3 +309,12 @@ def test_without_kvchain_the_ratio_names_the_reference_pool():
 def test_a_tiny_rate_is_never_printed_as_zero():
     text = _rendered([_pool_result("kvchain", 5_000, 7.5e11, tokens_per_second=8.79e-08)])
     assert re.search(r"│ 8\.79e-08 │", text), text
+
+
+def test_a_count_of_one_is_singular(capsys):
+    """"page size 1 tokens" read wrong; one is singular, every other count plural."""
+    from kvchain.units import count_of
+
+    assert [count_of(n, "token") for n in (0, 1, 2, 2048)] == ["0 tokens", "1 token", "2 tokens", "2,048 tokens"]
+    assert main(["plan", "--model", "llama-3.1-8b", "--budget", "1GiB", "--page-size", "1"]) == 0
+    assert "page size 1 token ·" in capsys.readouterr().out

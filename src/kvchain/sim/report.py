@@ -136,8 +136,11 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     over = {p["pool"]: p["reference_over_pool"] for p in head["pools"] if p["value"]}
     timed = metric == "seconds"
     # no highlighting: it would set "1." and "0x" of "1.000x" apart as if "0x" began a hex number
+    admission = getattr(args, "admission", None)
     console.print(f"[bold]{model.name}[/] · {format_bytes(args.budget)} · {args.trace or args.workload} · "
-                  f"{result.results[0].requests} requests", highlight=False)
+                  f"{result.results[0].requests} requests"
+                  + (f" · kvchain admission {admission}" if admission not in (None, "optimistic") else ""),
+                  highlight=False)
     console.print(f"[bold]Headline[/]: {headline_text(result)}", highlight=False)
     cols = ["pool", "steps", f"{ref}\n/ pool\n{metric}"]
     if timed:
@@ -153,13 +156,14 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
         else:
             row += [_pair(r.ttft_steps), _pair(r.tpot_steps)]
         whole.append([*row, f"{r.preemptions:,}", f"{r.recomputed_tokens:,}"])
-        memory.append([r.pool, f"{r.hit_rate:.1%}", f"{r.throughput:,.1f}", f"{r.mean_concurrency:,.1f}",
+        memory.append([r.pool, f"{r.saturated_steps:,}", f"{r.hit_rate:.1%}", f"{r.throughput:,.1f}",
+                       f"{r.mean_concurrency:,.1f}",
                        f"{r.utilisation:.1%}", f"{r.peak_running:,}", f"{r.aborted:,}", f"{r.rejected:,}",
                        f"{r.finished:,}"])
     _print_fitted(console, "Whole run", cols, whole)
     _print_fitted(console, "Slice: at saturation (steps with requests waiting), and requests",
-                  ["pool", "hit\nrate", "tok/\nstep", "running", "memory\nused", "peak", "aborted", "rejected",
-                   "finished"], memory)
+                  ["pool", "satu-\nrated\nsteps", "hit\nrate", "tok/\nstep", "running", "memory\nused", "peak",
+                   "aborted", "rejected", "finished"], memory)
     hosted = [r for r in result.results if r.host is not None]
     if hosted:
         _print_fitted(console, "Host tier", ["pool", "hit rate\ndevice", "hit rate\nhost", "swapped\ntokens",

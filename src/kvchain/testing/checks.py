@@ -26,6 +26,7 @@ import numpy as np
 
 from ..device.base import PageAccess
 from ..errors import KVChainError
+from ..units import count_of
 
 if TYPE_CHECKING:
     from ..device.modeled import WorkItem
@@ -166,7 +167,7 @@ class OverlapTracker:
         other = int(others[0])
         where = self._where(int(granules[0]))
         return (f"{item.label or '?'}@{item.stream} {verb} {where} unordered with the {other_kind} by "
-                f"{self.labels.get(other, '?')} ({len(np.unique(granules))} granules)")
+                f"{self.labels.get(other, '?')} ({count_of(len(np.unique(granules)), 'granule')})")
 
     def _where(self, granule: int) -> str:
         if granule >= self.granules.n_arena:
