@@ -147,6 +147,17 @@ def alloc_title(result: dict) -> str:
             f"{result['block']}; worst ratio {head['ratio']} ({head['worst_profile']})")
 
 
+def _alloc_cell(key: str, value) -> str:
+    """One figure of `alloc_table`, in its row's one format."""
+    if key.endswith("_bytes"):
+        return f"{value / 2**30:.2f}"
+    if key == "utilisation_mean":
+        return f"{value:.1%}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.2f}" if key.endswith("_us_per_iter") else f"{value:.3f}" if key == "ratio" else f"{value:.4f}"
+
+
 def alloc_table(result: dict):
     """A row per figure, a column per profile (the title is `alloc_title`)."""
     from rich.table import Table
@@ -157,7 +168,7 @@ def alloc_table(result: dict):
     for name in profiles:
         table.add_column(name, justify="right")
     for label, key in ALLOC_COLUMNS:
-        cells = [f"{row[key] / 2**30:.2f}" if key.endswith("_bytes") else str(row[key]) for row in profiles.values()]
+        cells = [_alloc_cell(key, row[key]) for row in profiles.values()]
         table.add_row(f"[bold]{label}[/]" if key == "ratio" else label, *cells)
     return table
 
@@ -176,8 +187,8 @@ def moves_table(result: dict):
     for label in ("page KiB", "threads", "pages moved", "moves GB/s", "copy_ GB/s", "ratio (moves / copy_)"):
         table.add_column(label, justify="right")
     for c in result["cells"]:
-        table.add_row(str(c["page_bytes"] // 1024), str(c["threads"]), str(c["pages_moved"]),
-                      str(c["moves_gb_per_s"]), str(c["copy_gb_per_s"]), str(c["ratio"]))
+        table.add_row(f"{c['page_bytes'] // 1024:,}", str(c["threads"]), f"{c['pages_moved']:,}",
+                      f"{c['moves_gb_per_s']:.2f}", f"{c['copy_gb_per_s']:.2f}", f"{c['ratio']:.3f}")
     return table
 
 
