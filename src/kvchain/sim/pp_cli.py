@@ -22,6 +22,7 @@ from ..env import invariant_level
 from ..errors import InputError, InvariantError
 from ..plan import plan_stages, stage_layer_ranges
 from ..sizing import size_stages
+from ..units import count_of, format_bytes
 from .baselines import DEFAULT_STRATEGY, admission_policy
 from .pp import install_stages, run_stages_in_process
 
@@ -96,9 +97,10 @@ def run_pp(model, args: argparse.Namespace, requests: list[ScheduledRequest]) ->
     if args.json:
         print(dump_json(report, indent=2))
         return 0
-    say(f"{model.name}: {args.pp} pipeline stage{'s' if args.pp > 1 else ''}, kvchain, {len(requests)} requests")
+    say(f"{model.name} · {format_bytes(args.budget)}: {count_of(args.pp, 'pipeline stage')}, kvchain, "
+        f"{count_of(len(requests), 'request')}")
     for s in report["stages"]:
-        say(f"  stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {s['arena_bytes']:,} B, "
+        say(f"  stage {s['stage']}: layers {s['first_layer']}..{s['last_layer']}, arena {format_bytes(s['arena_bytes'])}, "
               f"{s['bytes_per_token']:,} B/token, concurrency {s['concurrency']:,}")
     say(f"  concurrency after the MIN-reduce: {report['concurrency']:,} (stage {report['limiting_stage']} limits)")
     say(f"  {report['steps']:,} steps, {report['finished']:,} finished, {report['preemptions']:,} preemptions, "

@@ -4,6 +4,7 @@ arena, every stage's capacity digest checked every iteration; bad input is one l
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -32,6 +33,8 @@ def test_the_text_report_names_each_stage(capsys):
     out = " ".join(capsys.readouterr().out.split())  # lines wrap at 100 columns
     assert "stage 0: layers 0..23" in out and "stage 1: layers 24..47" in out
     assert "concurrency after the MIN-reduce" in out and "agreed on all" in out
+    # the budget in the header, arenas in binary units as `plan --pp` prints them (not raw bytes)
+    assert re.search(r"· \d+\.\d\d GiB: 2 pipeline stages", out) and re.search(r"arena \d+\.\d\d [GM]iB", out), out
 
 
 @pytest.mark.parametrize("level", ["0", "1"])
