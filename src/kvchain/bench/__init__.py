@@ -155,7 +155,9 @@ def _alloc_cell(key: str, value) -> str:
         return f"{value:.1%}"
     if isinstance(value, int):
         return f"{value:,}"
-    return f"{value:.2f}" if key.endswith("_us_per_iter") else f"{value:.3f}" if key == "ratio" else f"{value:.4f}"
+    if key.endswith("_us_per_iter"):
+        return f"{value:.2f}"
+    return f"{value:.3f}" if key == "ratio" else f"{value:.4f}"
 
 
 def alloc_table(result: dict):
