@@ -213,6 +213,8 @@ class ThreadDevice(Device):
 
     def close(self) -> None:
         self._stop_workers()
+        # work launched after a close starts new workers: they are stopped the same way
+        self._stop_workers = weakref.finalize(self, _stop, self._workers, self._gates)
 
 
 def _stop(workers: dict[str, _Worker], gates: list[tuple[int, int, threading.Event]]) -> None:
