@@ -21,7 +21,9 @@ from .errors import InputError, KVChainError
 from .units import parse_bytes
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import Progress, ProgressColumn
+    from rich.table import Table
 
     from .models.spec import ModelSpec
 
@@ -282,3 +284,53 @@ def progress(*columns: str | ProgressColumn, disable: bool, unit: str = "", **kw
     console = Console(stderr=True)
     return Progress(*(columns or progress_columns(unit)), console=console, transient=True,
                     disable=disable or not console.is_terminal, **kwargs)
+
+
+def _fitted_table(columns: list[str], lead: int) -> Table:
+    """Headers are broken onto lines no wider than their figures, so the tables keep their natural
+    width; `fold` would break a word rather than hide its end behind an ellipsis, but
+    `print_fitted` never lets a table be squeezed that far. The `lead` columns (names) sit left."""
+    from rich.table import Table
+
+    table = Table()
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="left" if i < lead else "right", overflow="fold")
+    return table
+
+
+def natural_width(console: Console, table: Table) -> int:
+    """The width `table` takes unsqueezed (measured as if the console had no right edge)."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(10**6), table).maximum
+
+
+def print_fitted(console: Console, title: str, columns: list[str], rows: list[list[str]], *, lead: int = 1,
+                 caption: str | None = None) -> None:
+    """One table of `columns`, or, where its natural width is past the console's, consecutive
+    tables of as many columns as fit, each led by the first `lead` columns (what names a row): a
+    figure or a name is never folded onto two lines nor cut. The title goes above each table and
+    `caption` after the last, as text wrapped at the console's width (a table's own title and
+    caption wrap at the table's width, a thin column under a narrow table)."""
+    def build(cols: list[int]) -> Table:
+        table = _fitted_table([columns[i] for i in cols], lead)
+        for row in rows:
+            table.add_row(*(row[i] for i in cols))
+        return table
+
+    head = list(range(lead))
+    pending = list(range(lead, len(columns)))
+    part = 0
+    while pending:
+        cols = [*head, pending[0]]
+        for i in pending[1:]:
+            if natural_width(console, build([*cols, i])) > console.width:
+                break
+            cols.append(i)
+        pending = pending[len(cols) - lead:]
+        part += 1
+        name = title if part == 1 and not pending else f"{title} ({part})"
+        console.print(name, markup=False, highlight=False)
+        console.print(build(cols))
+    if caption:
+        console.print(caption, markup=False, highlight=False)

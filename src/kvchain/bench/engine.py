@@ -401,36 +401,33 @@ def _ratio_cell(peer: dict[str, Any], prefix: str) -> str:
 def render_engine_bench(result: dict[str, Any], console: Any) -> None:
     """The headline table (every family: kvchain's whole-run seconds and tokens/s on each way to run
     its streams, its ratio to each peer with the repeats' spread), then one table per family with
-    each engine's own figures (seconds, tokens/s, CPU seconds, mismatches, KV bytes). Numbers fold
-    onto a second line rather than being cut on a narrow terminal."""
+    each engine's own figures (seconds, tokens/s, CPU seconds, mismatches, KV bytes). On a narrow
+    terminal the headline table stacks its columns and the notes wrap: no name or figure is split."""
     from rich.table import Table
 
+    from ..cli_common import print_fitted
     from ..units import format_bytes
 
     cfg, work = result["config"], result["workload"]
-    head = Table(title=f"kvchain bench engine: {work['requests']} requests, seed {work['seed']}, median of "
-                       f"{cfg['repeats']}, budget {format_bytes(cfg['budget_bytes'])}", title_justify="left",
-                 caption="ratio: kvchain tok/s / peer tok/s, of the medians (in brackets the worst and best "
-                         "repeat, each against its neighbouring run); threads: kvchain's streams on worker "
-                         "threads (the cpu default), inline: on the host thread; mismatch: requests whose "
-                         "tokens differ, per peer", caption_justify="left")
-    head.add_column("family", overflow="fold")
-    head.add_column("kvchain", overflow="fold")
-    for name in ("s", "tok/s", *(f"/{p}" for p in PEERS)):
-        head.add_column(name, justify="right", no_wrap=True, overflow="fold")
-    head.add_column("mismatch", justify="right", no_wrap=True, overflow="fold")
+    rows = []
     for family, r in result["families"].items():
         miss = "/".join(str(r[p]["mismatches"]) if p in r else "-" for p in PEERS)
         for name, prefix, label in (("kvchain", "", "threads"), ("kvchain_inline", "inline_", "inline")):
             ratios = [_ratio_cell(r[p], prefix) if p in r else "refused" for p in PEERS]
             k = r[name]
-            head.add_row(family if not prefix else "", label, f"{k['seconds']:.3f}",
-                         f"[bold]{k['tokens_per_second']:.1f}[/]", *ratios, miss if not prefix else "")
-    console.print(head)
+            rows.append([family if not prefix else "", label, f"{k['seconds']:.3f}",
+                         f"[bold]{k['tokens_per_second']:.1f}[/]", *ratios, miss if not prefix else ""])
+    print_fitted(console, f"kvchain bench engine: {work['requests']} requests, seed {work['seed']}, median of "
+                          f"{cfg['repeats']}, budget {format_bytes(cfg['budget_bytes'])}",
+                 ["family", "kvchain", "s", "tok/s", *(f"/{p}" for p in PEERS), "mismatch"], rows, lead=2,
+                 caption="ratio: kvchain tok/s / peer tok/s, of the medians (in brackets the worst and best "
+                         "repeat, each against its neighbouring run); threads: kvchain's streams on worker "
+                         "threads (the cpu default), inline: on the host thread; mismatch: requests whose "
+                         "tokens differ, per peer")
     for family, r in result["families"].items():
         # the ratios are the headline table's; this one has each engine's own figures
         table = Table(title=f"{family}: {r['output_tokens']} output tokens", title_justify="left")
-        table.add_column("engine", overflow="fold")
+        table.add_column("engine", no_wrap=True)  # names stay whole; the notes fold first
         for name in ("s", "tok/s", "cpu s", "mismatch", "KV"):
             table.add_column(name, justify="right", no_wrap=True, overflow="fold")
         table.add_column("notes", overflow="fold")

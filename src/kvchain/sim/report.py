@@ -9,9 +9,8 @@ ended with requests waiting, where a pool's memory sets the pace) and are labell
 from __future__ import annotations
 
 from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
 
+from ..cli_common import print_fitted
 from ..units import format_bytes
 from .compare import Comparison
 
@@ -45,45 +44,6 @@ def comparison_json(model, args, result: Comparison) -> dict:
 
 #: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
 TABLE_WIDTH = 100
-
-
-def _table(title: str, columns: list[str]) -> Table:
-    """Headers are broken onto lines no wider than their figures, so the tables keep their natural
-    width; `fold` would break a word rather than hide its end behind an ellipsis, but `_print_fitted`
-    never lets a table be squeezed that far."""
-    table = Table(title=title, title_justify="left")
-    for c in columns:
-        table.add_column(c, justify="left" if c == "pool" else "right", overflow="fold")
-    return table
-
-
-def _natural_width(console: Console, table: Table) -> int:
-    """The width `table` takes unsqueezed (measured as if the console had no right edge)."""
-    return Measurement.get(console, console.options.update_width(10**6), table).maximum
-
-
-def _print_fitted(console: Console, title: str, columns: list[str], rows: list[list[str]]) -> None:
-    """One table of `columns` (the first is the pool), or, where its natural width is past the
-    console's, consecutive tables of as many columns as fit, each led by the pool column: a figure
-    is never folded onto two lines nor cut."""
-    def build(title: str, cols: list[int]) -> Table:
-        table = _table(title, [columns[i] for i in cols])
-        for row in rows:
-            table.add_row(*(row[i] for i in cols))
-        return table
-
-    pending = list(range(1, len(columns)))
-    part = 0
-    while pending:
-        cols = [0, pending[0]]
-        for i in pending[1:]:
-            if _natural_width(console, build(title, [*cols, i])) > console.width:
-                break
-            cols.append(i)
-        pending = pending[len(cols) - 1:]
-        part += 1
-        name = title if part == 1 and not pending else f"{title} ({part})"
-        console.print(build(name, cols))
 
 
 def _short(x: float) -> str:
@@ -160,13 +120,13 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
                        f"{r.mean_concurrency:,.1f}",
                        f"{r.utilisation:.1%}", f"{r.peak_running:,}", f"{r.aborted:,}", f"{r.rejected:,}",
                        f"{r.finished:,}"])
-    _print_fitted(console, "Whole run", cols, whole)
-    _print_fitted(console, "Slice: at saturation (steps with requests waiting), and requests",
+    print_fitted(console, "Whole run", cols, whole)
+    print_fitted(console, "Slice: at saturation (steps with requests waiting), and requests",
                   ["pool", "satu-\nrated\nsteps", "hit\nrate", "tok/\nstep", "running", "memory\nused", "peak",
                    "aborted", "rejected", "finished"], memory)
     hosted = [r for r in result.results if r.host is not None]
     if hosted:
-        _print_fitted(console, "Host tier", ["pool", "hit rate\ndevice", "hit rate\nhost", "swapped\ntokens",
+        print_fitted(console, "Host tier", ["pool", "hit rate\ndevice", "hit rate\nhost", "swapped\ntokens",
                                              "recomp.\ntokens", "copied", "loads", "swaps\nrefused"],
                       [[r.pool, f"{r.device_hit_rate:.1%}", f"{r.host_hit_rate:.1%}", f"{r.swapped_tokens:,}",
                         f"{r.recomputed_tokens:,}", format_bytes(r.host_copied_bytes), f"{r.host['loads']:,}",

@@ -120,3 +120,16 @@ def test_the_tables_fit_100_columns_without_cutting_a_figure(result: dict) -> No
     family = result["families"]["gemma3"]
     for engine in (*KVCHAIN, *PEERS):
         assert f"{family[engine]['tokens_per_second']:.1f}" in text, engine
+
+
+def test_engine_and_family_names_stay_whole_on_an_80_column_terminal(result: dict) -> None:
+    """The notes column wraps before a name is split ("kvchain_inlin" / "e")."""
+    from rich.console import Console
+
+    console = Console(width=80, record=True, force_terminal=True, color_system=None)
+    render_engine_bench(result, console)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    cells = {cell.strip() for line in text.splitlines() for cell in line.split("│")}
+    for name in (*KVCHAIN, *PEERS, *result["families"]):
+        assert name in cells, name
