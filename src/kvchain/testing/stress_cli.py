@@ -430,6 +430,10 @@ def run_stress(args: argparse.Namespace) -> int:
     if args.processes == 2:
         _check_processes(args)
     if args.mutant_table:
+        for flag, given in (("--replay", args.replay is not None), ("--minimize", args.minimize),
+                            ("--out", args.out is not None)):
+            if given:
+                raise InputError(f"--mutant-table counts the seeds each mutant's check catches: {flag} does not apply")
         return _mutant_table(args)
     if args.min_rate:
         raise InputError("--min-rate sets --mutant-table's bar; --mutant-table is not given")

@@ -45,6 +45,11 @@ def test_list_mutants_names_then_target(capsys):
     ["trace", "record", "--page-sizes", "1,x", "--out", "t.jsonl"], ["trace", "compare"],
     ["stress", "--replay", "/nonexistent/case.json"],
     ["stress", "--mutant", "read_after_settle", "--device", "threads"], ["stress", "--mutant-table", "--min-rate", "2"],
+    # the table runs seeds: a saved case, shrinking and a folder for cases do not apply to it
+    ["stress", "--mutant-table", "--mutant", "lose_move_copy", "--seeds", "0:1", "--ops", "5", "--minimize"],
+    ["stress", "--mutant-table", "--mutant", "lose_move_copy", "--seeds", "0:1", "--ops", "5", "--out", "cases"],
+    ["stress", "--mutant-table", "--mutant", "lose_move_copy", "--seeds", "0:1", "--ops", "5", "--replay",
+     "tests/scenarios/stress_vacated_hole_count.json"],
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     """HARN-15..17, TRACE-3: bad flags and unreadable inputs are one line on stderr and exit code 2."""
