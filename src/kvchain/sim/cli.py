@@ -177,6 +177,15 @@ def _checked_model(args: argparse.Namespace):
     return model
 
 
+def _checkpoint_every(args: argparse.Namespace) -> int | None:
+    """The pools' checkpoint grid: `--checkpoint-every`, or the model flags' `--checkpoint-interval`
+    (the same thing, named as `plan` and `generate` name it); both given, they must agree."""
+    every, interval = args.checkpoint_every, args.checkpoint_interval
+    if every is not None and interval is not None and every != interval:
+        raise InputError(f"--checkpoint-every {every} and --checkpoint-interval {interval} name one grid: give one")
+    return every if every is not None else interval
+
+
 def run(args: argparse.Namespace) -> int:
     from ..units import format_bytes
     from .baselines import POOLS, PoolConfig
@@ -184,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from .report import comparison_json, plot_comparison, render_comparison
     from .runner import StepTimeModel
 
+    args.checkpoint_every = _checkpoint_every(args)
     if args.pp > 1 or args.pp_partition is not None:
         return _run_stages(args)
     pools = [p.strip() for p in args.pools.split(",") if p.strip()]

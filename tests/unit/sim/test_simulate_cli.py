@@ -277,3 +277,21 @@ def test_the_static_best_sweep_is_a_list_with_fixed_keys_and_no_ratio_a_model_ca
                  "--pools", "kvchain,static-best"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("static-best split"))
     assert "state ratio" in line and "window" not in line, line
+
+
+def test_checkpoint_interval_is_the_pools_grid_as_checkpoint_every_is(capsys):
+    """`--checkpoint-interval` (the model flag `plan` and `generate` take) sets the pools' grid, as
+    `--checkpoint-every` does; the two naming different grids is one line and exit 2."""
+    argv = ["simulate", "--model", "qwen3-next-80b", "--budget", "8GiB", "--workload", "multi_turn", "--requests",
+            "12", "--pools", "kvchain", "--jobs", "1", "--json"]
+
+    def run(*extra: str) -> dict:
+        assert main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["results"][0]
+
+    every, interval, default = run("--checkpoint-every", "1024"), run("--checkpoint-interval", "1024"), run()
+    assert every == interval
+    assert (every["hit_rate"], every["prefill_tokens"]) != (default["hit_rate"], default["prefill_tokens"])
+    assert main([*argv, "--checkpoint-every", "1024", "--checkpoint-interval", "512"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "name one grid" in err
