@@ -69,9 +69,13 @@ def check_token_budget(pool: Pool, max_batched_tokens: int, max_running: int) ->
                          f"and {max_running}")
     interval = getattr(pool, "checkpoint_interval", None)
     if interval and max_batched_tokens < interval:
-        raise InputError(f"max_batched_tokens {max_batched_tokens} is below the checkpoint interval {interval}: "
-                         "a prefill chunk of a model with recurrent state ends on the checkpoint grid; "
-                         f"give at least {interval} tokens a step, or checkpoint more often")
+        name = getattr(pool, "name", None)
+        # a uniform-page layout's grid is its block size, which no checkpoint flag changes
+        uniform = getattr(pool, "uniform", None) is not None
+        grid = "its block size" if uniform else "the checkpoint interval"
+        raise InputError(f"{name + ': ' if name else ''}max_batched_tokens {max_batched_tokens} is below {grid} "
+                         f"{interval}: a prefill chunk of a model with recurrent state ends on the checkpoint grid; "
+                         f"give at least {interval} tokens a step{'' if uniform else ', or checkpoint more often'}")
 
 
 class Scheduler:

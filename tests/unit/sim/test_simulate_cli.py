@@ -295,3 +295,14 @@ def test_checkpoint_interval_is_the_pools_grid_as_checkpoint_every_is(capsys):
     assert main([*argv, "--checkpoint-every", "1024", "--checkpoint-interval", "512"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "name one grid" in err
+
+
+def test_a_token_budget_below_a_uniform_pools_block_names_the_pool_and_its_block(capsys):
+    """vLLM's layout checkpoints on its block grid, which no checkpoint flag moves: the refusal names
+    the pool and its block size, and does not send the user to a flag that cannot help."""
+    argv = ["simulate", "--model", "qwen3-next-80b", "--budget", "8GiB", "--requests", "5", "--jobs", "1",
+            "--max-batched-tokens", "300", "--checkpoint-every", "64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vllm-hybrid" in err and "block size 1056" in err
+    assert "checkpoint more often" not in err
