@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from kvchain.errors import KVChainError
 from kvchain.models import list_presets, model_from_preset
 from kvchain.sim.baselines import PoolConfig
 from kvchain.sim.compare import SchedulerConfig, compare
@@ -144,9 +145,15 @@ def merge(rows: list[dict], previous: list[dict]) -> list[dict]:
     return out
 
 
+def _has_attention(preset: str) -> bool:
+    """What `kvchain simulate` compares: a model with attention (a state-only one it refuses)."""
+    return any(part.is_attention for decl in model_from_preset(preset).decls for part in decl.parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default=",".join(i.name for i in list_presets()))
+    p.add_argument("--presets", default=",".join(i.name for i in list_presets() if _has_attention(i.name)),
+                   help="comma-separated presets (default: every preset with attention)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--closed-loop", action="store_true",
@@ -167,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="print each preset and workload's memory-time bound in steps (no simulation)")
     p.add_argument("--wide", action="store_true", help="print the one-line-a-row table of docs/simulate.md")
     args = p.parse_args(argv)
+    try:
+        state_only = [name for name in args.presets.split(",") if not _has_attention(name)]
+    except KVChainError as exc:
+        p.error(f"--presets: {exc}")
+    if state_only:
+        p.error(f"--presets: {', '.join(state_only)} keep only recurrent state, which simulate does not compare")
     pools = tuple(args.pools.split(","))
     previous = []
     for path in (args.merge.split(",") if args.merge else []):
