@@ -159,8 +159,11 @@ class DecayingRatioPolicy(SchedulePolicy):
 class SglangPolicy(DecayingRatioPolicy):
     """sglang's scheduler: new requests are charged their prompt and their output clipped to 4,096
     tokens, running ones `new_token_ratio` x their remaining output (0.7 decaying to 0.1); when a
-    decode step cannot grow, decodes are retracted, the one with the fewest output tokens first
-    (the longest prompt first among those), and the ratio is re-estimated."""
+    step cannot grow, running prefills pause first, then running requests are retracted, the one
+    with the fewest output tokens first (the longest prompt first among those), and the ratio is
+    re-estimated. sglang retracts decodes only; here a running prefill that has sampled nothing
+    has the fewest output tokens and goes first, which gives back what sglang's chunked request
+    would keep (the loop has no separate chunked request to hold it)."""
 
     name: str = "sglang"
     full_new_output: bool = True

@@ -82,7 +82,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction", default="waiting-aware", choices=list(EVICTION_ORDERS),
                    help="what kvchain's prefix tree evicts first: waiting-aware (default: least recently used, but "
                         "what the first 64 waiting requests will match goes last, the one needed latest first) or "
-                        "lru (as the engines' pools and ideal)")
+                        "lru (least recently used, as ideal evicts); on a model with state either puts what can end "
+                        "no match first, which the engines' pools (recency alone) do not")
     p.add_argument("--step-time", default=None,
                    help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
     p.add_argument("--ms-per-step", type=positive_float, default=50.0,
