@@ -286,6 +286,19 @@ def progress(*columns: str | ProgressColumn, disable: bool, unit: str = "", **kw
                     disable=disable or not console.is_terminal, **kwargs)
 
 
+#: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
+TABLE_WIDTH = 100
+
+
+def output_console() -> Console:
+    """Where a command prints its tables: the terminal's own width, or, piped to a file or another
+    program, `TABLE_WIDTH` columns (rich would lay them out for 80 and cut names and figures)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=TABLE_WIDTH)
+
+
 def _fitted_table(columns: list[str], lead: int) -> Table:
     """Headers are broken onto lines no wider than their figures, so the tables keep their natural
     width; `fold` would break a word rather than hide its end behind an ellipsis, but

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import jsonio
-from .cli_common import byte_size, dump_json, positive_int, progress, say, seed_int
+from .cli_common import byte_size, dump_json, output_console, positive_int, progress, say, seed_int
 from .errors import InputError
 
 
@@ -274,10 +274,9 @@ def _report(args: argparse.Namespace, result, tokenizer, budget_bytes: int, line
 
 
 def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = output_console()
     outputs = Table(title="kvchain generate", title_justify="left")
     outputs.add_column("#", justify="right")
     outputs.add_column("new tokens", justify="right")

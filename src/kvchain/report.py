@@ -6,12 +6,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from .cli_common import output_console
 from .plan import KVStoragePlan, TokenIds
 from .sizing import PlanSizing
 from .units import count_of, format_bytes
-
-#: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
-TABLE_WIDTH = 100
 
 
 def plan_report(model, plan: KVStoragePlan, sizing: PlanSizing) -> dict:
@@ -24,12 +22,6 @@ def plan_report(model, plan: KVStoragePlan, sizing: PlanSizing) -> dict:
     }
 
 
-def _console() -> Console:
-    """The terminal's console; piped output gets room for the tables instead of 80 columns."""
-    console = Console()
-    return console if console.is_terminal else Console(width=TABLE_WIDTH)
-
-
 def _column(table: Table, name: str, number: bool = False) -> None:
     """Numbers are right-aligned and never wrapped; text folds onto more lines instead of being cut."""
     if number:
@@ -39,7 +31,7 @@ def _column(table: Table, name: str, number: bool = False) -> None:
 
 
 def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console | None = None) -> None:
-    console = console or _console()
+    console = console or output_console()
     console.print(
         f"[bold]{model.name}[/] ({model.family}, tp={model.tp_size}) · budget {format_bytes(sizing.budget_bytes)}"
         f" · page size {count_of(plan.page_size, 'token')} · context {sizing.context_len:,}"
@@ -84,7 +76,7 @@ def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console
 
 
 def render_models(presets, console: Console | None = None) -> None:
-    console = console or _console()
+    console = console or output_console()
     table = Table(title="Built-in model presets", title_justify="left")
     for col in ("name", "family", "layers", "HuggingFace id"):
         _column(table, col, number=col == "layers")
@@ -113,7 +105,7 @@ def stages_report(model, ranges, plans, sizing) -> dict:
 
 
 def render_stages(report: dict, console: Console | None = None) -> None:
-    console = console or _console()
+    console = console or output_console()
     model, stages = report["model"], report["stages"]
     first = stages[0]["sizing"]
     console.print(f"[bold]{model['name']}[/] (tp={model['tp_size']}, pp={report['pp_size']}) · "

@@ -60,7 +60,7 @@ def test_simulate_tables_fit_100_columns(step_time, monkeypatch, capsys):
     import kvchain.sim.report as report
 
     console = narrow_console()
-    monkeypatch.setattr(report, "Console", lambda *a, **k: console)
+    monkeypatch.setattr(report, "output_console", lambda: console)
     pools = "kvchain,vllm-hybrid,sglang-static,static-default,static-best,uniform-page,ideal"
     argv = ["simulate", "--model", "gpt-oss-20b", "--budget", "2GiB", "--workload", "chat", "--requests", "12",
             "--jobs", "1", "--pools", pools, *step_time]

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_common import bounded_int, byte_size, dump_json, positive_int, progress, say, seed_int, share
+from ..cli_common import (
+    bounded_int,
+    byte_size,
+    dump_json,
+    output_console,
+    positive_int,
+    progress,
+    say,
+    seed_int,
+    share,
+)
 
 #: the pressure profile's default: its chain's bytes over the peak bytes the workload's requests
 #: would hold if none were ever refused (here, so `--help` imports nothing heavy)
@@ -68,8 +78,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from ..errors import InputError
 
     if args.action == "engine":
@@ -86,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(dump_json(result))
         else:
-            render_spec_bench(result, Console())
+            render_spec_bench(result, output_console())
         return 0
     if args.action == "alloc":
         from .alloc import PROFILES, run_alloc_bench
@@ -135,10 +143,8 @@ ALLOC_COLUMNS = (("kvchain us/iter", "kvchain_us_per_iter"), ("static us/iter", 
 def _print_titled(title: str, table) -> None:
     """A bench's title as a line of prose (wrapped at 100 columns, not at the table's width), then
     its table."""
-    from rich.console import Console
-
     say(title)
-    Console().print(table)
+    output_console().print(table)
 
 
 def alloc_title(result: dict) -> str:
@@ -195,8 +201,6 @@ def moves_table(result: dict):
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from .engine import DEFAULT_BUDGET, progress_total, render_engine_bench, run_engine_bench
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -208,7 +212,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     if args.json:
         print(dump_json(result))
     else:
-        render_engine_bench(result, Console())
+        render_engine_bench(result, output_console())
     return 0
 
 

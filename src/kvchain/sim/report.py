@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from ..cli_common import print_fitted
+from ..cli_common import output_console, print_fitted
 from ..units import format_bytes
 from .compare import Comparison
 
@@ -41,9 +41,6 @@ def comparison_json(model, args, result: Comparison) -> dict:
         "static_best_sweep": result.sweep,
     }
 
-
-#: the width the tables are laid out for when stdout is not a terminal (a pipe, a file)
-TABLE_WIDTH = 100
 
 
 def _short(x: float) -> str:
@@ -88,9 +85,7 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     first (steps to serve the trace, kvchain's steps over each pool's, seconds and tokens/s with
     the step-time model, TTFT/TPOT, preemptions, recomputed tokens), then the saturation slice
     (labelled as one) and the request counts."""
-    console = console or Console()
-    if not console.is_terminal:
-        console = Console(width=TABLE_WIDTH)
+    console = console or output_console()
     head = result.headline()
     metric, ref = head["metric"], head["reference"]  # the ratio column is the headline's own figure
     over = {p["pool"]: p["reference_over_pool"] for p in head["pools"] if p["value"]}

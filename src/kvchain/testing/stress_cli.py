@@ -20,6 +20,7 @@ from ..cli_common import (
     check_output_dir,
     check_output_file,
     dump_json,
+    output_console,
     path_arg,
     progress,
     read_json_file,
@@ -327,7 +328,6 @@ def _target(mutant: str | None, device: str) -> str | None:
 
 def _mutant_table(args: argparse.Namespace) -> int:
     """`--mutant-table`: each mutant's catching seeds by its target check, one mutant at a time."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -370,7 +370,7 @@ def _mutant_table(args: argparse.Namespace) -> int:
         low = r.rate < args.min_rate
         table.add_row(r.name, r.target, f"[{'red' if low else 'green'}]{len(r.caught)}/{r.seeds}[/]",
                       str(r.caught[0]) if r.caught else "-")
-    out = Console()
+    out = output_console()
     out.print(table)
     for r in rows:
         if r.target is None:
@@ -380,7 +380,6 @@ def _mutant_table(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from . import mutants
     from .harness import Case, run_case
@@ -392,7 +391,7 @@ def _replay(args: argparse.Namespace) -> int:
     with mutants.applied(mutant):
         case.mutant = mutant
         result = run_case(case, args.device, until=until)
-    console = Console()
+    console = output_console()
     saved = case.failure
     same = result.failure is not None and saved is not None and saved.get("op") == result.failure.op and \
         list(saved.get("checks", [])) == list(result.failure.checks)
@@ -412,7 +411,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def run_stress(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -508,7 +506,7 @@ def run_stress(args: argparse.Namespace) -> int:
     table.add_row("failed seeds", f"[{'red' if failed else 'green'}]{len(failed)}[/]")
     for c in checks.ALL_CHECKS:
         table.add_row(f"  {c}", str(by_check.get(c, 0)))
-    out = Console()
+    out = output_console()
     out.print(table)
     for r in failed[:20]:
         line = f"seed {r['seed']}: {r['describe']}"
@@ -553,11 +551,10 @@ def _scenario_folder(path: Path | None) -> Path:
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from . import trace
 
-    console = Console()
+    console = output_console()
     if args.action == "record":
         check_output_file(args.out, "--out")
         scenarios = trace.load_scenarios(_scenario_folder(args.scenarios))

@@ -41,3 +41,14 @@ def test_bench_spec_json(capsys):
     # the whole-target draft is always accepted: fewer target forwards per token
     assert out["speculative"]["acceptance_rate"] == 1.0 and out["ratio"] < 1
     assert out["ratio"] == pytest.approx(out["speculative"]["forwards_per_token"] / out["plain"]["forwards_per_token"])
+
+
+def test_bench_spec_table_piped_is_laid_out_for_100_columns(capsys):
+    """Piped (not a terminal), a command's tables get the 100 columns every table is laid out for,
+    not rich's 80, which cut the row label to "speculati…"."""
+    capsys.readouterr()
+    assert main(["bench", "spec", "--family", "gemma3", "--requests", "2", "--max-new-tokens", "6",
+                 "--num-speculative-tokens", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "…" not in text and "speculative │" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
