@@ -84,7 +84,12 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
     finally:
         node.close()
         engine.close()
-    return {"outputs": [o.to_dict() for o in result.outputs], "refused": refused, "seconds": result.stats.seconds}
+    st = result.stats
+    return {"outputs": [o.to_dict() for o in result.outputs], "refused": refused, "seconds": st.seconds,
+            "figures": {"forwards": st.forwards, "cached_tokens": st.cached_tokens,
+                        "compaction_moves": st.compaction_moves, "checkpoints": st.checkpoints,
+                        "window_pages_retired": st.window_pages_retired, "float_relocations": st.float_relocations,
+                        "peak_utilisation": st.peak_utilisation}}
 
 
 def _decode(port: int, path: str, config: EngineConfig, kind: str, secret: bytes) -> dict:
@@ -163,6 +168,7 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     Under deferred publication an offer's ids go out in the iteration after its take (PD-13)."""
     decoding = _Decoding(engine, node)
     scheduler, pool, storage = decoding.scheduler, engine.pool, engine.storage
+    before = (pool.counters.forwards, storage.stats(), dict(pool.stats_counters))
     refused: list[Refused] = []
     ended = False
     overlapped = 0  # decode steps run before the prefill node's last hand-off
@@ -196,9 +202,17 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     pool.steps.flush()
     storage.device.synchronize()
     pool.check_idle()
+    forwards0, storage0, counters0 = before
+    after = storage.stats()
+    figures = {"forwards": pool.counters.forwards - forwards0, "cached_tokens": 0,
+               "compaction_moves": after.moves - storage0.moves,
+               "checkpoints": pool.stats_counters["checkpoints"] - counters0["checkpoints"],
+               "window_pages_retired": pool.stats_counters["window_retired"] - counters0["window_retired"],
+               "float_relocations": after.relocations - storage0.relocations,
+               "peak_utilisation": max((h.utilisation for h in scheduler.stats.history), default=0.0)}
     return {"outputs": decoding.outputs(), "steps": scheduler.stats.steps, "seconds": time.perf_counter() - t0,
             "peak_running": scheduler.stats.peak_running, "overlapped_steps": overlapped,
-            "deferred_publication": node.deferred_publication}
+            "deferred_publication": node.deferred_publication, "figures": figures}
 
 
 def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, requests: list[GenerateRequest],
@@ -244,8 +258,13 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
             outputs.append(GenerateOutput(i, [], "rejected", reason=f"the decode node refused it: {reason}"))
         else:  # rejected or aborted on the prefill node
             outputs.append(GenerateOutput(i, [], first.finish_reason, reason=first.reason))
+    # both nodes' pools: work summed, the peak the higher of the two; steps are the decode node's
+    both = [pre["figures"], dec["figures"]]
+    summed = {key: sum(f[key] for f in both) for key in ("forwards", "cached_tokens", "compaction_moves",
+                                                          "checkpoints", "window_pages_retired", "float_relocations")}
     stats = GenerateStats(requests=len(requests), steps=dec["steps"], prompt_tokens=sum(len(r.prompt_token_ids)
                                                                                        for r in requests),
                           output_tokens=sum(len(o.token_ids) for o in outputs), seconds=time.perf_counter() - t0,
-                          peak_running=dec["peak_running"])
+                          peak_running=dec["peak_running"], **summed,
+                          peak_utilisation=max(f["peak_utilisation"] for f in both))
     return GenerateResult(outputs, stats)

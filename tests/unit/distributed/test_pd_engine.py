@@ -47,12 +47,20 @@ def test_generate_pd_on_the_command_line_matches_generate(tmp_path, capsys):
     prompts = write_prompts(tmp_path / "prompts.jsonl", requests)
     common = ["generate", "--model-path", str(checkpoint_dir("gemma3")), "--prompts", str(prompts), "--json",
               "--ignore-eos", "--page-size", str(PAGE), "--context", "128", "--budget", "8MiB", "--max-running", "8"]
-    outputs = []
+    outputs, stats = [], []
     for extra in ([], ["--pd", "--pd-engine", "gloo"]):
         assert main([*common, *extra]) == 0
-        outputs.append([o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]])
+        out = json.loads(capsys.readouterr().out)
+        outputs.append([o["token_ids"] for o in out["outputs"]])
+        stats.append(out["stats"])
     single, pd = outputs
     assert pd == single and all(len(o) == r.max_new_tokens for o, r in zip(pd, requests))
+    # the run's figures are both nodes' (they were zeros): every decode step a forward, one at least
+    # for the prefills, and the pools in use
+    pd_stats = stats[1]
+    assert pd_stats["forwards"] > pd_stats["steps"] > 0
+    assert 0 < pd_stats["peak_utilisation"] <= 1
+    assert pd_stats["output_tokens"] == stats[0]["output_tokens"]
 
 
 def test_the_decode_node_decodes_while_other_prefills_are_in_flight():
