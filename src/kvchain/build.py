@@ -55,6 +55,7 @@ def _check_token_owner_pages(plan: KVStoragePlan, sizing: PlanSizing) -> None:
     if pages > MAX_TOKEN_OWNER_PAGES:
         raise BudgetError(
             f"a token-id owner's ids at {sizing.arena_bytes:,} arena bytes are {pages:,} virtual pages; "
-            f"it builds with at most {MAX_TOKEN_OWNER_PAGES:,} (a budget of at most "
-            f"{MAX_TOKEN_OWNER_PAGES * owner.page_bytes:,} bytes)"
+            f"it builds with at most {MAX_TOKEN_OWNER_PAGES:,} (an arena of at most "
+            f"{MAX_TOKEN_OWNER_PAGES * owner.page_bytes:,} bytes, a budget of at most "
+            f"{MAX_TOKEN_OWNER_PAGES * owner.page_bytes + sizing.fixed.total:,} with this sizing's fixed allocations)"
         )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonio
 from .errors import InputError, KVChainError
-from .units import parse_bytes
+from .units import DTYPE_NAMES, parse_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -163,8 +163,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="a built-in preset (see `kvchain models`)")
     src.add_argument("--config", type=path_text, help="path to a HuggingFace config.json")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--kv-dtype", default=None, help="attention KV dtype: bfloat16, float16, float32 or auto (default auto: the model's "
-                        "16-bit dtype, bfloat16 for a float32 config, as engines serve it)")
+    p.add_argument("--kv-dtype", default=None, help="attention KV dtype: auto (default: the model's 16-bit dtype, "
+                        f"bfloat16 for a float32 config, as engines serve it) or one of {', '.join(DTYPE_NAMES)}")
     p.add_argument("--checkpoint-interval", type=positive_int, default=None,
                    help="tokens between cached recurrent-state checkpoints")
 

@@ -63,6 +63,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
 }
+#: the dtype names KV can be stored in (`dtype_name` takes the aliases below too)
+DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
             "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 

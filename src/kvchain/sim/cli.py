@@ -96,7 +96,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "before it finishes, not at a time fixed in advance")
     p.add_argument("--jobs", type=bounded_int(256, "one process each"), default=None,
                    help="worker processes (default: the cores)")
-    p.add_argument("--plot", type=path_text, default=None, help="write utilisation and running requests over time to this PNG")
+    p.add_argument("--plot", type=path_text, default=None, help="write utilisation and running requests over time to this image "
+                        f"({', '.join(PLOT_SUFFIXES)})")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--pp", type=_positive_int, default=1,
                    help="pipeline stages: serve kvchain alone, each stage its own layers and arena, every capacity "

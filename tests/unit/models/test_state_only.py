@@ -8,6 +8,7 @@ state: a conv state of (kernel - 1) x conv channels in the model dtype, and an S
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -177,6 +178,12 @@ def test_a_state_only_storage_too_large_for_its_id_arrays_is_refused_in_one_line
     with pytest.raises(BudgetError) as info:
         build_kv_storage(plan, sizing, "meta")
     assert "virtual pages" in str(info.value) and "\n" not in str(info.value)
+    # the budget it names builds, and a page past it is refused: the figure is the budget's, not
+    # the arena's (which leaves out the fixed allocations)
+    limit = int(re.search(r"a budget of at most ([\d,]+)", str(info.value)).group(1).replace(",", ""))
+    build_kv_storage(plan, size_plan(plan, limit, context_len=8192, max_running_requests=64), "meta")
+    with pytest.raises(BudgetError):
+        build_kv_storage(plan, size_plan(plan, limit + 2**20, context_len=8192, max_running_requests=64), "meta")
 
 
 # ---------------------------------------------------------------- the command line
