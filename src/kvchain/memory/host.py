@@ -25,7 +25,10 @@ __all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "
 
 
 class HostPool:
-    """One host backing: `[n_pages, page_bytes]` uint8 and a free list of its pages."""
+    """One host backing: `[n_pages, page_bytes]` uint8 and a free list of its pages. `alloc` and
+    `free` refuse (InputError, before the free list changes) a count that is not a whole number
+    >= 0, and ids outside the pool, named twice, or not handed out (an allocated mask, checked
+    vectorised), so no page is ever handed out twice."""
 
     def __init__(self, layout: HostLayout, pin: bool | None = None) -> None:
         self.layout = layout
@@ -33,6 +36,7 @@ class HostPool:
         self.pinned = bool(self.data.is_pinned()) if layout.n_pages else False
         self._free = np.arange(layout.n_pages - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
         self._n_free = layout.n_pages
+        self._allocated = np.zeros(layout.n_pages, dtype=bool)  # handed out and not freed since
 
     @property
     def n_pages(self) -> int:
@@ -46,21 +50,75 @@ class HostPool:
     def nbytes(self) -> int:
         return self.layout.nbytes
 
+    def _name(self) -> str:
+        return f"host pool {'+'.join(self.layout.sub_pools)}"
+
     def alloc(self, n: int) -> np.ndarray:
-        """`n` free host pages; raises CapacityError, taking none, when fewer are free."""
+        """`n` free host pages; raises CapacityError, taking none, when fewer are free, and
+        InputError for a count that is not a whole number >= 0."""
+        if type(n) is not int:
+            if isinstance(n, (bool, np.bool_)) or not isinstance(n, np.integer):
+                raise InputError(f"{self._name()}: an alloc count is a whole number of pages, got {n!r}")
+            n = int(n)
+        if n < 0:
+            raise InputError(f"{self._name()}: an alloc count is a whole number of pages >= 0, got {n!r}")
         if n > self._n_free:
-            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: {self._n_free} free pages, "
-                                f"{n} needed")
+            raise CapacityError(f"{self._name()}: {self._n_free} free pages, {n} needed")
         self._n_free -= n
-        return self._free[self._n_free : self._n_free + n][::-1].copy()
+        ids = self._free[self._n_free : self._n_free + n][::-1].copy()
+        self._allocated[ids] = True
+        return ids
 
     def free(self, ids: np.ndarray) -> None:
-        ids = np.asarray(ids, dtype=np.int64)
-        if self._n_free + len(ids) > self.layout.n_pages:
-            raise CapacityError(f"host pool {'+'.join(self.layout.sub_pools)}: a free of {len(ids)} pages "
-                                f"past its {self.layout.n_pages}")
-        self._free[self._n_free : self._n_free + len(ids)] = ids
-        self._n_free += len(ids)
+        """Give back pages `alloc` handed out. InputError, freeing none, for ids that are not
+        integers, lie outside the pool, are named twice or are not allocated now."""
+        ids = self._free_ids(ids)
+        n = len(ids)
+        if not n:
+            return
+        total = self.layout.n_pages
+        if n == 1:  # a record's one page (the host tier frees page by page): scalar reads
+            i = ids.item()
+            if not 0 <= i < total:
+                raise InputError(f"{self._name()}: free ids [{i}] outside 0..{total - 1}")
+            if not self._allocated.item(i):
+                raise InputError(f"{self._name()}: free ids [{i}] are not allocated (never handed out, "
+                                 "or freed already)")
+        else:
+            if (ids.view(np.uint64) >= total).any():  # seen unsigned, a negative id is huge
+                bad = ids[(ids < 0) | (ids >= total)]
+                raise InputError(f"{self._name()}: free ids {bad[:8].tolist()} outside 0..{total - 1}")
+            taken = self._allocated[ids]
+            if not taken.all():
+                raise InputError(f"{self._name()}: free ids {ids[~taken][:8].tolist()} are not allocated "
+                                 "(never handed out, or freed already)")
+            ordered = np.sort(ids)
+            twice = ordered[1:] == ordered[:-1]
+            if twice.any():
+                raise InputError(f"{self._name()}: free ids named more than once: "
+                                 f"{np.unique(ordered[1:][twice])[:8].tolist()}")
+        self._allocated[ids] = False
+        self._free[self._n_free : self._n_free + n] = ids
+        self._n_free += n
+
+    def _free_ids(self, ids) -> np.ndarray:
+        """`ids` as a flat int64 array; anything but integers is refused (an empty list is no ids)."""
+        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+            return ids
+        try:
+            arr = np.asarray(ids)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InputError(f"{self._name()}: free ids must be an array of integers ({exc})") from None
+        if arr.dtype.kind not in "iu":
+            if arr.size == 0 and arr.dtype.kind in "fO":
+                return np.zeros(0, dtype=np.int64)
+            raise InputError(f"{self._name()}: free ids must be integers, not {arr.dtype} "
+                             f"(got {arr.reshape(-1)[:4].tolist()})")
+        arr = arr.reshape(-1)
+        if arr.dtype.kind == "u" and arr.size and arr.max() >= self.layout.n_pages:
+            raise InputError(f"{self._name()}: free ids {arr[arr >= self.layout.n_pages][:8].tolist()} "
+                             f"outside 0..{self.layout.n_pages - 1}")
+        return arr.astype(np.int64, copy=False)
 
     def pages(self, pool: SubPool) -> torch.Tensor:
         """This backing's pages as `pool`'s page envelopes: `[n_pages, pool.page_bytes]` (a column
