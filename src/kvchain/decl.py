@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import DeclarationError
 from .units import dtype_name, dtype_size
 
@@ -36,9 +38,9 @@ class MHA:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        _positive(kv_heads=self.kv_heads, head_dim=self.head_dim)
+        _positive(self, "kv_heads", "head_dim")
         if self.v_head_dim is not None:
-            _positive(v_head_dim=self.v_head_dim)
+            _positive(self, "v_head_dim")
 
     unit = Unit.TOKEN
 
@@ -74,10 +76,9 @@ class MLA:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        _positive(kv_lora_rank=self.kv_lora_rank)
-        if self.rope_dim < 0:
-            raise DeclarationError(f"MLA rope_dim must be >= 0, got {self.rope_dim}")
-        if self.index_head_dim < 0 or self.index_head_dim % INDEX_QUANT_BLOCK:
+        _positive(self, "kv_lora_rank")
+        _positive(self, "rope_dim", "index_head_dim", least=0)
+        if self.index_head_dim % INDEX_QUANT_BLOCK:
             raise DeclarationError(f"MLA index_head_dim must be a multiple of {INDEX_QUANT_BLOCK} (or 0), "
                                    f"got {self.index_head_dim}")
 
@@ -104,12 +105,14 @@ class StateTensor:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        if not self.name.isidentifier():
+        if not isinstance(self.name, str) or not self.name.isidentifier():
             raise DeclarationError(f"state tensor name must be an identifier, got {self.name!r}")
-        if not self.shape or any(s <= 0 for s in self.shape):
-            raise DeclarationError(f"state tensor {self.name!r} needs a non-empty positive shape, got {self.shape}")
+        shape = _sequence(self.shape)
+        if not shape or not all(_is_integer(s) and s > 0 for s in shape):
+            raise DeclarationError(f"state tensor {self.name!r} needs a non-empty shape of positive integers, "
+                                   f"got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_size(self.dtype)
@@ -122,7 +125,10 @@ class State:
     tensors: tuple[StateTensor, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tensors", tuple(self.tensors))
+        tensors = _sequence(self.tensors)
+        if tensors is None or not all(isinstance(t, StateTensor) for t in tensors):
+            raise DeclarationError(f"a State geometry's tensors must be StateTensors, got {self.tensors!r}")
+        object.__setattr__(self, "tensors", tensors)
         if not self.tensors:
             raise DeclarationError("a State geometry needs at least one tensor")
         names = [t.name for t in self.tensors]
@@ -166,7 +172,10 @@ class WindowLifetime:
     rank = 1
 
     def __post_init__(self) -> None:
-        _positive(window=self.window)
+        _positive(self, "window")
+        if not isinstance(self.chunked, (bool, np.bool_)):
+            raise DeclarationError(f"WindowLifetime chunked must be a bool, got {self.chunked!r}")
+        object.__setattr__(self, "chunked", bool(self.chunked))
 
     def describe(self) -> str:
         return f"{'chunk' if self.chunked else 'window'} {self.window}"
@@ -185,9 +194,8 @@ class StateLifetime:
 
     def __post_init__(self) -> None:
         if self.checkpoint_interval is not None:
-            _positive(checkpoint_interval=self.checkpoint_interval)
-        if self.speculative_slots:
-            _positive(speculative_slots=self.speculative_slots)
+            _positive(self, "checkpoint_interval")
+        _positive(self, "speculative_slots", least=0)
 
     def describe(self) -> str:
         base = "state" if self.checkpoint_interval is None else f"state (checkpoint every {self.checkpoint_interval})"
@@ -208,6 +216,11 @@ class KVPart:
     lifetime: Lifetime
 
     def __post_init__(self) -> None:
+        if not isinstance(self.geometry, (MHA, MLA, State)):
+            raise DeclarationError(f"a KVPart's geometry must be MHA, MLA or State, got {self.geometry!r}")
+        if not isinstance(self.lifetime, (FullLifetime, WindowLifetime, StateLifetime)):
+            raise DeclarationError("a KVPart's lifetime must be FullLifetime, WindowLifetime or StateLifetime, "
+                                   f"got {self.lifetime!r}")
         state_geometry = isinstance(self.geometry, State)
         state_lifetime = isinstance(self.lifetime, StateLifetime)
         if state_geometry != state_lifetime:
@@ -233,9 +246,11 @@ class KVLayerDecl:
     parts: tuple[KVPart, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", tuple(self.parts))
-        if self.layer_id < 0:
-            raise DeclarationError(f"layer id must be >= 0, got {self.layer_id}")
+        _positive(self, "layer_id", least=0)
+        parts = _sequence(self.parts)
+        if parts is None or not all(isinstance(p, KVPart) for p in parts):
+            raise DeclarationError(f"layer {self.layer_id}'s parts must be KVParts, got {self.parts!r}")
+        object.__setattr__(self, "parts", parts)
         attention = [p for p in self.parts if p.is_attention]
         state = [p for p in self.parts if not p.is_attention]
         if len(attention) > 1 or len(state) > 1:
@@ -248,19 +263,43 @@ class KVLayerDecl:
 def kv_layer_decls(layers: Iterable[Sequence[KVPart] | KVPart | None]) -> list[KVLayerDecl]:
     """Number a model's layers in order. Each entry is the layer's parts (a part, a sequence of
     parts, or None for a layer with no KV state, such as an MLP-only layer)."""
+    entries = _sequence(layers)
+    if entries is None:
+        raise DeclarationError(f"layers must be a sequence of layer entries, got {layers!r}")
     decls: list[KVLayerDecl] = []
-    for layer_id, parts in enumerate(layers):
+    for layer_id, parts in enumerate(entries):
         if parts is None:
             continue
         if isinstance(parts, KVPart):
             parts = (parts,)
+        if _sequence(parts) is None:
+            raise DeclarationError(f"layer {layer_id}'s entry must be a KVPart, a sequence of KVParts or None, "
+                                   f"got {parts!r}")
         decls.append(KVLayerDecl(layer_id, tuple(parts)))
     if not decls:
         raise DeclarationError("a model must declare at least one layer with KV state")
     return decls
 
 
-def _positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise DeclarationError(f"{name} must be a positive integer, got {value!r}")
+def _is_integer(value: object) -> bool:
+    """A Python or numpy integer, never a bool (nor a float, even a whole one, nor a string)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _positive(decl: object, *names: str, least: int = 1) -> None:
+    """Each named field of `decl` an integer of at least `least` (1: a positive integer), stored back
+    as a plain int so a numpy integer declares the same geometry as the int it holds."""
+    for name in names:
+        value = getattr(decl, name)
+        if not _is_integer(value) or value < least:
+            what = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise DeclarationError(f"{type(decl).__name__} {name} must be {what}, got {value!r}")
+        object.__setattr__(decl, name, int(value))
+
+
+def _sequence(values: object) -> tuple | None:
+    """`values` as a tuple, or None when it is not an iterable (a string is one of characters)."""
+    try:
+        return tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        return None
