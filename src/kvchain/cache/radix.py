@@ -28,9 +28,42 @@ from ..advance import window_keep_from
 from ..errors import InputError, InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
+from ..storage_roles import boundary
 
 #: above every rank a reuse map gives (a queue position)
 _REUSE_TIERS = 1 << 40
+
+#: the tree keys token ids as int32
+_INT32 = np.dtype(np.int32)
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+def token_ids(tokens, what: str) -> np.ndarray:
+    """`tokens` as the flat int32 array the tree keys; InputError for anything but integers (floats,
+    bools, strings) or ids outside the int32 range, which a cast would silently turn into other
+    ids. An empty sequence of any type is no tokens. An int32 array (what requests hold) passes as
+    it is: no copy, no scan."""
+    if type(tokens) is np.ndarray and tokens.dtype is _INT32 and tokens.ndim == 1:
+        return tokens
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InputError(f"{what} tokens must be an array of integer token ids ({exc})") from None
+    if arr.ndim != 1:
+        if arr.ndim == 0 or arr.size:
+            raise InputError(f"{what} tokens must be a flat array of token ids, got shape {arr.shape}")
+        arr = arr.reshape(0)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind in "fO":
+            return np.empty(0, dtype=np.int32)
+        raise InputError(f"{what} tokens must be integer token ids, not {arr.dtype} (got {arr[:4].tolist()})")
+    if arr.size and arr.dtype.itemsize >= _INT32.itemsize and arr.dtype != _INT32:
+        signed = arr.dtype.kind == "i"
+        if (signed and arr.min() < _INT32_MIN) or arr.max() > _INT32_MAX:
+            bad = arr[(arr < _INT32_MIN) | (arr > _INT32_MAX)] if signed else arr[arr > _INT32_MAX]
+            raise InputError(f"{what} tokens {bad[:4].tolist()} lie outside the int32 range the tree keys "
+                             f"({_INT32_MIN}..{_INT32_MAX})")
+    return arr.astype(np.int32, copy=False)
 
 
 class CheckpointStrategy(enum.Enum):
@@ -245,8 +278,9 @@ class UnifiedRadixCache:
     def match_prefix(self, tokens: np.ndarray) -> MatchResult:
         """The longest usable prefix of `tokens` (WIN-9/10: a model with state matches only at a
         node holding state; every window's rows behind the end must be bound). Splits a node when
-        the match ends inside it, so the caller can lock exactly the prefix."""
-        tokens = np.asarray(tokens, dtype=np.int32)
+        the match ends inside it, so the caller can lock exactly the prefix. InputError for token
+        ids that are not integers or lie outside the int32 range the tree keys."""
+        tokens = token_ids(tokens, "match_prefix")
         path = self._walk(tokens)
         shared = sum(k for _n, k in path) * self.ps
         grid = self.checkpoint_interval
@@ -281,7 +315,7 @@ class UnifiedRadixCache:
         """The nodes the match `match_prefix(tokens)` would find now needs kept: the node it ends in
         (its pages, its state) and those holding the window rows behind its end. Changes nothing
         (no split, no recency): what a known future match protects from eviction (`reuse`)."""
-        tokens = np.asarray(tokens, dtype=np.int32)
+        tokens = token_ids(tokens, "match_needs")
         path = self._walk(tokens)
         if not path:
             return []
@@ -396,10 +430,17 @@ class UnifiedRadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
+        """Give back a `lock(node)`. InvariantError, changing no count, when a node on the path holds
+        no lock to give back (an unlock without its lock, or a second one)."""
+        walker = node
+        while walker is not None and walker is not self.root:
+            if walker.lock_ref <= 0:
+                raise InvariantError("tree.lock_balance", f"unlock of {node}: {walker} on its path holds no lock "
+                                     "(an unlock without its lock, or a second one)")
+            walker = walker.parent
         while node is not None and node is not self.root:
             self._account(node, -1)
             node.lock_ref -= 1
-            assert node.lock_ref >= 0, "unbalanced tree lock"
             self._account(node, 1)
             node = node.parent
 
@@ -465,11 +506,17 @@ class UnifiedRadixCache:
         nodes that carry it."""
         if lock is None:
             return
+        if sign < 0:  # an unlock: every node on the walk must hold a window lock to give back
+            walker = lock.node
+            while walker is not None and walker is not self.root and walker.start >= lock.floor:
+                if walker.window_lock <= 0:
+                    raise InvariantError("tree.lock_balance", f"window unlock of {lock.node} (floor {lock.floor}): "
+                                         f"{walker} holds no window lock (a second unlock of the same lock?)")
+                walker = walker.parent
         walker = lock.node
         while walker is not self.root and walker.start >= lock.floor:
             self._account(walker, -1)
             walker.window_lock += sign
-            assert walker.window_lock >= 0, "unbalanced window lock"
             self._account(walker, 1)
             walker = walker.parent
 
@@ -480,10 +527,16 @@ class UnifiedRadixCache:
         `window_lo[w]` on. Pages the tree already holds come back as duplicates for the inserter to
         free; where the tree's window rows were evicted and the inserter's duplicates still bind
         them, they are rehomed onto the tree's pages without allocating (WIN-7). A state slot given
-        for the end is taken unless the tree already has one there."""
+        for the end is taken unless the tree already has one there.
+
+        InputError, with nothing changed, for token ids the tree cannot key (`token_ids`), fewer
+        tokens than `len(vpages)` whole pages (tokens past them are left out), `vpages` the owner
+        does not bind (or names twice), a `window_lo` that is not one integer per window, and a
+        state slot on a plan without state or one the state sub-pool does not bind."""
         ps = self.ps
+        tokens, vpages, window_lo, state_slot = self._insert_args(tokens, vpages, window_lo, state_slot)
         n_pages = len(vpages)
-        tokens = np.asarray(tokens[: n_pages * ps], dtype=np.int32)
+        tokens = tokens[: n_pages * ps]
         path = self._walk(tokens)
         node = self.root
         page = 0
@@ -521,6 +574,37 @@ class UnifiedRadixCache:
         dups = np.concatenate(duplicates) if duplicates else np.empty(0, dtype=np.int64)
         return InsertResult(node, new_pages, dups, taken)
 
+    def _insert_args(self, tokens, vpages, window_lo, state_slot) -> tuple:
+        """`insert`'s arguments checked (see there), before anything changes."""
+        tokens = token_ids(tokens, "insert")
+        vpages = boundary.id_array(vpages, "insert vpages")
+        n = len(vpages)
+        if len(tokens) < n * self.ps:
+            raise InputError(f"insert tokens cover whole pages of {self.ps}: {n} vpages need {n * self.ps} "
+                             f"tokens, got {len(tokens)}")
+        chain = self.storage.allocator
+        owner = chain.owner
+        v2p = owner.ids.v2p
+        if n:
+            boundary.in_range(vpages, 0, len(v2p), "insert vpages")
+            unbound = v2p[vpages] < 0
+            if unbound.any():
+                raise InputError(f"insert vpages {vpages[unbound][:8].tolist()} are not bound in "
+                                 f"{self.plan.owner.name} (the owner): the tree holds only live pages")
+            boundary.distinct(vpages, "insert vpages")
+        window_lo = boundary.id_array(window_lo, "insert window_lo")
+        if len(window_lo) != len(self.windows):
+            raise InputError(f"insert window_lo holds one index per window ({len(self.windows)}), "
+                             f"got {len(window_lo)}")
+        state_slot = boundary.index(state_slot, "insert state_slot")
+        if state_slot >= 0:
+            if self.state is None:
+                raise InputError(f"insert state_slot {state_slot}: the plan holds no state")
+            slots = chain.state_band.ids.v2p
+            if state_slot >= len(slots) or slots[state_slot] < 0:
+                raise InputError(f"insert state_slot {state_slot} is not bound in {self.state.name}")
+        return tokens, vpages, window_lo, state_slot
+
     def insert_running(self, row: int, tokens: np.ndarray, state_slot: int = -1) -> InsertResult | None:
         """Hand a running row's first `len(tokens)` tokens (whole pages) to the tree, with state
         `state_slot` at their end (-1: none): a checkpoint (WIN-14) or a prefilled prompt.
@@ -535,8 +619,9 @@ class UnifiedRadixCache:
         state at that end (another request with the same prefix checkpointed it first)."""
         ps = self.ps
         table = self.storage.table
+        tokens = token_ids(tokens, "insert_running")
         n = len(tokens) // ps
-        tokens = np.asarray(tokens[: n * ps], dtype=np.int32)
+        tokens = tokens[: n * ps]
         mine = table.page_table[row, :n].copy()
         shared = int(table.shared_pages[row])
         path = self._walk(tokens)
