@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
+from fractions import Fraction
 
+import numpy as np
 import torch
 
 from .errors import BudgetError, InputError
@@ -30,22 +34,37 @@ _SUFFIX = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str | int) -> int:
-    """`80GiB` -> 85899345920. Raises InputError on anything that is not a positive size."""
-    if isinstance(text, int):
-        value = text
+def parse_bytes(text: str | int | float) -> int:
+    """`80GiB` -> 85899345920, `1.5GiB` -> 1610612736. Raises InputError on anything that is not a
+    positive whole number of bytes: a bool, a fraction of a byte (`1.5`, `'1e-3GiB'`: refused, not
+    truncated), a size past any float (`'1e400'`)."""
+    if isinstance(text, (bool, np.bool_)):
+        raise InputError(f"not a byte size: {text!r} (try 80GiB, 512MiB or a number of bytes)")
+    if isinstance(text, (int, np.integer)):
+        value: Fraction | int = int(text)
+    elif isinstance(text, (float, np.floating)):
+        if not math.isfinite(text):
+            raise InputError(f"not a finite byte size: {text!r}")
+        value = Fraction(float(text))
     else:
         match = _SIZE.match(str(text))
         if not match or match.group(2).lower() not in _SUFFIX:
             raise InputError(f"not a byte size: {text!r} (try 80GiB, 512MiB or a number of bytes)")
-        value = int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
-    if value <= 0:
+        if not math.isfinite(float(match.group(1))):
+            raise InputError(f"not a finite byte size: {text!r}")
+        value = Fraction(match.group(1)) * _SUFFIX[match.group(2).lower()]  # exact: '1.1GB' is 1,100,000,000
+    if value < 1:
         raise InputError(f"a byte size must be at least one byte, got {text!r}")
-    return value
+    if value.denominator != 1:
+        raise InputError(f"{text!r} is not a whole number of bytes ({float(value):,} bytes)")
+    return int(value)
 
 
 def format_bytes(n: int | float) -> str:
-    """Human bytes with binary units: 85899345920 -> '80.00 GiB'."""
+    """Human bytes with binary units: 85899345920 -> '80.00 GiB'. Raises InputError for what is not
+    a finite number (a string, a bool, NaN or an infinity)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real) or not math.isfinite(n):
+        raise InputError(f"format_bytes takes a finite number of bytes, got {n!r}")
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
