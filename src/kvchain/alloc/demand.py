@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import InputError
 from ..plan import KVStoragePlan, PoolKind
 from ..sizing import pages_for, state_slots_per_request
@@ -96,6 +98,20 @@ def retained_window(window: int, checkpoint_interval: int | None, shares_prefixe
     return window
 
 
+def _check_arguments(purpose, window_retirement, **values) -> None:
+    """The slow path of `request_demand`'s checks, run only when some argument is not a plain int
+    (or None where that is allowed) or an enum is not its enum: names the argument at fault."""
+    if not isinstance(purpose, DemandPurpose):
+        raise InputError(f"request_demand purpose must be a DemandPurpose, got {purpose!r}")
+    if not isinstance(window_retirement, WindowRetirement):
+        raise InputError(f"request_demand window_retirement must be a WindowRetirement, got {window_retirement!r}")
+    for name, value in values.items():
+        if value is None and name in ("chunk_len", "checkpoint_interval"):
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise InputError(f"request_demand {name} must be an integer, got {value!r}")
+
+
 def request_demand(
     plan: KVStoragePlan,
     purpose: DemandPurpose,
@@ -117,11 +133,28 @@ def request_demand(
     scheduler cuts (the checkpoint interval when it cuts on the grid): a lifetime peak includes that
     chunk's transient window tail, so a request that fits an empty pool can always be prefilled.
     `tracking_slot`: whether the pool takes a tracking state slot per request for its prefix tree's
-    checkpoints (None: as the plan's state lifetime declares, `state_slots_per_request`)."""
+    checkpoints (None: as the plan's state lifetime declares, `state_slots_per_request`).
+
+    InputError for a length that is not an integer (a bool is not one) or is negative, a negative
+    `checkpoint_interval` (None or 0: no grid), and a `purpose` or `window_retirement` that is not
+    its enum."""
+    if (type(input_len) is not int or type(output_len) is not int or type(cached_len) is not int
+            or type(min_chunk) is not int or (chunk_len is not None and type(chunk_len) is not int)
+            or (checkpoint_interval is not None and type(checkpoint_interval) is not int)
+            or type(purpose) is not DemandPurpose or type(window_retirement) is not WindowRetirement):
+        _check_arguments(purpose, window_retirement, input_len=input_len, output_len=output_len,
+                         cached_len=cached_len, chunk_len=chunk_len, checkpoint_interval=checkpoint_interval,
+                         min_chunk=min_chunk)
     if input_len < 0 or output_len < 0 or cached_len < 0 or cached_len > input_len:
         raise InputError(
             f"request lengths must satisfy 0 <= cached ({cached_len}) <= input ({input_len}), output {output_len} >= 0"
         )
+    if (chunk_len is not None and chunk_len < 0) or min_chunk < 0 or \
+            (checkpoint_interval is not None and checkpoint_interval < 0):
+        name, value = next((n, v) for n, v in (("chunk_len", chunk_len), ("min_chunk", min_chunk),
+                                                ("checkpoint_interval", checkpoint_interval)) if v is not None and v < 0)
+        raise InputError(f"request_demand {name} must not be negative, got {value}"
+                         + (" (None or 0: no checkpoint grid)" if name == "checkpoint_interval" else ""))
     rule = DEMAND_RULES[purpose]
     ps = plan.page_size
     total = input_len + output_len
