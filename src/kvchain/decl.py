@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import DeclarationError
-from .units import dtype_name, dtype_size
+from .units import dtype_name, dtype_size, is_integer
 
 
 class Unit(enum.Enum):
@@ -108,7 +108,7 @@ class StateTensor:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise DeclarationError(f"state tensor name must be an identifier, got {self.name!r}")
         shape = _sequence(self.shape)
-        if not shape or not all(_is_integer(s) and s > 0 for s in shape):
+        if not shape or not all(is_integer(s) and s > 0 for s in shape):
             raise DeclarationError(f"state tensor {self.name!r} needs a non-empty shape of positive integers, "
                                    f"got {self.shape!r}")
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
@@ -281,17 +281,12 @@ def kv_layer_decls(layers: Iterable[Sequence[KVPart] | KVPart | None]) -> list[K
     return decls
 
 
-def _is_integer(value: object) -> bool:
-    """A Python or numpy integer, never a bool (nor a float, even a whole one, nor a string)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _positive(decl: object, *names: str, least: int = 1) -> None:
     """Each named field of `decl` an integer of at least `least` (1: a positive integer), stored back
     as a plain int so a numpy integer declares the same geometry as the int it holds."""
     for name in names:
         value = getattr(decl, name)
-        if not _is_integer(value) or value < least:
+        if not is_integer(value) or value < least:
             what = "a positive integer" if least == 1 else f"an integer >= {least}"
             raise DeclarationError(f"{type(decl).__name__} {name} must be {what}, got {value!r}")
         object.__setattr__(decl, name, int(value))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .decl import MHA, FullLifetime, Geometry, KVLayerDecl, Lifetime, StateLifetime, Unit, WindowLifetime
 from .errors import InputError, PlanError
 from .layout.entry import ENVELOPE_ALIGN, PageEnvelope, page_envelope
+from .units import is_integer
 
 
 class PoolKind(enum.Enum):
@@ -218,11 +219,19 @@ def plan_kv_storage(
     `draft` declares a fused draft model's layers (numbered after the target's: from `draft_offset`,
     by default one past the last declared layer; a pipeline stage, which declares only its own
     layers, passes the whole model's). A draft window of a lifetime the target lacks becomes a band
-    of its own; a draft with recurrent state needs the target's state band with a checkpoint policy."""
-    if not isinstance(page_size, int) or page_size <= 0:
+    of its own; a draft with recurrent state needs the target's state band with a checkpoint policy.
+    Raises `InputError` for a page size that is not a positive integer (a bool or a float included)
+    and for declarations that are not `KVLayerDecl`s."""
+    if not is_integer(page_size) or page_size <= 0:
         raise InputError(f"page size must be a positive integer, got {page_size!r}")
+    page_size = int(page_size)
+    decls = _layer_decls(decls, "decls")
     if not decls:
         raise PlanError("no layers declared: a plan needs at least a full-attention layer")
+    if draft is not None:
+        draft = _layer_decls(draft, "draft")
+    if draft_offset is not None and not is_integer(draft_offset):
+        raise InputError(f"draft_offset must be an integer, got {draft_offset!r}")
 
     groups: dict[tuple[Lifetime, Unit], dict] = {}
 
@@ -310,6 +319,19 @@ def plan_kv_storage(
     return KVStoragePlan(page_size, tuple(sub_pools), _tree_slots(sub_pools, groups))
 
 
+def _layer_decls(decls: object, what: str) -> list[KVLayerDecl]:
+    """`decls` as a list, every entry a `KVLayerDecl` (an InputError naming `what` otherwise)."""
+    try:
+        out = list(decls)  # type: ignore[call-overload]
+    except TypeError:
+        raise InputError(f"{what} must be a sequence of KVLayerDecl, got {decls!r}") from None
+    bad = next((i for i, d in enumerate(out) if not isinstance(d, KVLayerDecl)), None)
+    if bad is not None:
+        raise InputError(f"{what} must be a sequence of KVLayerDecl, got {type(out[bad]).__name__} "
+                         f"{out[bad]!r} at index {bad} (number a model's layers with kv_layer_decls)")
+    return out
+
+
 def _add_token_owner(groups: dict) -> None:
     """Add a token-id owner where no layer has full attention (only state, only windows, or both):
     it mints the virtual ids requests hold and window bands bind their pages to (DECL-4, IDS-3)."""
@@ -355,11 +377,21 @@ class StagePartitionError(PlanError):
 def stage_layer_ranges(n_layers: int, n_stages: int, partition: Sequence[int] | None = None) -> list[range]:
     """The model layers each pipeline stage hosts, contiguous, as engines split them: an even share
     each, the remainder one layer apiece to the stages before the last (whose stage also runs the
-    head); or `partition`, explicit layer counts per stage."""
-    if not isinstance(n_stages, int) or n_stages <= 0:
-        raise InputError(f"pipeline stages must be a positive integer, got {n_stages!r}")
+    head); or `partition`, explicit layer counts per stage. Raises `InputError` for counts that are
+    not integers (a bool, a float or a string: never truncated) or a negative `n_layers`."""
+    if not is_integer(n_stages) or n_stages <= 0:
+        raise InputError(f"pipeline stages (n_stages) must be a positive integer, got {n_stages!r}")
+    if not is_integer(n_layers) or n_layers < 0:
+        raise InputError(f"n_layers must be a non-negative integer, got {n_layers!r}")
+    n_stages, n_layers = int(n_stages), int(n_layers)
     if partition is not None:
-        counts = [int(c) for c in partition]
+        try:
+            counts = list(partition)
+        except TypeError:
+            raise InputError(f"layer partition must be a sequence of integers, got {partition!r}") from None
+        if not all(is_integer(c) for c in counts):
+            raise InputError(f"layer partition must be integers, got {partition!r}")
+        counts = [int(c) for c in counts]
         if len(counts) != n_stages and n_stages == 1:
             raise StagePartitionError(f"a layer partition of {len(counts)} stages needs as many pipeline stages "
                                       f"(--pp {len(counts)})")

@@ -34,6 +34,12 @@ _SUFFIX = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def is_integer(value: object) -> bool:
+    """A Python or numpy integer, never a bool (nor a float, even a whole one, nor a string): what
+    every count, size and id kvchain takes must be."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def parse_bytes(text: str | int | float) -> int:
     """`80GiB` -> 85899345920, `1.5GiB` -> 1610612736. Raises InputError on anything that is not a
     positive whole number of bytes: a bool, a fraction of a byte (`1.5`, `'1e-3GiB'`: refused, not
