@@ -299,6 +299,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def alloc_extend(self, rows: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+        self.allocator.assert_between_steps("alloc_extend")
         rows, new_lens = self._check_extend(rows, new_lens)
         table = self.table
         old_lens = table.seq_lens[rows]
@@ -358,6 +359,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def alloc_decode(self, rows: np.ndarray) -> np.ndarray:
+        self.allocator.assert_between_steps("alloc_decode")
         rows, old_lens = self._check_decode(rows)
         table = self.table
         ps = self.page_size
@@ -400,6 +402,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def advance(self, rows: np.ndarray, checkpoints: np.ndarray | None = None) -> int:
+        self.allocator.assert_between_steps("advance")
         rows, checkpoints = self._check_advance(rows, checkpoints)
         return retire_window_rows(self.table, self.allocator, self.page_size, rows, checkpoints)
 
@@ -420,6 +423,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def free_rows(self, rows: np.ndarray) -> None:
+        self.allocator.assert_between_steps("free_rows")
         rows = self._check_free_rows(rows)
         if not len(rows):
             return
@@ -488,6 +492,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         boundary.same_count(window_lo, table.window_lo[row], "assign_prefix window_lo and the window sub-pools")
         boundary.in_range(window_lo, 0, n + 1, "assign_prefix window_lo")
         self._bound(self._owner, vpages, "assign_prefix pages")
+        if self._checked:  # a row in use frees its own pages: another row reading them would read freed pages
+            self._not_rows_own(vpages, "assign_prefix pages")
         table.page_table[row, :n] = vpages
         table.seq_lens[row] = length
         table.shared_pages[row] = n
@@ -540,6 +546,11 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         src = self._vpages(src, "rehome_window sources")
         dst = self._vpages(dst, "rehome_window targets")
         boundary.same_count(src, dst, "rehome_window sources and targets")
+        # the targets are pages the owner binds and no row in use owns: rows the window binds under
+        # any other id would never be freed
+        self._bound(self._owner, dst, "rehome_window targets")
+        if self._checked:
+            self._not_rows_own(dst, "rehome_window targets")
         self.allocator.rehome_window(pool.name, src, dst)
 
     @_operation
@@ -550,6 +561,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         boundary.same_count(vpages, physical, "bind_window pages and physical pages")
         boundary.in_range(physical, 0, self.arena.layout.grids[pool.index].n_grid, "bind_window physical pages")
         boundary.distinct(physical, "bind_window physical pages")
+        self._bound(self._owner, vpages, "bind_window pages")
         self.allocator.bind_window(pool.name, vpages, physical)
 
     # -- the overlap scheduler's hooks ------------------------------------------------------------
@@ -573,6 +585,8 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         boundary.of_type(done, Event, "record_forward done")
         if writes is not None:
             boundary.of_type(writes, IterationIds, "record_forward writes")
+            if set(writes.locs) != {p.name for p in self.plan.sub_pools if p.kind is not PoolKind.STATE}:
+                raise InputError(f"record_forward writes name sub-pools {sorted(writes.locs)}, not this pool's")
         if shared_read_done is not None:
             boundary.of_type(shared_read_done, Event, "record_forward shared_read_done")
         if env.get("KVCHAIN_CHECK_KV_PAGE_INVARIANTS"):  # CHK-18: request lengths, every busy iteration
@@ -636,7 +650,7 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
     @_operation
     def record_host_transfer(self, name: str, writes: bool, pages: dict[str, np.ndarray], done: Event) -> HostTransfer:
         pages = self._physical(pages)
-        transfer = HostTransfer(name, bool(boundary.of_type(writes, (bool, np.bool_), "writes")),
+        transfer = HostTransfer(boundary.name(name, "record_host_transfer name"), bool(boundary.of_type(writes, (bool, np.bool_), "writes")),
                                 boundary.of_type(done, Event, "record_host_transfer done"))
         self.allocator.record_host_transfer(transfer, pages)
         return transfer
@@ -660,7 +674,11 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
 
     @_operation
     def hold_receive_rows(self, name: str, pages: dict[str, np.ndarray]) -> ReceiveHold:
-        return ReceiveHold(name, self.allocator.hold_rows(self._physical(pages)))
+        name = boundary.name(name, "hold_receive_rows name")
+        pages = self._physical(pages)
+        for key, ids in pages.items():
+            boundary.distinct(ids, f"hold_receive_rows {key} pages")
+        return ReceiveHold(name, self.allocator.hold_rows(pages))
 
     def published(self, hold: ReceiveHold) -> None:
         boundary.of_type(hold, ReceiveHold, "published hold")
@@ -753,6 +771,12 @@ class KVStorage(RowsAndTakes, PrefixSharing, ForwardHooks, HostTier, PDTransfers
         return self.allocator.pages_accounted_for(table.own_pages(rows), int((table.state_slot[rows] != NO_SLOT).sum()))
 
     def check_idle(self, held: dict[str, int] | None = None) -> None:
+        if held is not None:
+            if not isinstance(held, dict):
+                raise InputError(f"check_idle held must be a dict of sub-pool name to pages, got {type(held).__name__}")
+            for key, n in held.items():
+                self.plan.by_name(boundary.name(key))
+                boundary.count(n, f"check_idle held {key} pages")
         chain = self.allocator
         chain.check_idle()
         expected = self.expected_live_pages()

@@ -162,6 +162,15 @@ class ForwardSteps:
                 "and the recording of its event",
             )
 
+    def assert_closed(self, what: str) -> None:
+        """Called by every call that changes a row's length or frees a row (LIFE-31), before any
+        change: the launched forward's metadata was built from the rows as they stand."""
+        if self._open is not None:
+            raise InvariantError(
+                "forward_steps.page_between_launch_and_record",
+                f"{what} between the launch of step {self._open.step} and the recording of its event",
+            )
+
     def newest_unprocessed(self) -> LaunchRecord | None:
         """The newest recorded, unprocessed forward: the key of a page freed now."""
         for record in reversed(self.in_flight):

@@ -113,8 +113,31 @@ class StorageOps:
         band.ids.bind(dst, physical)
 
     def bind_window(self, sub_pool: str, vpages: np.ndarray, physical: np.ndarray) -> None:
-        """Bind live pages of one window to owner virtual pages (WIN-7)."""
-        self._band_named(sub_pool).bind(vpages, physical)
+        """Bind live pages of one window to owner virtual pages (WIN-7): pages a load reservation
+        fixes and nothing binds yet, to ids the window does not bind. Raises InputError, changing
+        nothing, for any other page or id (a bound or free page would be counted twice or leak)."""
+        band = self._band_named(sub_pool)
+        loose = (band.ids.p2v[physical] != UNBOUND) | ~band.fixed_mask[physical]
+        if loose.any():
+            raise InputError(f"{sub_pool}: pages {physical[loose][:8].tolist()} are not a load's reserved, "
+                             "unbound pages")
+        taken = band.ids.v2p[vpages] != UNBOUND
+        if taken.any():
+            raise InputError(f"{sub_pool}: owner pages {vpages[taken][:8].tolist()} already bind a row there")
+        band.bind(vpages, physical)
+
+    def end_load_reservation(self, sub_pool: str, reservation: PageUse) -> None:
+        """The reservation's pages may move again (HIC-6). Raises InputError, changing nothing, for
+        a reservation this sub-pool does not hold (another's, or one ended already)."""
+        band = self._band_named(sub_pool)
+        if not any(use is reservation for use in band.usage.uses):
+            raise InputError(f"{sub_pool} holds no such load reservation (another sub-pool's, or ended already)")
+        band.unfix(reservation)
+
+    def assert_between_steps(self, what: str) -> None:
+        """A row's length changes only outside a launch and the recording of its event (LIFE-31),
+        whether or not the call takes or frees a page."""
+        self.forward_steps.assert_closed(what)
 
     def copy_state_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         """Copy state slots on the schedule stream after every unfinished writer of the sources,
@@ -153,10 +176,6 @@ class StorageOps:
         band.bind(ids, physical)
         return ids
 
-    def end_load_reservation(self, sub_pool: str, reservation: PageUse) -> None:
-        """The reservation's pages may move again (HIC-6)."""
-        self._band_named(sub_pool).unfix(reservation)
-
     def record_host_transfer(self, transfer: HostTransfer, pages: dict[str, np.ndarray]) -> None:
         """One COPY_WRITE (a load) or COPY_READ (a backup) use per sub-pool named in `pages`."""
         hazard = Hazard.COPY_WRITE if transfer.writes else Hazard.COPY_READ
@@ -175,8 +194,14 @@ class StorageOps:
     def hold_rows(self, pages: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
         """Hold physical pages per sub-pool in place (no compaction moves them) until `release_rows`;
         returns the held pages per band index, the argument `release_rows` takes (PD-8)."""
+        named = self._bands_named(pages)
+        for band, ids in named:  # every page before anything changes: a receive writes bound pages
+            unbound = band.ids.p2v[ids] == UNBOUND
+            if unbound.any():
+                raise InputError(f"{band.name}: pages {ids[unbound][:8].tolist()} are not bound (a receive "
+                                 "writes the pages a row took)")
         held = {}
-        for band, ids in self._bands_named(pages):
+        for band, ids in named:
             band.held[ids] += 1
             band.n_held += len(ids)
             held[band.index] = ids

@@ -24,7 +24,9 @@ class PrefixSharing(Protocol):
         whole pages; `window_lo`, per window band, is the first of them that window still binds.
         The row reads those pages and never frees them. Raises `InvariantError`
         (`requests.row_state`) when the row is not in use or already has tokens, and `InputError`
-        when `length` is not `len(vpages)` whole pages; either way nothing changed."""
+        when `length` is not `len(vpages)` whole pages or a page is one the owner does not bind or
+        a row in use owns past its tree-shared prefix (that row would free it under this one);
+        either way nothing changed."""
 
     @abstractmethod
     def release_to_tree(self, row: int, n_pages: int, duplicates: np.ndarray | None = None) -> None:
@@ -60,10 +62,12 @@ class PrefixSharing(Protocol):
         """Move one window's rows from virtual pages `src` to virtual pages `dst` that the window
         does not bind: the physical pages stay, their owner ids change (WIN-7). Raises
         `InvariantError` (`chain.window_segment_bound`), changing nothing, when a source is unbound
-        or a target bound there; `InputError` for a sub-pool the plan lacks."""
+        or a target bound there; `InputError` for a sub-pool the plan lacks, or a target the owner
+        does not bind or a row in use owns (rows bound under such an id would never be freed)."""
 
     @abstractmethod
     def bind_window(self, sub_pool: str, vpages: np.ndarray, physical: np.ndarray) -> None:
         """Bind live window pages with no owner id yet (a host-tier load's, still under its
-        reservation) to owner virtual pages `vpages` (WIN-7). Raises `InputError` for a sub-pool
-        the plan lacks."""
+        reservation) to owner virtual pages `vpages` (WIN-7). Raises `InputError`, changing
+        nothing, for a sub-pool the plan lacks, a page that is not a load's reserved, unbound page,
+        or an id the owner does not bind or the window binds already."""

@@ -17,7 +17,10 @@ import numpy as np
 @runtime_checkable
 class RowsAndTakes(Protocol):
     """Rows, their tokens and their state slots. Between `forward_launched` and `record_forward`
-    every take and free here raises `InvariantError` (LIFE-31), leaving the pool unchanged."""
+    every take and free here, and every call that changes a row (`alloc_extend`, `alloc_decode`,
+    `advance`, `free_rows`, even one that takes no page), raises `InvariantError` (LIFE-31),
+    leaving the pool unchanged: the launched forward's metadata was built from the rows as they
+    stood."""
 
     @abstractmethod
     def alloc_row(self) -> int:
