@@ -24,6 +24,7 @@ import numpy as np
 from .alloc.demand import DemandPurpose, KVDemand, request_demand
 from .alloc.npfast import unique_sorted
 from .capacity import capacity_decision
+from .errors import InputError
 from .storage import KVStorage
 
 
@@ -48,8 +49,13 @@ class Admission:
 def mamba_prefill_chunk_grid(start: int, limit: int, prompt_len: int, interval: int | None) -> int:
     """How many prompt tokens from `start` the next chunk takes under a `limit`: every chunk but a
     prompt's last ends on the checkpoint grid, so each one leaves a checkpoint to track (WIN-15,
-    WIN-16). Returns 0 when the limit does not reach the next grid point."""
+    WIN-16). Returns 0 when the limit does not reach the next grid point. `interval` None or 0: no
+    grid. InputError for a negative interval and a start outside 0..prompt_len."""
     remaining = prompt_len - start
+    if remaining < 0 or start < 0 or (interval is not None and interval < 0):
+        if interval is not None and interval < 0:
+            raise InputError(f"a checkpoint interval is a number of tokens >= 1 (None or 0: no grid), got {interval}")
+        raise InputError(f"a prefill chunk's start {start} lies outside the prompt (0..{prompt_len})")
     if remaining <= limit or not interval:
         return min(remaining, limit)
     end = ((start + limit) // interval) * interval
@@ -77,6 +83,9 @@ class ChainPrefillBudget:
 
     def __post_init__(self) -> None:
         self.admitted = KVDemand.zero(len(self.storage.plan.sub_pools))
+        # the longest input a row holds (None: a storage without a row table, a test's stand-in)
+        table = getattr(self.storage, "table", None)
+        self._context_len: int | None = table.context_len if table is not None else None
 
     def _demand(self, input_len: int, output_len: int, cached_len: int, chunk_len: int) -> KVDemand:
         if self.chunk_only:
@@ -116,7 +125,23 @@ class ChainPrefillBudget:
         return self.admitted_count > 0 or self.frees_coming
 
     def consider(self, input_len: int, output_len: int, cached_len: int, token_limit: int) -> Admission:
-        """Admit a request's first chunk (up to `token_limit` prompt tokens), make it wait, or abort it."""
+        """Admit a request's first chunk (up to `token_limit` prompt tokens), make it wait, or abort it
+        (an input past the pool's context length is aborted at once). InputError, with nothing
+        counted, for a length that is not an integer and a request with nothing to prefill: no
+        input, or a cached prefix that is negative or reaches the input."""
+        if not (type(input_len) is int and type(output_len) is int and type(cached_len) is int
+                and type(token_limit) is int):
+            _check_integers(input_len=input_len, output_len=output_len, cached_len=cached_len,
+                            token_limit=token_limit)
+        if input_len <= 0 or not 0 <= cached_len < input_len:
+            if input_len <= 0:
+                raise InputError(f"a request to admit needs input tokens: input_len {input_len}")
+            raise InputError(f"a request to admit has input left to prefill: cached_len {cached_len} must lie "
+                             f"in 0..{input_len - 1} (input_len {input_len})")
+        context = self._context_len
+        if context is not None and input_len > context:
+            return Admission(Decision.ABORT, reason=f"unschedulable: {input_len} input tokens are past the "
+                                                    f"context length {context}")
         chunk = mamba_prefill_chunk_grid(cached_len, token_limit, input_len, self.checkpoint_interval)
         if chunk <= 0:
             return Admission(Decision.WAIT, reason="the token budget left does not reach the next checkpoint")
@@ -145,6 +170,13 @@ class ChainPrefillBudget:
             reason=(f"unschedulable: {input_len} input + {output_len} output tokens ({cached_len} cached) need "
                     f"{pages} pages and no chunk of it fits while nothing else will free memory"),
         )
+
+
+def _check_integers(**values) -> None:
+    """`consider`'s slow path: a numpy integer counts, a bool, a float or anything else does not."""
+    for name, value in values.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise InputError(f"consider {name} must be an integer, got {value!r}")
 
 
 def peak_pages(lengths: np.ndarray, remaining: np.ndarray, page_size: int) -> int:
@@ -197,8 +229,13 @@ class ProjectedPrefillBudget(ChainPrefillBudget):
         return input_len
 
     def consider(self, input_len: int, output_len: int, cached_len: int, token_limit: int) -> Admission:
+        previous = self._candidate
         self._candidate = (input_len, output_len, cached_len)
-        a = super().consider(input_len, output_len, cached_len, token_limit)
+        try:
+            a = super().consider(input_len, output_len, cached_len, token_limit)
+        except InputError:
+            self._candidate = previous  # a refused request leaves the pass as it was
+            raise
         if a.decision is Decision.ADMIT:
             ps = self.storage.plan.page_size
             self.lengths.append(self._projected_len(input_len, cached_len, a.chunk_len))
