@@ -8,13 +8,15 @@ any free bytes of the arena."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from . import env
 from .errors import BudgetError, InputError
 from .memory.arena import ARENA_ALIGN, arena_layout
 from .plan import KVStoragePlan, PoolKind, SubPool, TokenIds
-from .units import format_bytes
+from .units import format_bytes, is_integer
 
 #: Per-request device state besides the KV pages (lengths, slot ids, reset flags), bytes per row.
 ROW_STATE_BYTES = 64
@@ -158,14 +160,36 @@ def _bs1_floor_terms(plan: KVStoragePlan, context_len: int, max_running_requests
     return terms
 
 
+def _sizing_args(plan: KVStoragePlan, budget_bytes: int, context_len: int,
+                 max_running_requests: int) -> tuple[int, int, int]:
+    """The budget, context length and request count as plain ints, or an InputError naming the
+    argument: a plan that is not a `KVStoragePlan`, a budget that is not an integer, a context
+    length or request count that is not a positive integer (a bool or a float is none of these;
+    a numpy integer is)."""
+    if not isinstance(plan, KVStoragePlan):
+        raise InputError(f"plan must be a KVStoragePlan (from plan_kv_storage), got {plan!r}")
+    if not is_integer(budget_bytes):
+        raise InputError(f"budget_bytes must be an integer number of bytes, got {budget_bytes!r}")
+    if not is_integer(context_len) or context_len <= 0:
+        raise InputError(f"context_len (the context length) must be a positive integer, got {context_len!r}")
+    if not is_integer(max_running_requests) or max_running_requests <= 0:
+        raise InputError(f"max_running_requests must be a positive integer, got {max_running_requests!r}")
+    return int(budget_bytes), int(context_len), int(max_running_requests)
+
+
 def check_bs1_floor(plan: KVStoragePlan, budget_bytes: int, context_len: int, max_running_requests: int) -> Bs1Floor:
-    """Refuse a budget below the batch-size-1 floor's checked terms, naming every term and its bytes."""
+    """Refuse a budget below the batch-size-1 floor's checked terms, naming every term and its bytes
+    (`BudgetError`), and, as `size_plan` does, arguments that are not what they say (`InputError`)."""
+    budget_bytes, context_len, max_running_requests = _sizing_args(plan, budget_bytes, context_len,
+                                                                   max_running_requests)
     floor = Bs1Floor(tuple(_bs1_floor_terms(plan, context_len, max_running_requests)))
     if budget_bytes < floor.total:
+        have, need = format_bytes(budget_bytes), format_bytes(floor.total)
+        if have == need:  # a budget just below the floor rounds to it: give both exactly
+            have, need = f"{budget_bytes:,} bytes", f"{floor.total:,} bytes"
         raise BudgetError(
-            f"budget {format_bytes(budget_bytes)} is below the batch-size-1 floor of "
-            f"{format_bytes(floor.total)} ({floor.explain(checked_only=True)}); one request of "
-            f"{context_len:,} tokens needs {format_bytes(floor.one_request)}"
+            f"budget {have} is below the batch-size-1 floor of {need} ({floor.explain(checked_only=True)}); "
+            f"one request of {context_len:,} tokens needs {format_bytes(floor.one_request)}"
         )
     return floor
 
@@ -249,17 +273,23 @@ def size_plan(
     state_slots: int | None = None,
     state_share: float | None = None,
 ) -> PlanSizing:
-    """Solve `budget_bytes` into boot targets (see the module docstring for the order)."""
-    if not isinstance(context_len, int) or context_len <= 0:
-        raise InputError(f"context length must be a positive integer, got {context_len!r}")
-    if not isinstance(max_running_requests, int) or max_running_requests <= 0:
-        raise InputError(f"max running requests must be a positive integer, got {max_running_requests!r}")
+    """Solve `budget_bytes` into boot targets (see the module docstring for the order). Raises
+    `InputError` for a budget, context length, request count or slot count that is not an integer
+    (a bool or a float included; numpy integers are integers), a context length or request count
+    below 1, a state share that is not a number in (0, 1), and `BudgetError` for a budget below the
+    batch-size-1 floor (`check_bs1_floor`)."""
+    budget_bytes, context_len, max_running_requests = _sizing_args(plan, budget_bytes, context_len,
+                                                                   max_running_requests)
     if state_slots is not None and state_share is not None:
         raise InputError("give state slots as a count or as a share of the chain, not both")
-    if state_share is not None and not 0.0 < state_share < 1.0:
-        raise InputError(f"state share must be in (0, 1), got {state_share}")
-    if state_slots is not None and state_slots < 0:
-        raise InputError(f"state slots must be >= 0, got {state_slots}")
+    if state_share is not None and (isinstance(state_share, bool) or not isinstance(state_share, numbers.Real)
+                                    or not math.isfinite(state_share) or not 0.0 < state_share < 1.0):
+        raise InputError(f"state_share (the state's share of the chain) must be a number in (0, 1), "
+                         f"got {state_share!r}")
+    if state_slots is not None:
+        if not is_integer(state_slots) or state_slots < 0:
+            raise InputError(f"state_slots must be an integer >= 0, got {state_slots!r}")
+        state_slots = int(state_slots)
 
     floor = check_bs1_floor(plan, budget_bytes, context_len, max_running_requests)
     fixed = fixed_allocations(plan, context_len, max_running_requests)
@@ -369,5 +399,11 @@ class PipelineSizing:
 
 def size_stages(plans: list[KVStoragePlan], budget_bytes: int, **kwargs) -> PipelineSizing:
     """Size each stage's plan for the same per-device budget (`size_plan`'s keywords apply to every
-    stage) and MIN-reduce the concurrency across the stages (PP-3)."""
+    stage) and MIN-reduce the concurrency across the stages (PP-3). Raises `InputError` for no plans."""
+    try:
+        plans = list(plans)
+    except TypeError:
+        raise InputError(f"plans must be a list of stage plans (from plan_stages), got {plans!r}") from None
+    if not plans:
+        raise InputError("plans is empty: size_stages needs at least one stage's plan")
     return PipelineSizing(tuple(size_plan(p, budget_bytes, **kwargs) for p in plans))
