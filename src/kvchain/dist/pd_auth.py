@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import operator
 import os
 import socket
 import struct
@@ -40,6 +41,17 @@ def check_host(host: str) -> str:
     if host in ALL_INTERFACES:
         raise InputError(f"PD binds one interface, not {host!r} (every interface); give its address")
     return host
+
+
+def check_port(port: int) -> int:
+    """A TCP port: an integer in 0..65535 (0 for a listener: any free port); a bool is not one."""
+    try:
+        number = None if isinstance(port, bool) else operator.index(port)
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= 65535:
+        raise InputError(f"a PD port is an integer in 0..65535, got {port!r}")
+    return number
 
 
 def _mac(secret: bytes, who: bytes, a: bytes, b: bytes) -> bytes:
@@ -82,7 +94,7 @@ class PDListener:
             raise InputError("a PD listener needs the deployment's shared secret (non-empty)")
         self.secret = secret
         self.host = check_host(host)
-        self.sock = socket.create_server((self.host, port))
+        self.sock = socket.create_server((self.host, check_port(port)))
         self.refused: list[str] = []
 
     @property
@@ -133,7 +145,7 @@ class PDListener:
 
 def connect(secret: bytes, host: str, port: int, payload: dict, timeout_s: float) -> tuple[dict, socket.socket]:
     """Connect to a PD listener, prove the secret, check the listener's proof, exchange payloads."""
-    conn = socket.create_connection((check_host(host), port), timeout=timeout_s)
+    conn = socket.create_connection((check_host(host), check_port(port)), timeout=timeout_s)
     try:
         head = _read(conn, len(HELLO) + NONCE)
         if head[:len(HELLO)] != HELLO:
