@@ -42,12 +42,14 @@ from ..build import build_kv_storage
 from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.radix import CheckpointStrategy
 from ..decl import KVLayerDecl
-from ..engine.policies import IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
+from ..engine.policies import ADMISSION_MODES, IdealPolicy, SglangPolicy, VllmPolicy, admission_policy
 from ..engine.pool import KVChainPool
+from ..errors import InputError
 from ..layout.entry import PageEnvelope
 from ..memory.arena import arena_layout
 from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
 from ..sizing import PlanSizing, size_plan
+from .waiting import EVICTION_ORDERS, WAITING_ORDERS
 
 #: The defaults of the engines whose static split these baselines model.
 DEFAULT_WINDOW_RATIO = 0.8
@@ -85,6 +87,15 @@ class PoolConfig:
     #: `ideal` always evict (docs/simulate.md: the default serves 19 of 20 comparison rows in
     #: the same or fewer steps than `lru`, with more hits)
     eviction: str = "waiting-aware"
+
+    def __post_init__(self) -> None:
+        """An admission mode, waiting order or eviction order the CLI would not offer is refused here,
+        not read as the default later: InputError listing the allowed values (the CLI's choices)."""
+        for name, allowed in (("admission", ADMISSION_MODES), ("waiting_order", WAITING_ORDERS),
+                              ("eviction", EVICTION_ORDERS)):
+            value = getattr(self, name)
+            if value not in allowed or not isinstance(value, str):
+                raise InputError(f"PoolConfig {name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 #: How each pool's prefix tree caches recurrent state when `PoolConfig.strategy` is None. kvchain
