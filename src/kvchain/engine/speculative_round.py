@@ -15,6 +15,7 @@ import torch
 
 from ..errors import InputError
 from ..storage import KVStorage
+from ..storage_roles import boundary
 from .model_pool import StepOutputs
 from .request import ScheduledRequest
 from .speculative_state import ForwardStateSlots
@@ -127,20 +128,37 @@ def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -
 
 def truncate_rows(storage: KVStorage, rows: np.ndarray, new_lens: np.ndarray) -> int:
     """Shorten rows to `new_lens` (never into a tree-shared prefix): the pages past the new lengths
-    are freed as any other free (they pend under a forward in flight). Returns the pages freed."""
+    are freed as any other free (they pend under a forward in flight). Returns the pages freed.
+    Raises `InputError` for rows that are not distinct rows in use, lengths that are not integers
+    within a row's own tokens, and `InvariantError` between a launch and its record (LIFE-31);
+    either way nothing changed."""
     table = storage.table
     ps = storage.page_size
+    rows = boundary.id_array(rows, "truncate_rows rows")
+    new_lens = boundary.id_array(new_lens, "truncate_rows lengths")
+    boundary.same_count(rows, new_lens, "truncate_rows rows and lengths")
+    boundary.in_range(rows, 0, table.rows, "truncate_rows rows")
+    boundary.distinct(rows, "truncate_rows rows")
+    if not table.active[rows].all():
+        raise InputError(f"truncate_rows: rows {rows[~table.active[rows]][:8].tolist()} are not in use")
     old = table.seq_lens[rows].copy()
     if (new_lens > old).any() or (new_lens < table.shared_pages[rows] * ps).any():
         raise InputError(f"truncate to {new_lens.tolist()} from {old.tolist()}: only within a row's own tokens")
+    storage.allocator.assert_between_steps("truncate_rows")
     keep = (new_lens + ps - 1) // ps
     have = (old + ps - 1) // ps
+    freed = [(row, lo, table.page_table[row, lo:hi].copy())
+             for row, lo, hi in zip(rows.tolist(), keep.tolist(), have.tolist()) if hi > lo]
+    # shortened first, so the pages past the new lengths are no row's own when they are freed
     table.seq_lens[rows] = new_lens
-    freed = []
-    for row, lo, hi in zip(rows.tolist(), keep.tolist(), have.tolist()):
-        if hi > lo:
-            freed.append(table.page_table[row, lo:hi].copy())
-            table.page_table[row, lo:hi] = 0  # the null page, never a freed id another row may take
+    for row, lo, pages in freed:
+        table.page_table[row, lo:lo + len(pages)] = 0  # the null page, never a freed id another row may take
     if freed:
-        storage.free_virtual_pages(np.concatenate(freed))
-    return int(sum(len(f) for f in freed))
+        try:
+            storage.free_virtual_pages(np.concatenate([pages for _row, _lo, pages in freed]))
+        except BaseException:  # the free changed nothing: the rows are put back as they were
+            table.seq_lens[rows] = old
+            for row, lo, pages in freed:
+                table.page_table[row, lo:lo + len(pages)] = pages
+            raise
+    return int(sum(len(pages) for _row, _lo, pages in freed))
