@@ -196,13 +196,16 @@ def check_bs1_floor(plan: KVStoragePlan, budget_bytes: int, context_len: int, ma
 
 @dataclass(frozen=True)
 class PoolTarget:
-    """A sub-pool's boot target."""
+    """A sub-pool's boot target, with the page and unit bytes of the sub-pool it was sized for (what
+    `build_kv_storage` checks the plan it builds against)."""
 
     name: str
     kind: PoolKind
     pages: int
     units: int
     bytes: int
+    page_bytes: int
+    unit_bytes: int
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,8 @@ class PlanSizing:
     concurrency: int
     limited_by: str
     floor: Bs1Floor
+    #: the page size of the plan this sizing was made for
+    page_size: int
 
     @property
     def used_bytes(self) -> int:
@@ -351,7 +356,8 @@ def size_plan(
             pages = wp[pool.name]
         else:
             pages = slots
-        targets.append(PoolTarget(pool.name, pool.kind, pages, pages * pool.units_per_page, pages * pool.page_bytes))
+        targets.append(PoolTarget(pool.name, pool.kind, pages, pages * pool.units_per_page, pages * pool.page_bytes,
+                                  pool.page_bytes, pool.unit_bytes))
 
     bounds = {} if token_owner else {"tokens": full_pages // ctx_pages}
     bounds["max running requests"] = max_running_requests
@@ -374,6 +380,7 @@ def size_plan(
         concurrency=bounds[limited_by],
         limited_by=limited_by,
         floor=floor,
+        page_size=plan.page_size,
     )
 
 
