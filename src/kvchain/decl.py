@@ -272,7 +272,7 @@ def kv_layer_decls(layers: Iterable[Sequence[KVPart] | KVPart | None]) -> list[K
             continue
         if isinstance(parts, KVPart):
             parts = (parts,)
-        if _sequence(parts) is None:
+        if isinstance(parts, (str, bytes)) or _sequence(parts) is None:
             raise DeclarationError(f"layer {layer_id}'s entry must be a KVPart, a sequence of KVParts or None, "
                                    f"got {parts!r}")
         decls.append(KVLayerDecl(layer_id, tuple(parts)))

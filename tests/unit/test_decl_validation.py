@@ -90,7 +90,7 @@ def test_a_part_of_the_wrong_types_is_refused(make, needle):
     (lambda: State(None), "tensors"),
     (lambda: State(5), "tensors"),
     (lambda: kv_layer_decls([5]), "layer 0"),
-    (lambda: kv_layer_decls([PART, "mha"]), "layer 1"),
+    (lambda: kv_layer_decls([PART, "mha"]), "layer 1's entry .* got 'mha'"),
     (lambda: kv_layer_decls(None), "layers"),
     (lambda: KVLayerDecl(0, (MHA(2, 64),)), "parts"),
     (lambda: KVLayerDecl(0, 5), "parts"),
