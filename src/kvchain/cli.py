@@ -10,6 +10,7 @@ table here is the only registration and `python -m kvchain.cli` sees every comma
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -167,15 +168,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # an error line names the command as typed: `bench alloc`, `trace compare`
     command = f"{args.command} {args.action}" if getattr(args, "action", None) else args.command
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, where a reader that left is caught, not at the interpreter's exit
+        return code
     except KVChainError as e:
         return report_error(command, e)
+    except BrokenPipeError:  # the reader left (`| head`): nothing more to say, as other tools do
+        _quiet_stdout()
+        return 0
     except OSError as e:  # a write the checks up front could not foresee: a full disk, a read-only mount
-        where = f"{e.filename}: " if e.filename else ""
-        return report_error(command, f"cannot write or read {where}{e.strerror or e}")
+        where = f" {e.filename}" if e.filename else ""
+        return report_error(command, f"cannot write or read{where}: {e.strerror or e}")
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe does not
+    print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -295,8 +295,14 @@ def output_console() -> Console:
     program, `TABLE_WIDTH` columns (rich would lay them out for 80 and cut names and figures)."""
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=TABLE_WIDTH)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            """The reader left (`| head`): rich exits 1 here; the CLI ends quietly with 0 instead."""
+            self.quiet = True
+            raise BrokenPipeError
+
+    console = _Console()
+    return console if console.is_terminal else _Console(width=TABLE_WIDTH)
 
 
 def _fitted_table(columns: list[str], lead: int) -> Table:

@@ -318,3 +318,16 @@ def test_a_count_of_one_is_singular(capsys):
     assert [count_of(n, "token") for n in (0, 1, 2, 2048)] == ["0 tokens", "1 token", "2 tokens", "2,048 tokens"]
     assert main(["plan", "--model", "llama-3.1-8b", "--budget", "1GiB", "--page-size", "1"]) == 0
     assert "page size 1 token ·" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["models"], ["models", "--json"]], ids=["table", "json"])
+def test_a_reader_that_leaves_ends_the_command_quietly(argv):
+    """`kvchain models | head -1`: the closed pipe is not an error (it was exit 2 with "cannot write
+    or read Broken pipe" for JSON, and rich's exit 1 for tables)."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)\n"
+            f"from kvchain.cli import main\nsys.exit(main({argv!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
