@@ -28,36 +28,36 @@ REQUESTS = bounded_int(10_000, "each request is served in every repeat")
 def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     alloc = sub.add_parser("alloc", help="host us per decode iteration: chain allocator vs a static pool")
-    alloc.add_argument("--iters", type=positive_int, default=2000)
-    alloc.add_argument("--batch", type=positive_int, default=256)
-    alloc.add_argument("--page-size", type=positive_int, default=64)
-    alloc.add_argument("--seed", type=seed_int, default=0)
+    alloc.add_argument("--iters", type=positive_int, default=2000, help="timed decode iterations per profile (default 2000)")
+    alloc.add_argument("--batch", type=positive_int, default=256, help="running requests per iteration (default 256)")
+    alloc.add_argument("--page-size", type=positive_int, default=64, help="tokens per page (default 64)")
+    alloc.add_argument("--seed", type=seed_int, default=0, help="the request stream's seed (default 0)")
     alloc.add_argument("--profile", choices=("both", "roomy", "pressure"), default="both",
                        help="roomy: 4x the workload's bytes, nothing moves; pressure: --pressure of them")
     alloc.add_argument("--pressure", type=share, default=None,
                        help="the pressure profile's chain bytes over the workload's unrefused peak "
                             f"(default {DEFAULT_PRESSURE})")
-    alloc.add_argument("--json", action="store_true")
+    alloc.add_argument("--json", action="store_true", help="print the result as JSON")
     moves = sub.add_parser("moves", help="compaction copy bandwidth vs a contiguous copy_, "
                            "swept over page sizes and torch threads")
     moves.add_argument("--repeats", type=REPEATS, default=5, help="per cell; the median counts")
-    moves.add_argument("--device", default="cpu", help="cpu or cuda")
-    moves.add_argument("--json", action="store_true")
+    moves.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    moves.add_argument("--json", action="store_true", help="print the result as JSON")
     host = sub.add_parser("host", help="host-tier copy bandwidth of real page batches (backup, load) vs a "
                           "contiguous copy_ of the same bytes, swept over page sizes")
     host.add_argument("--repeats", type=REPEATS, default=5, help="per cell; the median counts")
-    host.add_argument("--device", default="cpu", help="cpu or cuda")
-    host.add_argument("--json", action="store_true")
+    host.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    host.add_argument("--json", action="store_true", help="print the result as JSON")
     engine = sub.add_parser("engine", help="serving throughput: kvchain's engine vs transformers' generate_batch "
                             "and batched generate on tiny checkpoints")
     engine.add_argument("--families", default="gemma3,gpt_oss,qwen3_next,nemotron_h",
                         help="comma-separated tiny checkpoint families")
-    engine.add_argument("--requests", type=REQUESTS, default=64)
-    engine.add_argument("--seed", type=seed_int, default=0)
+    engine.add_argument("--requests", type=REQUESTS, default=64, help="requests served per run (default 64)")
+    engine.add_argument("--seed", type=seed_int, default=0, help="the workload's seed (default 0)")
     engine.add_argument("--repeats", type=REPEATS, default=3, help="timed runs per engine; the median counts")
     engine.add_argument("--budget", type=byte_size, default=None, help="kvchain's KV budget (default 4MiB)")
     engine.add_argument("--threads", type=positive_int, default=1, help="torch threads, the same for every engine")
-    engine.add_argument("--json", action="store_true")
+    engine.add_argument("--json", action="store_true", help="print the result as JSON")
     pd = sub.add_parser("pd", help="PD transfer bandwidth of real page batches vs the transfer engine's "
                         "large-buffer bandwidth, between two loopback processes")
     pd.add_argument("--engine", choices=("nixl", "gloo"), default="nixl", help="the data plane (default nixl)")
@@ -65,16 +65,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--requests", type=REQUESTS, default=8, help="requests in the batch")
     pd.add_argument("--tokens", type=positive_int, default=2048, help="tokens per request")
     pd.add_argument("--budget", type=byte_size, default=256 * 2**20, help="each process's KV budget (default 256MiB)")
-    pd.add_argument("--json", action="store_true")
+    pd.add_argument("--json", action="store_true", help="print the result as JSON")
     spec = sub.add_parser("spec", help="target forwards per generated token with and without a draft "
                           "(speculative decoding) on a tiny checkpoint")
     spec.add_argument("--family", default="qwen3_next", help="a tiny checkpoint family")
-    spec.add_argument("--requests", type=REQUESTS, default=8)
-    spec.add_argument("--num-speculative-tokens", type=positive_int, default=3)
+    spec.add_argument("--requests", type=REQUESTS, default=8, help="requests served (default 8)")
+    spec.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="draft tokens a round proposes (default 3)")
     spec.add_argument("--draft", default="whole", help="first: the target's first layers; whole: all of them")
     spec.add_argument("--max-new-tokens", type=bounded_int(4096, "the tiny checkpoints' context"), default=24)
-    spec.add_argument("--seed", type=seed_int, default=0)
-    spec.add_argument("--json", action="store_true")
+    spec.add_argument("--seed", type=seed_int, default=0, help="the workload's seed (default 0)")
+    spec.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

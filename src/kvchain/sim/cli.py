@@ -26,7 +26,7 @@ from ..cli_common import positive_int as _positive_int
 from ..engine.policies import ADMISSION_MODES
 from ..errors import InputError
 from .waiting import EVICTION_ORDERS, WAITING_ORDERS
-from .workloads import MAX_REQUEST_TOKENS
+from .workloads import MAX_REQUEST_TOKENS, WORKLOADS
 
 #: requests a run may generate or replay: each holds its prompt and output tokens in memory
 MAX_REQUESTS = 100_000
@@ -42,11 +42,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--budget", required=True, type=_byte_size, help="bytes for the KV pool, e.g. 80GiB")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default="mixed", help="a built-in workload (default mixed)")
+    src.add_argument("--workload", default="mixed", help=f"a built-in workload: {', '.join(WORKLOADS)} (default mixed)")
     src.add_argument("--trace", type=path_text, help="a JSONL trace (Mooncake fields: timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--requests", type=bounded_int(MAX_REQUESTS, "each request holds its tokens in memory"),
                    default=2000, help="requests to generate or replay (default 2000)")
-    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="the generated workload's seed (default 0)")
     p.add_argument("--pools", default=DEFAULT_POOLS,
                    help="comma-separated pools to compare (default: kvchain, the engines and the ideal bound; also "
                         "static-default, static-best, uniform-page: the layouts alone under kvchain's admission)")
@@ -57,12 +57,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="priority scheduling: admit by each request's priority (a trace's 'priority' field; lower "
                         "is more important), preempting less important running requests when admission says "
                         "that makes room")
-    p.add_argument("--page-size", type=_positive_int, default=64)
+    p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per page (default 64)")
     p.add_argument("--context", type=_positive_int, default=None,
                    help="context length (default: min(model, 32768))")
-    p.add_argument("--max-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=8192,
+                   help="tokens a step may schedule, decodes and prefill chunks together (default 8192)")
     p.add_argument("--max-running", type=bounded_int(MAX_RUNNING, "the request table holds a row for each"),
-                   default=256)
+                   default=256, help="running requests at most (default 256)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off in every pool")
     p.add_argument("--mamba-radix-cache-strategy", dest="strategy", default="auto",
                    choices=["auto", *(s.value for s in CheckpointStrategy)],
@@ -85,12 +86,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "lru (least recently used, as ideal evicts); on a model with state either puts what can end "
                         "no match first, which the engines' pools (recency alone) do not")
     p.add_argument("--step-time", default=None,
-                   help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4 (off by default)")
+                   help="turn steps into seconds: base_ms=8,per_token_us=25,per_kv_token_ns=4,per_host_byte_ps=40 (off by default)")
     p.add_argument("--ms-per-step", type=positive_float, default=50.0,
                    help="trace timestamps to steps (default 50 ms)")
     p.add_argument("--block-tokens", type=bounded_int(MAX_REQUEST_TOKENS, "longer than any request"), default=512,
                    help="tokens per trace hash block: hash_ids[i] names prompt tokens i*N..(i+1)*N (default 512, Mooncake's)")
-    p.add_argument("--rate", type=positive_float, default=None, help="arrivals per step for generated workloads")
+    p.add_argument("--rate", type=positive_float, default=None, help="arrivals per step for generated workloads (default: the workload's own)")
     p.add_argument("--closed-loop", action="store_true",
                    help="sessions (multi-turn, agentic, the mix's): a turn arrives its gap after the turn "
                         "before it finishes, not at a time fixed in advance")
