@@ -86,6 +86,8 @@ def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str 
         max_new = obj.get("max_new_tokens", args.max_new_tokens)
         if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
             raise InputError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
+        if "prompt_token_ids" in obj and "prompt" in obj:
+            raise InputError(f'{where}: give "prompt_token_ids" or "prompt", not both')
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
             if not isinstance(ids, list) or not ids or not all(
@@ -117,8 +119,9 @@ def _check_requests(args: argparse.Namespace, checkpoint, requests: list) -> Non
     for i, req in enumerate(requests):
         n = len(checked_prompt(i, req, vocab))
         if n >= context:
-            raise InputError(f"request {i}: its {n} prompt tokens reach the context length {context}; "
-                             "give a larger --context or a shorter prompt")
+            larger = "a larger --context or " if context < spec.max_context else ""
+            raise InputError(f"request {i}: its {n} prompt tokens reach the context length {context}"
+                             f"{'' if larger else ' (the model maximum)'}; give {larger}a shorter prompt")
 
 
 def run_generate(args: argparse.Namespace) -> int:

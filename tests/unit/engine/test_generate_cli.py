@@ -80,7 +80,9 @@ def test_a_repeated_prompt_flag_adds_prompts(tiny, capsys):
     ("not json", "invalid JSON"),
     ('{"prompt_token_ids": [' + "9" * 5000 + "]}", "invalid JSON"),
     ('{"prompt_token_ids": [100000000000000000000000]}', "token ids must lie in [0, 256)"),
-    ('{"prompt_token_ids": [' + ", ".join(["1"] * 600) + "]}", "reach the context length"),
+    # at the model's own maximum, no larger --context is offered (the flag would be refused)
+    ('{"prompt_token_ids": [' + ", ".join(["1"] * 600) + "]}", "(the model maximum); give a shorter prompt"),
+    ('{"prompt_token_ids": [1], "prompt": "hi"}', 'not both'),
     ("[1, 2]", "a request is a JSON object"),
     ('{"prompt_token_ids": []}', "non-empty list"),
     ('{"prompt_token_ids": [1, 999]}', "token ids must lie in [0, 256)"),
