@@ -159,7 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         command.configure(p)
         p.set_defaults(run=command.run)
+    _name_choices(parser)
     return parser
+
+
+def _name_choices(parser: argparse.ArgumentParser) -> None:
+    """A missing sub-command's error lists the sub-commands ("required: {plan,simulate,...}"), not
+    argparse's internal name for them ("command", "action"), at every level."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            action.metavar = "{" + ",".join(action.choices) + "}"
+            for sub in action.choices.values():
+                _name_choices(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -227,3 +227,16 @@ def test_an_error_line_names_the_command_as_typed(tmp_path, capsys):
     empty.write_text("")
     assert main(["trace", "compare", "--trace", str(empty)]) == 2
     assert capsys.readouterr().err.startswith("kvchain trace compare: error: --trace"), "the sub-command is named"
+
+
+@pytest.mark.parametrize(("argv", "listed"), [([], "{plan,models,"), (["bench"], "{alloc,moves,"),
+                                               (["trace"], "{record,compare}")])
+def test_a_missing_sub_command_lists_the_sub_commands(argv, listed, capsys):
+    """Not argparse's internal name for them ("required: command", "required: action")."""
+    from kvchain.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert listed in err and len(err.splitlines()) == 1 and "action" not in err
