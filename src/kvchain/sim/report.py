@@ -130,7 +130,10 @@ def render_comparison(model, args, result: Comparison, console: Console | None =
     console.print(f"steps: to serve the whole trace; {ref} / pool: {ref}'s {metric} over the pool's (below 1: "
                   f"{ref} serves it {less}); the saturation slice averages only the steps that ended with "
                   "requests waiting, not the whole run; memory used: bytes running requests and the prefix "
-                  "cache hold over the budget", highlight=False)
+                  "cache hold over the budget"
+                  + ("; ideal is the memory bound (exact bytes, known output lengths), not a bound on prefix "
+                     "hits: its tree evicts least recently used first, so a pool can hit more and take fewer "
+                     "steps" if any(r.pool == "ideal" for r in result.results) else ""), highlight=False)
     split = _static_best(result)
     if split is not None:
         ratios = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in split.items() if v is not None)
