@@ -61,7 +61,7 @@ def test_generate_prints_each_output_whole(tiny, monkeypatch):
     from support.output import narrow_console
 
     console = narrow_console()
-    monkeypatch.setattr("rich.console.Console", lambda *a, **k: console)
+    monkeypatch.setattr("kvchain.generate_cli.output_console", lambda: console)
     assert main(["generate", "--model-path", str(tiny), "--prompt", "a", "b", "--max-new-tokens", "60",
                  "--budget", "4MiB", "--ignore-eos"]) == 0
     table = [line for line in console.export_text().splitlines() if line[:1] in "┏┃┡│└┌"]
@@ -109,7 +109,8 @@ def test_bad_bytes_flags_and_budgets_exit_2(tiny, tmp_path, capsys):
             (["--prompts", str(tmp_path)], "is a folder"),
             (["--prompts", str(good), "--checkpoint-interval", "4"], "no recurrent state"),
             (["--prompts", str(good), "--context", "100000000"], "maximum context"),
-            (["--prompts", str(good), "--budget", "512TiB"], "cannot allocate the arena")):
+            # refused by the pool's page limit before any allocation is tried
+            (["--prompts", str(good), "--budget", "512TiB"], "would span")):
         capsys.readouterr()
         assert main(["generate", "--model-path", str(tiny), *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
