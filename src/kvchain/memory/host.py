@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, InputError
+from ..ids import id_array
 from ..layout.entry import HostLayout
 from ..plan import KVStoragePlan, PoolKind, SubPool, page_envelope_pair
 
@@ -102,23 +103,8 @@ class HostPool:
         self._n_free += n
 
     def _free_ids(self, ids) -> np.ndarray:
-        """`ids` as a flat int64 array; anything but integers is refused (an empty list is no ids)."""
-        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
-            return ids
-        try:
-            arr = np.asarray(ids)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InputError(f"{self._name()}: free ids must be an array of integers ({exc})") from None
-        if arr.dtype.kind not in "iu":
-            if arr.size == 0 and arr.dtype.kind in "fO":
-                return np.zeros(0, dtype=np.int64)
-            raise InputError(f"{self._name()}: free ids must be integers, not {arr.dtype} "
-                             f"(got {arr.reshape(-1)[:4].tolist()})")
-        arr = arr.reshape(-1)
-        if arr.dtype.kind == "u" and arr.size and arr.max() >= self.layout.n_pages:
-            raise InputError(f"{self._name()}: free ids {arr[arr >= self.layout.n_pages][:8].tolist()} "
-                             f"outside 0..{self.layout.n_pages - 1}")
-        return arr.astype(np.int64, copy=False)
+        """`ids` as a flat int64 array (`ids.id_array`); anything but integers is refused."""
+        return id_array(ids, f"{self._name()}: free ids")
 
     def pages(self, pool: SubPool) -> torch.Tensor:
         """This backing's pages as `pool`'s page envelopes: `[n_pages, pool.page_bytes]` (a column
