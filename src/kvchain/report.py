@@ -73,6 +73,18 @@ def render_plan(model, plan: KVStoragePlan, sizing: PlanSizing, console: Console
     for term in sizing.floor.terms:
         floor.add_row(term.name, format_bytes(term.bytes))
     console.print(floor)
+    console.print(PLAN_KEY, markup=False, highlight=False)
+
+
+#: what `render_plan`'s terms mean, printed under the tables (docs/overview.md has the design)
+PLAN_KEY = (
+    "Key: the arena is one chain of sub-pools; the up-end and down-end sub-pools grow from the two ends "
+    "of the arena toward each other, a float sits between them and is relocated as they grow. Boot "
+    "targets: what each sub-pool is sized for at start-up (any sub-pool may take any free bytes later). "
+    "Sink pages: what an unbound page id reads (never out of range). Gaps between sub-pools: a page of "
+    "the larger of each pair of neighbours kept free, so each can align its grid next to the other. "
+    "Batch-size-1 floor: the least budget that serves one request at the context length."
+)
 
 
 def render_models(presets, console: Console | None = None) -> None:

@@ -43,6 +43,11 @@ def test_plan_table_fits_100_columns_without_cutting_a_cell(name):
     for pool, target in zip(plan.sub_pools, sizing.targets):
         assert pool.name in text and f"{target.units:,}" in text and f"{pool.page_bytes:,}" in text
     assert f"{sizing.full_tokens:,}" in text
+    # the output's own terms are explained under it
+    key = " ".join(text[text.index("Key:"):].split())
+    for term in ("up-end", "down-end", "float", "Boot targets", "Sink pages", "Gaps between sub-pools",
+                 "Batch-size-1 floor"):
+        assert term in key, term
 
 
 def test_models_table_fits_100_columns():
