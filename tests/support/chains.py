@@ -164,3 +164,16 @@ def grow_random(storage, rng, rows: list, most: int, payloads=None) -> None:
 def finish_random(storage, rng, rows: list) -> None:
     """Free a random running request."""
     storage.free_rows(np.array([rows.pop(int(rng.integers(len(rows))))]))
+
+
+def boundary_plan(page_size: int = 16, state: bool = True):
+    """The plan the API boundary's tests refuse bad input against: full attention (2 x 64), one
+    128-token window and (`state`) a conv + SSM state: every kind of sub-pool, small pages."""
+    ssm = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")]) if state else None
+    return plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=ssm), page_size=page_size)
+
+
+def boundary_storage(page_size: int = 16, state: bool = True) -> KVStorage:
+    """`boundary_plan` on a `meta` arena of 64 MiB, 1,024-token context, 8 rows."""
+    plan = boundary_plan(page_size, state)
+    return build_kv_storage(plan, size_plan(plan, 64 * 2**20, context_len=1024, max_running_requests=8), "meta")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvchain import MHA, State, StateTensor, build_kv_storage, plan_kv_storage, size_plan, small_hybrid
 from kvchain.alloc.demand import KVDemand
 from kvchain.errors import InputError, KVChainError
 from kvchain.prefill_budget import (
@@ -19,13 +18,12 @@ from kvchain.prefill_budget import (
     ProjectedPrefillBudget,
     mamba_prefill_chunk_grid,
 )
+from support.chains import boundary_storage
 
 
 @pytest.fixture(scope="module")
 def storage():
-    st = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")])
-    plan = plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=st), page_size=16)
-    return build_kv_storage(plan, size_plan(plan, 64 * 2**20, context_len=1024, max_running_requests=8), "meta")
+    return boundary_storage()
 
 
 def _budgets(storage):

@@ -9,14 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from kvchain.decl import MHA, State, StateTensor
 from kvchain.errors import BudgetError, InputError, KVChainError
-from kvchain.models.small import small_hybrid
-from kvchain.plan import plan_kv_storage
 from kvchain.sizing import check_bs1_floor, size_plan, size_stages
+from support.chains import boundary_plan
 
-STATE = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")])
-PLAN = plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=STATE), page_size=16)
+PLAN = boundary_plan()
 BUDGET = 64 * 2**20
 KW = dict(context_len=1024, max_running_requests=4)
 

@@ -12,13 +12,12 @@ from kvchain import (
     MHA,
     InputError,
     InvariantError,
-    State,
-    StateTensor,
     build_kv_storage,
     plan_kv_storage,
     size_plan,
     small_hybrid,
 )
+from support.chains import boundary_storage
 
 A = np.array
 WINDOW = "window128"
@@ -26,9 +25,7 @@ WINDOW = "window128"
 
 @pytest.fixture
 def s():
-    state = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")])
-    plan = plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=state), page_size=16)
-    return build_kv_storage(plan, size_plan(plan, 64 * 2**20, context_len=1024, max_running_requests=8), "meta")
+    return boundary_storage()
 
 
 def _row(s, tokens: int = 64) -> tuple[int, np.ndarray]:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvchain import MHA, State, StateTensor, plan_kv_storage, small_hybrid
 from kvchain.alloc.demand import DemandPurpose, KVDemand, WindowRetirement, request_demand
 from kvchain.errors import InputError, KVChainError
+from support.chains import boundary_plan
 
 
 @pytest.fixture(scope="module")
 def plan():
-    st = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")])
-    return plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=st), page_size=16)
+    return boundary_plan()
 
 
 def _refused(plan, purpose=DemandPurpose.ADMIT, *words, **kwargs):

@@ -10,18 +10,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvchain import MHA, State, StateTensor, build_kv_storage, plan_kv_storage, size_plan, small_hybrid
 from kvchain.cache.radix import CheckpointStrategy, UnifiedRadixCache
 from kvchain.errors import InputError, InvariantError, KVChainError
+from support.chains import boundary_storage
 
 A = np.array
 PS = 16
 
 
 def _storage(state: bool = False):
-    st = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")]) if state else None
-    plan = plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=st), page_size=PS)
-    return build_kv_storage(plan, size_plan(plan, 64 * 2**20, context_len=1024, max_running_requests=8), "meta")
+    return boundary_storage(PS, state)
 
 
 @pytest.fixture

@@ -8,26 +8,18 @@ import numpy as np
 import pytest
 
 from kvchain import (
-    MHA,
     InputError,
     InvariantError,
-    State,
-    StateTensor,
-    build_kv_storage,
-    plan_kv_storage,
-    size_plan,
-    small_hybrid,
     truncate_rows,
 )
+from support.chains import boundary_storage
 
 A = np.array
 
 
 @pytest.fixture
 def s():
-    state = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")])
-    plan = plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=state), page_size=16)
-    return build_kv_storage(plan, size_plan(plan, 64 * 2**20, context_len=1024, max_running_requests=8), "meta")
+    return boundary_storage()
 
 
 def test_truncate_frees_the_pages_past_the_new_length(s):

@@ -8,17 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvchain import MHA, State, StateTensor, plan_kv_storage, small_hybrid
 from kvchain.errors import InputError, KVChainError
 from kvchain.memory.host import HostPools
+from support.chains import boundary_plan
 
 A = np.array
 
 
 @pytest.fixture
 def pool():
-    st = State([StateTensor("conv", (4, 64), "bfloat16"), StateTensor("ssm", (8, 64), "float32")])
-    plan = plan_kv_storage(small_hybrid(MHA(2, 64), (128,), state=st), page_size=16)
+    plan = boundary_plan()
     return HostPools(plan, 2**20, pin=False).pool("full")
 
 
