@@ -16,6 +16,11 @@ from .shortconv import shortconv_forward, shortconv_module_types
 from .speculative_state import stepped_mixer_forward
 
 
+def served_mixer_types() -> tuple[type, ...]:
+    """Every recurrent mixer class kvchain's engine serves (those the installed transformers has)."""
+    return deltanet_module_types() + mamba2_module_types() + shortconv_module_types()
+
+
 def install_state_mixers(model: torch.nn.Module) -> int:
     """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet,
     Nemotron-H Mamba2, LFM2/LFM3 short conv) with kvchain's, which reads and writes the state in the pool through the
@@ -44,3 +49,25 @@ def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Cal
         return forward(module, hidden_states, batch)
 
     return run
+
+
+def check_state_layers_served(model: torch.nn.Module, state_layers: set[int]) -> None:
+    """Refuse a model with a layer the plan gives recurrent state whose mixer kvchain does not
+    serve: transformers' own mixer would run on without the pool's state (it is called with no
+    cache) and every token after the first would be wrong, silently."""
+    served = served_mixer_types()
+    classes: dict[int, set[str]] = {}  # per state layer of this model, its modules' classes
+    served_layers: set[int] = set()
+    for module in model.modules():
+        lid = getattr(module, "layer_idx", None)
+        if isinstance(lid, int) and lid in state_layers:
+            classes.setdefault(lid, set()).add(type(module).__name__)
+            if served and isinstance(module, served):
+                served_layers.add(lid)
+    unserved = sorted(set(classes) - served_layers)
+    if unserved:
+        names = ", ".join(sorted(set().union(*(classes[lid] for lid in unserved))))
+        known = ", ".join(sorted(t.__name__ for t in served)) or "none in this transformers"
+        raise InputError(f"layers {unserved} keep recurrent state in {names}, a mixer kvchain's engine does "
+                         f"not serve (it serves {known}); kvchain can plan this model's pool (`kvchain plan`) "
+                         "but not run it")

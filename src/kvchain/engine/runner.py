@@ -15,7 +15,7 @@ from ..plan import KVStoragePlan
 from .attention import NAME as ATTENTION_NAME
 from .attention import register
 from .batch import ForwardBatch
-from .mixers import install_state_mixers
+from .mixers import check_state_layers_served, install_state_mixers
 
 
 def _configs(model: torch.nn.Module):
@@ -68,6 +68,8 @@ class ModelRunner:
             config._attn_implementation = ATTENTION_NAME
         self.model = model.eval()
         self.mixers = install_state_mixers(model)
+        if plan.state is not None:
+            check_state_layers_served(model, set(plan.state.layer_ids) | set(plan.state.draft_layer_ids))
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self._masks = {"attention_mask": _NO_MASKS} if model_type in MASK_MAPPING_MODEL_TYPES else {}
         self.layer_pool = {lid: pool.name for pool in plan.sub_pools for lid in pool.layer_ids}

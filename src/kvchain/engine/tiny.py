@@ -125,6 +125,31 @@ def _lfm3() -> dict[str, Any]:
     }
 
 
+def _sliding(model_type: str, **extra: Any) -> Callable[[], dict[str, Any]]:
+    """A sliding-window family: three window layers of 16 tokens, then one full-attention layer."""
+    def config() -> dict[str, Any]:
+        return {"model_type": model_type, "num_hidden_layers": 4, "intermediate_size": 128, "sliding_window": 16,
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "tie_word_embeddings": False,
+                **extra}
+    return config
+
+
+def _mistral() -> dict[str, Any]:
+    # every layer slides over the same window: the plan has a window sub-pool and the token-id owner
+    return {"model_type": "mistral", "num_hidden_layers": 2, "intermediate_size": 128, "sliding_window": 16,
+            "tie_word_embeddings": False}
+
+
+def _qwen3() -> dict[str, Any]:
+    return {"model_type": "qwen3", "num_hidden_layers": 2, "intermediate_size": 128, "tie_word_embeddings": False}
+
+
+def _lfm2() -> dict[str, Any]:
+    # short-conv state and full attention: LFM2's conv is LFM3's layer
+    return {"model_type": "lfm2", "num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2,
+            "intermediate_size": 128, "conv_L_cache": 4, "tie_word_embeddings": False}
+
+
 FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "llama": _llama,
     "gemma3": _gemma3,
@@ -132,6 +157,12 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "qwen3_next": _qwen3_next,
     "nemotron_h": _nemotron_h,
     "lfm3": _lfm3,
+    "mistral": _mistral,
+    "qwen3": _qwen3,
+    "gemma2": _sliding("gemma2"),
+    "olmo3": _sliding("olmo3"),
+    "cohere2": _sliding("cohere2"),
+    "lfm2": _lfm2,
 }
 
 

@@ -13,35 +13,15 @@ from __future__ import annotations
 import pytest
 
 from kvchain import faults
-from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.errors import InputError
-from kvchain.plan import plan_kv_storage
 from support.engine import (
     FAMILIES,
     LOGIT_TOL,
-    PAGE,
-    checkpoint_dir,
+    check_family,
     logit_error,
     mismatches,
     serve,
 )
-
-
-def check_family(family: str, n: int) -> None:
-    result = serve(family, n, poison=True)
-    assert mismatches(result, family, n) == []
-    assert logit_error(result, family, n) < LOGIT_TOL[family]
-    stats = result.stats
-    assert stats.peak_running >= 2  # batched
-    assert stats.compaction_moves > 0  # pages moved under the running forwards
-    assert stats.cached_tokens > 0  # prefix hits
-    plan = plan_kv_storage(load_checkpoint(checkpoint_dir(family)).model_spec().decls, page_size=PAGE)
-    if plan.windows and plan.state is None:
-        # with state, every checkpoint hands the prefix behind it to the tree, whose pages the row
-        # then never frees itself (test_lfm3_float.py serves LFM3 without the prefix cache for this)
-        assert stats.window_pages_retired > 0
-    if plan.state is not None:
-        assert stats.checkpoints > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
