@@ -127,15 +127,17 @@ class ChainPrefillBudget:
     def consider(self, input_len: int, output_len: int, cached_len: int, token_limit: int) -> Admission:
         """Admit a request's first chunk (up to `token_limit` prompt tokens), make it wait, or abort it
         (an input past the pool's context length is aborted at once). InputError, with nothing
-        counted, for a length that is not an integer and a request with nothing to prefill: no
-        input, or a cached prefix that is negative or reaches the input."""
+        counted, for a length that is not an integer, a negative output, and a request with nothing
+        to prefill: no input, or a cached prefix that is negative or reaches the input."""
         if not (type(input_len) is int and type(output_len) is int and type(cached_len) is int
                 and type(token_limit) is int):
             _check_integers(input_len=input_len, output_len=output_len, cached_len=cached_len,
                             token_limit=token_limit)
-        if input_len <= 0 or not 0 <= cached_len < input_len:
+        if input_len <= 0 or output_len < 0 or not 0 <= cached_len < input_len:
             if input_len <= 0:
                 raise InputError(f"a request to admit needs input tokens: input_len {input_len}")
+            if output_len < 0:
+                raise InputError(f"a request to admit has a negative output: output_len {output_len}")
             raise InputError(f"a request to admit has input left to prefill: cached_len {cached_len} must lie "
                              f"in 0..{input_len - 1} (input_len {input_len})")
         context = self._context_len

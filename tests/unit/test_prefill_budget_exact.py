@@ -123,6 +123,22 @@ def test_a_one_token_limit_admits_one_token():
     assert budget.consider(100, 0, 0, 1) == Admission(Decision.ADMIT, 1, KVDemand((1, 5, 7), 7, 1))
 
 
+def test_a_one_token_request_is_admitted():
+    """The shortest request there is: one input token, one full page, window min(1, span(65) = 5)."""
+    budget, alloc = _budget()
+    assert budget.consider(1, 0, 0, 64) == Admission(Decision.ADMIT, 1, KVDemand((1, 1, 1), 1, 1))
+    assert alloc.asked == [(KVDemand((1, 1, 1), 1, 1), None)]
+
+
+def test_the_pass_charges_the_tracking_slot_it_is_told_the_pool_takes():
+    """ADM-3: the plan declares no checkpoint interval (one slot), but the pool takes a tracking slot
+    per request: a 100-token request's 64-token chunk is charged a running and a tracking slot,
+    full 7 pages, window min(7, span(128) = 9) = 7."""
+    budget, alloc = _budget(tracking_slot=True)
+    assert budget.consider(100, 0, 0, 64) == Admission(Decision.ADMIT, 64, KVDemand((2, 7, 7), 7, 2))
+    assert alloc.asked == [(KVDemand((2, 7, 7), 7, 2), None)]
+
+
 def test_a_limit_short_of_the_grid_waits_without_asking():
     """WIN-15: the token budget left does not reach the next checkpoint: wait, price nothing."""
     budget, alloc = _budget(checkpoint_interval=16)

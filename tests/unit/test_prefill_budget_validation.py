@@ -1,5 +1,5 @@
 """An admission pass refuses requests it cannot decide on, before its tallies change: a length that
-is not an integer, a request with nothing to prefill (no input, or a cached prefix that reaches
+is not an integer, a negative output, a request with nothing to prefill (no input, or a cached prefix that reaches
 or passes the input) is an `InputError` naming the argument; an input past the pool's context
 length is aborted as unschedulable, not admitted into an `alloc_extend` that must fail. The chunk
 grid refuses a negative interval and a start past the prompt's end instead of returning a chunk
@@ -77,6 +77,13 @@ def test_a_request_with_nothing_to_prefill_is_refused(storage, kind, args, words
 
 
 @pytest.mark.parametrize("kind", [0, 1])
+def test_a_negative_output_is_refused_by_both_passes(storage, kind):
+    """The projected pass prices full attention from the outputs it is told, so a negative one
+    would lower every later request's projected peak; it is refused as the plain pass refuses it."""
+    _refused(_budgets(storage)[kind], (100, -5, 0, 512), "output_len", "-5")
+
+
+@pytest.mark.parametrize("kind", [0, 1])
 @pytest.mark.parametrize("position", [0, 1, 2, 3])
 @pytest.mark.parametrize("bad", [10.5, 10.0, True, "10", None])
 def test_lengths_must_be_integers(storage, kind, position, bad):
@@ -114,3 +121,26 @@ def test_chunk_grid_is_unchanged_on_valid_arguments():
     assert mamba_prefill_chunk_grid(0, 40, 100, 0) == 40  # 0: no grid
     assert mamba_prefill_chunk_grid(0, 40, 100, None) == 40
     assert mamba_prefill_chunk_grid(10, 0, 100, 16) == 0
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize(("args", "message"), [
+    ((0, 0, 0, 512), "a request to admit needs input tokens: input_len 0"),
+    ((1, 0, 1, 512), "a request to admit has input left to prefill: cached_len 1 must lie in 0..0 (input_len 1)"),
+    ((10, 0, 10, 512), "a request to admit has input left to prefill: cached_len 10 must lie in 0..9 (input_len 10)"),
+])
+def test_the_refusal_says_which_rule_the_request_breaks(storage, kind, args, message):
+    """No input is refused as such (not as a cached prefix out of an empty range); a cached prefix
+    that reaches the input is given the range it must lie in, the input's last token excluded."""
+    with pytest.raises(InputError) as info:
+        _budgets(storage)[kind].consider(*args)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("interval", [None, 0, 64])
+@pytest.mark.parametrize("start", [-1, 1001])
+def test_chunk_grid_blames_the_start_when_the_interval_is_valid(interval, start):
+    """An interval of None or 0 (no grid) is valid: a start outside the prompt is the fault named."""
+    with pytest.raises(InputError) as info:
+        mamba_prefill_chunk_grid(start, 100, 1000, interval)
+    assert str(info.value) == f"a prefill chunk's start {start} lies outside the prompt (0..1000)"

@@ -120,6 +120,18 @@ def test_shared_prefixes_with_checkpoints_widen_the_ceiling_and_take_a_tracking_
     assert alone == KVDemand((2, 5, 257), 257, 2)
 
 
+def test_the_pools_tracking_slot_overrides_what_the_plan_declares():
+    """ADM-3: `tracking_slot` says whether the pool takes a tracking slot per request: True charges
+    a running and a tracking slot on a plan without a checkpoint interval, False one running slot
+    on a plan with one. A 100-token admission charges 7 full pages, window min(7, span(164)) = 7."""
+    tracked = request_demand(_plan(), DemandPurpose.ADMIT, input_len=100, tracking_slot=True)
+    assert tracked == KVDemand((2, 7, 7), 7, 2)
+    untracked = request_demand(_plan(checkpoint=256), DemandPurpose.ADMIT, input_len=100, tracking_slot=False)
+    assert untracked == KVDemand((1, 7, 7), 7, 1)
+    load = request_demand(_plan(), DemandPurpose.LOAD_BACK, input_len=100, cached_len=64, tracking_slot=True)
+    assert load.state_slots == 1  # a load-back charges one checkpoint slot whatever the pool tracks
+
+
 def test_load_back_charges_the_cached_prefix_and_one_checkpoint_slot():
     """ADM-14: a load-back of a 512-token prefix charges its 32 pages, the window behind its end
     (span(min(64, 512)) = span(64) = 5) and one checkpoint slot, even when the state tracks two."""

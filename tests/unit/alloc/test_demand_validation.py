@@ -83,3 +83,30 @@ def test_valid_arguments_price_as_before(plan):
                            window_retirement=WindowRetirement.NEVER)
     assert never == KVDemand((1, 75, 75), 75, 1)
     assert request_demand(plan, DemandPurpose.ADMIT, input_len=0) == KVDemand((1, 0, 0), 0, 1)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(chunk_len=-1), "request_demand chunk_len must not be negative, got -1"),
+    (dict(min_chunk=-2), "request_demand min_chunk must not be negative, got -2"),
+    (dict(checkpoint_interval=-64),
+     "request_demand checkpoint_interval must not be negative, got -64 (None or 0: no checkpoint grid)"),
+])
+def test_a_negative_argument_is_refused_by_name_and_value_and_only_the_interval_says_how_to_turn_it_off(
+        plan, kwargs, message):
+    """The message names the argument and its value; only a negative interval adds that None or 0
+    means no checkpoint grid (a length has no such setting)."""
+    with pytest.raises(InputError) as info:
+        request_demand(plan, DemandPurpose.ADMIT, input_len=1000, **kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(chunk_len=0, min_chunk=-1), "request_demand min_chunk must not be negative, got -1"),
+    (dict(chunk_len=0, min_chunk=0, checkpoint_interval=-5),
+     "request_demand checkpoint_interval must not be negative, got -5 (None or 0: no checkpoint grid)"),
+])
+def test_a_zero_before_the_negative_argument_is_not_blamed(plan, kwargs, message):
+    """0 is a valid chunk_len and min_chunk: the argument named is the one below zero."""
+    with pytest.raises(InputError) as info:
+        request_demand(plan, DemandPurpose.ADMIT, input_len=1000, **kwargs)
+    assert str(info.value) == message

@@ -21,6 +21,7 @@ from kvchain.alloc.pricing import (
     Step,
     feasible,
     first_plan,
+    fits_bytes,
     growth_rooms,
     move_order,
     neighbour_bounds,
@@ -267,6 +268,36 @@ def test_feasible_asks_relayout_when_in_place_fails():
     assert feasible(snap, (0, 0, 0, 8))
     assert first_plan(snap, (0, 0, 0, 8)).step is Step.RELAYOUT
     assert first_plan(snap, (0, 30, 0, 0)) is None
+
+
+def test_fits_bytes_counts_every_bands_live_fixed_and_taken_pages_in_its_own_page_bytes():
+    """CAP-9: the chain [64, 512) has 448 bytes. Held: 4 x 16 (3 live, 1 fixed) + 2 x 32 + 3 x 64
+    (1 live, 2 fixed) = 320 bytes; a take of (2, 1, 1) adds 32 + 32 + 64 = 128: exactly 448 fits.
+    One page more on any band does not; a band giving pages back (a negative entry) frees nothing
+    for the others."""
+    snap = ChainSnapshot((band(0, UP, origin=64, lo=0, hi=4, live=3, fixed=1),  # bytes 64..128
+                          band(1, page_bytes=32, origin=64, lo=6, hi=8, live=2),  # 256..320
+                          band(2, DOWN, page_bytes=64, n_grid=8, lo=5, hi=8, live=1, fixed=2)), 64, 512)
+    assert fits_bytes(snap, (2, 1, 1))
+    assert not fits_bytes(snap, (3, 1, 1))  # 464
+    assert not fits_bytes(snap, (2, 2, 1))  # 480
+    assert not fits_bytes(snap, (2, 1, 2))  # 512
+    assert fits_bytes(snap, (3, -2, 1)) and not fits_bytes(snap, (3, -2, 2))  # 432, 496
+    assert fits_bytes(snap, (0, 0, 0)) and fits_bytes(snap, (-4, -2, -3))  # 320
+
+
+def test_feasible_refuses_what_the_bytes_hold_but_no_layout_serves():
+    """CAP-9: an up end's fixed page at id 9 stays where it is, so its flushed span keeps 10 pages
+    (160 bytes) although it holds 2; the down end (base id 12) grows down to id 10 and no further.
+    A take of 3 fits the chain's bytes (2 + 7 of 16 pages) but no layout, in place or relaid."""
+    up = band(0, UP, n_grid=16, lo=0, hi=10, live=1, holes=8, fixed=1, fixed_far=10)
+    down = band(1, DOWN, n_grid=16, lo=12, hi=16, live=4)
+    snap = ChainSnapshot((up, down), 0, 256)
+    assert fits_bytes(snap, (0, 3))
+    assert plan(snap, (0, 3), Step.NO_MOVE) is None and plan(snap, (0, 3), Step.RELAYOUT) is None
+    assert not feasible(snap, (0, 3)) and not feasible(snap, (0, 3), in_place_short=True)
+    assert feasible(snap, (0, 2))  # in place: down to id 10, the up end's top
+    assert plan(snap, (0, 2), Step.NO_MOVE).after[1] == down._replace(lo=10, live=6)
 
 
 def test_plan_refuses_a_demand_of_the_wrong_length():
