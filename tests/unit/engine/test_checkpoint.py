@@ -27,12 +27,12 @@ POOL_KINDS = {
     # every layer slides: the window sub-pool and the token-id owner (a FULL pool with no layers)
     "mistral": {PoolKind.FULL, PoolKind.WINDOW},
     "qwen3": {PoolKind.FULL},
-    **dict.fromkeys(("gemma2", "olmo3", "cohere2"), {PoolKind.FULL, PoolKind.WINDOW}),
+    **dict.fromkeys(("gemma2", "olmo3", "cohere2"), frozenset({PoolKind.FULL, PoolKind.WINDOW})),
     **dict.fromkeys(("lfm2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe", "olmo_hybrid",
-                     "jamba", "minimax"), {PoolKind.FULL, PoolKind.STATE}),
+                     "jamba", "minimax"), frozenset({PoolKind.FULL, PoolKind.STATE})),
     # state only: the state sub-pool and the token-id owner
-    **dict.fromkeys(("mamba2", "mamba", "falcon_mamba"), {PoolKind.FULL, PoolKind.STATE}),
-    **dict.fromkeys(("lara_mini", "recurrent_gemma"), {PoolKind.FULL, PoolKind.WINDOW, PoolKind.STATE}),
+    **dict.fromkeys(("mamba2", "mamba", "falcon_mamba"), frozenset({PoolKind.FULL, PoolKind.STATE})),
+    **dict.fromkeys(("lara_mini", "recurrent_gemma"), frozenset({PoolKind.FULL, PoolKind.WINDOW, PoolKind.STATE})),
 }
 
 
