@@ -5,14 +5,18 @@ load: config.json picks the config class, the model is built with weight init sk
 safetensors files are read and checked name by name and shape by shape before a strict
 `load_state_dict`. `from_pretrained` is not used for the weights: its silent fix-ups (re-initialising
 missing tensors, dropping unexpected ones) would hide a checkpoint that does not match the model.
+The names and layouts do follow `from_pretrained`: transformers' own conversion mapping for the
+family (`get_model_conversion_mapping`) turns the hub layout into the modules' tensors, and its
+operations run here, with the checks it leaves to its loading report made errors.
 Every problem is one `InputError` line naming the path and what is wrong."""
 
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +26,9 @@ from ..models.registry import model_from_config
 from ..models.spec import ModelSpec
 from ..units import dtype_name
 
+if TYPE_CHECKING:
+    from transformers.core_model_loading import WeightConverter
+
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,20 +36,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _NAMES_SHOWN = 5
 _FLOAT_TAG = "__float__"
 _SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-# Hub checkpoints of some families keep a top-level module name the transformers class renamed.
-_PREFIX_RENAMES = {"nemotron_h": (("backbone.", "model."),)}
-# ... and some keep a module name inside the path that the class renamed (LFM3's attention output
-# gate is `gate_proj` on the hub and in `save_pretrained`'s output, `g_proj` in the module).
-_INFIX_RENAMES = {"lfm3": ((".self_attn.gate_proj.", ".self_attn.g_proj."),)}
-# Fused expert tensor -> the per-expert matrices it concatenates (along rows), in order.
-_FUSED = (
-    ("gate_up_proj", ("gate_proj", "up_proj")),
-    ("up_proj", ("up_proj",)),
-    ("down_proj", ("down_proj",)),
-)
-_EXPERT = re.compile(
-    r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
 
 
 @dataclass
@@ -76,7 +69,7 @@ def load_checkpoint(
     model_from_config(config_dict)  # kvchain's own checks of the fields, before transformers divides by them
     model = _empty_model(path, config, dtype, device)
     state = read_safetensors(path)
-    state = to_module_layout(path, config_dict["model_type"], state, model.state_dict(keep_vars=True))
+    state = to_module_layout(path, model, state)
     _load_weights(path, model, state)
     model.eval()
     model.requires_grad_(False)
@@ -135,55 +128,138 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def to_module_layout(
-    path: Path, model_type: str, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Rename and fuse hub-layout tensors into the names the transformers modules hold: a family's
-    renamed prefix or inner module name, and per-expert MoE matrices (`experts.{e}.{gate,up,down}_proj.weight`) stacked
-    into the fused `experts.gate_up_proj` / `experts.up_proj` / `experts.down_proj` the model
-    expects (gate rows before up rows). A name the model holds as is stays as it is."""
-    renames = _PREFIX_RENAMES.get(model_type, ())
-    infixes = _INFIX_RENAMES.get(model_type, ())
+def to_module_layout(path: Path, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map the checkpoint's tensors onto the model's own names the way `from_pretrained` does, with
+    the family's conversion mapping from transformers: renames (Nemotron-H's `backbone.` prefix,
+    Granite's `input_linear`, Mixtral's `block_sparse_moe`), per-expert MoE matrices stacked into
+    the fused `experts.*` tensors, splits and transposes, then the base-model prefix added or dropped.
+    Unlike `from_pretrained`, nothing is dropped or guessed: one model tensor reached from two
+    checkpoint names, an incomplete expert set or a failed conversion is an InputError. A name that
+    maps to nothing in the model stays as it is, to be reported as unexpected."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    expected = model.state_dict(keep_vars=True)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        for old, new in renames:
-            if name.startswith(old) and name not in expected:
-                name = new + name[len(old) :]
-        for old, new in infixes:
-            if old in name and name not in expected:
-                name = name.replace(old, new)
-        if name in out:
-            raise InputError(f"checkpoint {path}: tensor {name!r} is stored under two names")
-        out[name] = tensor
-    return _fuse_experts(path, out, expected)
+    origin: dict[str, str] = {}  # model name -> the checkpoint name(s) it came from, for messages
+    fusions: dict[str, _Fusion] = {}
+    for name in sorted(state, key=dot_natural_key):  # transformers' order: experts by number
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, expected)
+        if target not in expected:
+            target, pattern = name, None  # a name the model holds as is, or one reported as unexpected
+        if pattern is None:
+            _place(path, out, origin, target, state[name], repr(name))
+        else:
+            fusion = fusions.setdefault(target, _Fusion(copy.deepcopy(by_pattern[pattern])))
+            fusion.add(path, target, name, pattern, state[name])
+    for target, fusion in fusions.items():
+        for name, tensor in fusion.build(path, model, target, expected[target]).items():
+            _place(path, out, origin, name, tensor, fusion.shown())
+    return out
 
 
-def _fuse_experts(
-    path: Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    found: dict[tuple[str, str], dict[int, str]] = {}  # (experts module, proj) -> expert index -> name
-    for name in state:
-        match = _EXPERT.match(name)
-        if match is not None and name not in expected:
-            found.setdefault((match["experts"], match["proj"]), {})[int(match["index"])] = name
-    for experts in sorted({experts for experts, _proj in found}):
-        for target, parts in _FUSED:
-            if f"{experts}.{target}" not in expected or not all((experts, p) in found for p in parts):
-                continue  # what is left per-expert is reported as unexpected names
-            names = [_expert_names(path, experts, part, found[(experts, part)]) for part in parts]
-            if len({len(n) for n in names}) > 1:
-                raise InputError(f"checkpoint {path}: {experts} stores {parts} for different expert counts")
-            per_expert = [torch.cat([state.pop(n) for n in row], dim=0) for row in zip(*names, strict=True)]
-            state[f"{experts}.{target}"] = torch.stack(per_expert)
-    return state
+def _place(
+    path: Path, out: dict[str, torch.Tensor], origin: dict[str, str], name: str, tensor: torch.Tensor, source: str
+) -> None:
+    """Put `tensor` at model name `name`; a name filled twice is refused, not overwritten."""
+    if name in out:
+        raise InputError(f"checkpoint {path}: tensor {name!r} is stored twice, as {origin[name]} and as {source}")
+    out[name] = tensor
+    origin[name] = source
 
 
-def _expert_names(path: Path, experts: str, part: str, by_index: dict[int, str]) -> list[str]:
-    if sorted(by_index) != list(range(len(by_index))):
-        raise InputError(
-            f"checkpoint {path}: {experts}.*.{part} does not hold experts 0..{len(by_index) - 1}"
-        )
-    return [by_index[i] for i in range(len(by_index))]
+@dataclass
+class _Fusion:
+    """The checkpoint tensors one transformers `WeightConverter` turns into a model tensor (e.g. the
+    per-expert matrices of one fused `experts.gate_up_proj`), and the checks transformers leaves out:
+    it stacks whatever experts it finds and concatenates whichever parts are present."""
+
+    converter: WeightConverter
+    sources: dict[str, list[str]] = field(default_factory=dict)  # source pattern -> names, in order
+
+    def add(self, path: Path, target: str, name: str, pattern: str, tensor: torch.Tensor) -> None:
+        """Collect `tensor` (checkpoint name `name`, matched by `pattern`) for `target`."""
+        if pattern not in self.converter.source_patterns:  # two converters aim at one model tensor
+            raise InputError(f"checkpoint {path}: tensor {target!r} is stored twice, as {self.shown()} and as {name!r}")
+        self.sources.setdefault(pattern, []).append(name)
+        self.converter.add_tensor(target, name, pattern, tensor)
+
+    def shown(self) -> str:
+        """The checkpoint names collected, one `*`-pattern per part, for messages."""
+        return " + ".join(repr(_wildcard(names[0], pattern)[0]) for pattern, names in self.sources.items())
+
+    def build(
+        self, path: Path, model: torch.nn.Module, target: str, want: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Run the converter's operations once every part and every expert is there."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        operations = self.converter.operations
+        if any(isinstance(op, Concatenate) for op in operations):
+            self._check_parts(path, target)
+        for op in operations:
+            if isinstance(op, MergeModulelist):
+                self._check_experts(path, target, want.shape[op.dim])
+        try:
+            built = self.converter.convert(target, model=model, config=model.config)
+        except (RuntimeError, ValueError, IndexError, KeyError, AttributeError, TypeError) as exc:
+            raise InputError(
+                f"checkpoint {path}: cannot build {target!r} from {self.shown()}: {_one_line(exc)}"
+            ) from None
+        return {name: value[0] if isinstance(value, list) else value for name, value in built.items()}
+
+    def _check_parts(self, path: Path, target: str) -> None:
+        """A concatenation needs each of its parts (gate and up); transformers skips an absent one."""
+        missing = [p for p in self.converter.source_patterns if p not in self.sources]
+        if missing:
+            pattern, names = next(iter(self.sources.items()))
+            match = _match(names[0], pattern)
+            prefix = names[0] if match is None else names[0][: match.start()]
+            parts = " + ".join(repr(prefix + _literal(p)) for p in self.converter.source_patterns)
+            raise InputError(
+                f"checkpoint {path}: {target!r} is built from {parts}: "
+                f"the checkpoint has no {prefix + _literal(missing[0])!r}"
+            )
+
+    def _check_experts(self, path: Path, target: str, count: int) -> None:
+        """Each stacked part holds experts 0..count-1, one matrix each, in order."""
+        for pattern, names in self.sources.items():
+            indices = [_wildcard(name, pattern)[1] for name in names]
+            if None in indices:
+                continue  # a pattern without an expert index: only the shape check applies
+            if indices != list(range(count)):
+                raise InputError(
+                    f"checkpoint {path}: {_wildcard(names[0], pattern)[0]!r} holds experts {indices}, "
+                    f"{target!r} needs experts 0..{count - 1}"
+                )
+
+
+def _wildcard(name: str, pattern: str) -> tuple[str, int | None]:
+    """`name` with the expert index that a converter pattern's `*` stands for shown as `*`, and that
+    index (None where the pattern has no `*` or does not match the checkpoint name)."""
+    match = _match(name, pattern)
+    if match is None or match.lastindex is None:
+        return name, None
+    return name[: match.start(1)] + "*" + name[match.end(1) :], int(match[1])
+
+
+def _match(name: str, pattern: str) -> re.Match[str] | None:
+    """Where converter pattern `pattern` (a regex whose `*` is an expert index) matches `name`."""
+    return re.search(pattern.replace("*", r"(\d+)"), name)
+
+
+def _literal(pattern: str) -> str:
+    """A converter pattern written as a name, its regex escapes dropped."""
+    return pattern.replace("\\", "")
 
 
 def _weight_files(path: Path) -> list[Path]:
