@@ -31,6 +31,19 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "olmo3": (1e-4, False),
     "cohere2": (1e-4, False),
     "lfm2": (1e-4, True),
+    "bamba": (5e-3, True),
+    "granitemoehybrid": (5e-3, True),
+    "falcon_h1": (5e-3, True),
+    "mamba2": (5e-3, True),
+    "mamba": (1e-4, True),
+    "falcon_mamba": (1e-4, True),
+    "jamba": (1e-4, True),
+    "qwen3_5": (5e-3, True),
+    "qwen3_5_moe": (5e-3, True),
+    "olmo_hybrid": (5e-3, True),
+    "lara_mini": (5e-3, True),
+    "recurrent_gemma": (5e-3, True),
+    "minimax": (5e-3, True),
 }
 PAGE = 4
 INTERVAL = 8  # tokens between state checkpoints

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import InputError
 from ..layout.views import SubPoolView
+from ..plan import PoolKind
 
 #: a bucket of prefill chunks (stepped together, each padded at its end to the bucket's longest)
 #: takes the next longest chunk while its padded tokens stay within this many times its real ones:
@@ -53,7 +55,8 @@ class ForwardBatch:
     - `state_slots` (`[B]`, int64): each request's physical state slot (read, then written back);
       `state_fresh[b]`: the request's recurrent state starts from zeros (its first chunk, no
       checkpoint restored), so the slot's old bytes are not read.
-    - `layer_pool`: layer id -> the sub-pool holding that layer's KV or state."""
+    - `layer_pool`: layer id -> the sub-pool holding that layer's KV (its state, for a layer that
+      keeps state only); `state_pool_of` finds the state sub-pool of a layer that keeps both."""
 
     q_starts: np.ndarray
     prefix_lens: np.ndarray
@@ -78,8 +81,19 @@ class ForwardBatch:
         return self.seq_lens - self.prefix_lens
 
     def pool_of(self, layer_id: int) -> SubPoolView:
-        """The view of the sub-pool that holds `layer_id`."""
+        """The view of the sub-pool that holds `layer_id`'s KV (its state where it keeps no KV)."""
         return self.views[self.layer_pool[layer_id]]
+
+    def state_pool_of(self, layer_id: int) -> SubPoolView:
+        """The view of the state sub-pool that holds `layer_id`'s recurrent state: a layer that runs
+        attention beside its mixer (Falcon-H1) is in a KV sub-pool too, which `pool_of` names."""
+        view = self.pool_of(layer_id)
+        if view.pool.kind is PoolKind.STATE:
+            return view
+        for view in self.views.values():
+            if view.pool.kind is PoolKind.STATE and layer_id in view.pool.layer_ids:
+                return view
+        raise InputError(f"layer {layer_id} keeps recurrent state, but no state sub-pool of the plan holds it")
 
     def decode_only(self) -> bool:
         """Every request adds one token: one vectorised kernel serves the whole batch."""

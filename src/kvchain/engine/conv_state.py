@@ -233,11 +233,11 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def conv_store(batch: ForwardBatch, layer_id: int) -> torch.Tensor:
-    return batch.pool_of(layer_id).state(layer_id, "conv")
+    return batch.state_pool_of(layer_id).state(layer_id, "conv")
 
 
 def ssm_store(batch: ForwardBatch, layer_id: int) -> torch.Tensor:
-    return batch.pool_of(layer_id).state(layer_id, "ssm")
+    return batch.state_pool_of(layer_id).state(layer_id, "ssm")
 
 
 def packed_input(hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Qwen3-Next gated DeltaNet on the pool: the module's own projections, conv weights, gated norm and
-output projection, with the conv window and the recurrent state read from and written to the
-request's state slot.
+"""Gated DeltaNet on the pool: the module's own projections, conv weights, gated norm and output
+projection, with the conv window and the recurrent state read from and written to the request's
+state slot. One forward serves every transformers gated-DeltaNet mixer (`MIXERS`): they share the
+maths below and differ only in how their input projections are split (`_project`), whether beta
+may reach 2 (negative eigenvalues) and what their norm and output projection are called.
 
 Per value head the state S (`[key_dim, value_dim]`) follows the gated delta rule: each token decays
 it by exp(g), then corrects what it recalls for the token's key towards the token's value with step
@@ -11,9 +13,12 @@ state as it is."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from .batch import ForwardBatch
 from .conv_state import (
     assemble,
@@ -30,10 +35,19 @@ from .conv_state import (
 
 f32 = torch.float32
 
+#: (module, class) of each transformers gated-DeltaNet mixer `deltanet_forward` serves
+MIXERS = (
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+    ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+    ("transformers.models.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet"),
+)
+
 
 def deltanet_module_types() -> tuple[type, ...]:
-    """The mixer classes `deltanet_forward` serves (none when transformers lacks them)."""
-    return transformers_classes("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet")
+    """The mixer classes `deltanet_forward` serves (those this transformers has)."""
+    return tuple(cls for module, name in MIXERS for cls in transformers_classes(module, name))
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -90,24 +104,72 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     return out.transpose(1, 2), state
 
 
+@dataclass(frozen=True)
+class _Projected:
+    """A layer's per-token inputs, packed `[T, ...]`: `mixed`, the conv's input (q, k and v side by
+    side, the channel order of the plan's conv state); `gate` `[T, H, Dv]`, the output norm's gate;
+    `beta` and the log decay `g` `[T, H]`."""
+
+    mixed: torch.Tensor
+    gate: torch.Tensor
+    beta: torch.Tensor
+    g: torch.Tensor
+
+
+def _split_projections(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q k v, gate, b, a) from the module's input projections, however it splits them: Qwen3-Next
+    fuses q, k, v and z per key head (`in_proj_qkvz`, each head's [q, k, its value heads' v, their
+    z]) and b with a (`in_proj_ba`); Qwen3.5 and Lara Mini project q k v, z, b and a apart; OLMo
+    Hybrid projects q, k, v, a, b and its gate (`g_proj`) each apart."""
+    n_tok = x.shape[0]
+    nk, nv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    rep = nv // nk
+    if hasattr(module, "in_proj_qkvz"):
+        qkvz = module.in_proj_qkvz(x).view(n_tok, nk, 2 * dk + 2 * rep * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, rep * dv, rep * dv], dim=-1)
+        b, a = torch.split(module.in_proj_ba(x).view(n_tok, nk, 2 * rep), [rep, rep], dim=-1)
+        mixed = torch.cat([q.reshape(n_tok, -1), k.reshape(n_tok, -1), v.reshape(n_tok, -1)], dim=-1)
+        return mixed, z, b.reshape(n_tok, nv), a.reshape(n_tok, nv)
+    if hasattr(module, "in_proj_qkv"):
+        return module.in_proj_qkv(x), module.in_proj_z(x), module.in_proj_b(x), module.in_proj_a(x)
+    if hasattr(module, "q_proj") and hasattr(module, "g_proj"):
+        mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
+        return mixed, module.g_proj(x), module.b_proj(x), module.a_proj(x)
+    raise InputError(f"layer {module.layer_idx} ({type(module).__name__}): no gated-DeltaNet input projections "
+                     "kvchain knows (in_proj_qkvz, in_proj_qkv, or q_proj/k_proj/v_proj with g_proj)")
+
+
+def _project(module: torch.nn.Module, x: torch.Tensor) -> _Projected:
+    """The layer's inputs from the packed hidden states `x` `[T, hidden]`: beta = sigmoid(b), twice
+    that where the model allows negative eigenvalues (OLMo Hybrid: beta in [0, 2], so a step may
+    overshoot and flip what the state recalls), and g = -exp(A_log) softplus(a + dt_bias) in float32."""
+    mixed, gate, b, a = _split_projections(module, x)
+    beta = b.sigmoid()
+    if getattr(module, "allow_neg_eigval", False):
+        beta = beta * 2.0
+    g = -cast(module.A_log, f32).exp() * F.softplus(cast(a, f32) + module.dt_bias)
+    return _Projected(mixed, gate.reshape(x.shape[0], module.num_v_heads, module.head_v_dim), beta, g)
+
+
+def _output(module: torch.nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The scan's outputs `[T, H, Dv]` through the module's gated norm (per value head) and output
+    projection: `norm`/`out_proj` (Qwen3-Next, Qwen3.5, Lara Mini) or `o_norm`/`o_proj` (OLMo Hybrid)."""
+    norm = module.norm if hasattr(module, "norm") else module.o_norm
+    proj = module.out_proj if hasattr(module, "out_proj") else module.o_proj
+    dv = module.head_v_dim
+    normed = norm(y.reshape(-1, dv), gate.reshape(-1, dv))
+    return proj(normed.reshape(1, y.shape[0], -1))
+
+
 def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """`module` (a `Qwen3NextGatedDeltaNet`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`."""
+    """`module` (one of `deltanet_module_types()`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`."""
     x = packed_input(hidden_states, batch)
     dtype = x.dtype
     n_tok = x.shape[0]
     nk, nv = module.num_k_heads, module.num_v_heads
     dk, dv = module.head_k_dim, module.head_v_dim
     rep = nv // nk
-
-    # in_proj_qkvz is laid out per key head: [q, k, v of its rep value heads, z of them]
-    qkvz = module.in_proj_qkvz(x).view(n_tok, nk, 2 * dk + 2 * rep * dv)
-    q, k, v, z = torch.split(qkvz, [dk, dk, rep * dv, rep * dv], dim=-1)
-    ba = module.in_proj_ba(x).view(n_tok, nk, 2 * rep)
-    b, a = torch.split(ba, [rep, rep], dim=-1)
-    z = z.reshape(n_tok, nv, dv)
-    beta = b.reshape(n_tok, nv).sigmoid()
-    g = -cast(module.A_log, f32).exp() * F.softplus(cast(a.reshape(n_tok, nv), f32) + module.dt_bias)
-    mixed = torch.cat([q.reshape(n_tok, -1), k.reshape(n_tok, -1), v.reshape(n_tok, -1)], dim=-1)
+    inputs = _project(module, x)
 
     layer = module.layer_idx
     conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
@@ -115,13 +177,13 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
     parts = []
     for group in steps:
         n_req, length = group.size, group.length
-        conv_out, conv_next = group_conv(module, conv_pool, group, mixed, dtype)  # [B, L, C]
+        conv_out, conv_next = group_conv(module, conv_pool, group, inputs.mixed, dtype)  # [B, L, C]
         q_c, k_c, v_c = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
         q_c = _l2norm(cast(q_c.reshape(n_req, length, nk, dk), f32)) / dk**0.5
         k_c = _l2norm(cast(k_c.reshape(n_req, length, nk, dk), f32))
         v_c = cast(v_c.reshape(n_req, length, nv, dv), f32)
-        step_g = group.take(g).view(n_req, length, nv)
-        step_beta = cast(group.take(beta).view(n_req, length, nv), f32)
+        step_g = group.take(inputs.g).view(n_req, length, nv)
+        step_beta = cast(group.take(inputs.beta).view(n_req, length, nv), f32)
         if group.pad is not None:
             step_g = step_g.masked_fill(group.pad[..., None], 0.0)
             step_beta = step_beta.masked_fill(group.pad[..., None], 0.0)
@@ -135,5 +197,4 @@ def deltanet_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)
 
-    normed = module.norm(cast(assemble(steps, parts, n_tok), dtype).reshape(-1, dv), z.reshape(-1, dv))
-    return module.out_proj(normed.reshape(1, n_tok, nv * dv))
+    return _output(module, cast(assemble(steps, parts, n_tok), dtype), inputs.gate)

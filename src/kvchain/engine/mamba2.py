@@ -1,5 +1,9 @@
-"""Nemotron-H Mamba2 on the pool: the module's own projections, conv weights, gated norm and output
-projection, with the conv window and the SSM state read from and written to the request's slot.
+"""Mamba2 on the pool: the module's own projections, conv weights, gated norm and output projection,
+with the conv window and the SSM state read from and written to the request's slot. One forward
+serves every transformers Mamba2 mixer (`MIXERS`): they share the layout (in_proj -> gate, x B C, dt;
+a depthwise conv over x B C; the SSM; a gated norm; out_proj) and their attribute names, and differ
+only where `_project` and `_gate` look: Falcon-H1's mup multipliers on the projection's input and on
+each of its parts, and its optional norm (a plain silu gate without it).
 
 Per head the state h (`[head_dim, d_state]`) decays by exp(dt A) each token and takes dt x B^T;
 the output is h C plus the D skip (y = h C + D x). A = -exp(A_log), dt = softplus(dt + dt_bias)
@@ -27,10 +31,19 @@ from .conv_state import (
     write_state,
 )
 
+#: (module, class) of each transformers Mamba2 mixer `mamba2_forward` serves
+MIXERS = (
+    ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+    ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
+    ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+    ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"),
+    ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
+)
+
 
 def mamba2_module_types() -> tuple[type, ...]:
-    """The mixer classes `mamba2_forward` serves (none when transformers lacks them)."""
-    return transformers_classes("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer")
+    """The mixer classes `mamba2_forward` serves (those this transformers has)."""
+    return tuple(cls for module, name in MIXERS for cls in transformers_classes(module, name))
 
 
 #: the scan's shortest block: any block length gives the same numbers (the state is carried exactly
@@ -88,8 +101,40 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return (state @ c).view(n, 1, heads, p), state.view(n, heads, p, -1)
 
 
+def _project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`in_proj(x)`: gate, x B C and dt side by side. Falcon-H1 (mup) scales its input by
+    `ssm_in_multiplier` and each part of its output by its own multiplier (`mup_vector`)."""
+    scale = getattr(module, "ssm_in_multiplier", None)
+    if scale is not None:
+        x = x * scale
+    projected = module.in_proj(x)
+    mup = getattr(module, "mup_vector", None)
+    if mup is not None:
+        projected = projected * mup.reshape(-1)
+    return projected
+
+
+def _gate(module: torch.nn.Module, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The SSM output `[T, inner]` gated by silu(gate) through the module's gated RMS norm (which
+    says itself whether it normalises before or after the gate), or gated alone where the module
+    has no norm (Falcon-H1 with `mamba_rms_norm` off)."""
+    if isinstance(module.norm, torch.nn.Identity):
+        return y * F.silu(gate)
+    return module.norm(y, gate)
+
+
+def _dt(module: torch.nn.Module, dt: torch.Tensor) -> torch.Tensor:
+    """The time steps softplus(dt + dt_bias), clamped to the module's limits (none when it has
+    none), in float32."""
+    dt = F.softplus(dt + module.dt_bias)
+    limit = module.time_step_limit
+    if limit is not None:
+        dt = dt.clamp(min=limit[0], max=limit[1])
+    return cast(dt, f32)
+
+
 def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """`module` (a `NemotronHMamba2Mixer`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`.
+    """`module` (one of `mamba2_module_types()`) over the packed batch: `[1, T, hidden]` -> `[1, T, hidden]`.
     A padded group's pads get dt = 0: no decay and no input, so they leave the state as it is."""
     x = packed_input(hidden_states, batch)
     dtype = x.dtype
@@ -98,14 +143,12 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
     groups, d_state = module.n_groups, module.ssm_state_size
     inner = module.intermediate_size
 
-    gate, xbc, dt = module.in_proj(x).split([inner, module.conv_dim, heads], dim=-1)
-    lo_limit, hi_limit = module.time_step_limit
-    dt = cast(F.softplus(dt + module.dt_bias).clamp(min=lo_limit, max=hi_limit), f32)
+    gate, xbc, dt = _project(module, x).split([inner, module.conv_dim, heads], dim=-1)
+    dt = _dt(module, dt)
     a = -torch.exp(cast(module.A_log, f32))
     skip = cast(module.D, f32)[:, None]
 
-    layer = module.layer_idx
-    conv_pool, ssm_pool = conv_store(batch, layer), ssm_store(batch, layer)
+    conv_pool, ssm_pool = conv_store(batch, module.layer_idx), ssm_store(batch, module.layer_idx)
     steps = state_groups(batch)
     parts = []
     for group in steps:
@@ -127,5 +170,5 @@ def mamba2_forward(module: torch.nn.Module, hidden_states: torch.Tensor, batch: 
         write_state(conv_pool, group, conv_next)
         write_state(ssm_pool, group, state)
 
-    normed = module.norm(assemble(steps, parts, n_tok), gate)
-    return module.out_proj(cast(normed, dtype)).unsqueeze(0)
+    gated = _gate(module, assemble(steps, parts, n_tok), gate)
+    return module.out_proj(cast(gated, dtype)).unsqueeze(0)

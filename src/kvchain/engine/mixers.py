@@ -1,9 +1,17 @@
 """`install_state_mixers`: switch a model's recurrent mixers to kvchain's forwards, which read and
-write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `mamba2.py`,
-`shortconv.py`)."""
+write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `mamba1.py`,
+`mamba2.py`, `shortconv.py`, `rglru.py`, `lightning.py`).
+
+A mixer takes the step's `ForwardBatch` from the `kvchain_batch` keyword the model passes down to
+it. Some transformers blocks call their mixer with the hidden states, cache and mask only (Mamba's,
+Falcon-Mamba's and Jamba's drop the other keywords), so the keyword is also caught where the model
+itself is called and relayed to the mixers of that call (`_BatchRelay`)."""
 
 from __future__ import annotations
 
+import functools
+import re
+import threading
 from collections.abc import Callable
 
 import torch
@@ -11,43 +19,118 @@ import torch
 from ..errors import InputError
 from .batch import ForwardBatch
 from .deltanet import deltanet_forward, deltanet_module_types
+from .lightning import lightning_forward, lightning_module_types
+from .mamba1 import mamba1_forward, mamba1_module_types
 from .mamba2 import mamba2_forward, mamba2_module_types
+from .rglru import rglru_forward, rglru_module_types
 from .shortconv import shortconv_forward, shortconv_module_types
 from .speculative_state import stepped_mixer_forward
 
 
+@functools.cache
 def served_mixer_types() -> tuple[type, ...]:
-    """Every recurrent mixer class kvchain's engine serves (those the installed transformers has)."""
-    return deltanet_module_types() + mamba2_module_types() + shortconv_module_types()
+    """Every recurrent mixer class kvchain's engine serves (those the installed transformers has;
+    looked up once: the TP shard asks it of every module of a model)."""
+    return (deltanet_module_types() + mamba1_module_types() + mamba2_module_types() + shortconv_module_types()
+            + rglru_module_types() + lightning_module_types())
+
+
+@functools.cache
+def paired_output_types() -> tuple[type, ...]:
+    """Served mixers whose callers unpack `(output, weights)` (RecurrentGemma's recurrent block,
+    MiniMax's lightning attention, which sit where an attention module would): kvchain's forward
+    returns the output, and the installed forward pairs it with None for these."""
+    return rglru_module_types() + lightning_module_types()
 
 
 def install_state_mixers(model: torch.nn.Module) -> int:
-    """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet,
-    Nemotron-H Mamba2, LFM2/LFM3 short conv) with kvchain's, which reads and writes the state in the pool through the
-    `kvchain_batch` keyword the model passes down. Returns how many were installed."""
-    kinds = [(deltanet_module_types(), deltanet_forward), (mamba2_module_types(), mamba2_forward),
-             (shortconv_module_types(), shortconv_forward)]
-    installed = 0
-    for module in model.modules():
-        for types, forward in kinds:
-            if types and isinstance(module, types):
-                module.forward = _bound(module, forward)
-                installed += 1
-                break
-    return installed
+    """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet, Mamba,
+    Falcon-Mamba and Jamba Mamba1, Nemotron-H Mamba2, LFM2/LFM3 short conv, RecurrentGemma RG-LRU,
+    MiniMax lightning attention) with kvchain's, which reads and writes the state in the pool through
+    the `kvchain_batch` keyword of the model's call. Returns how many were installed."""
+    kinds = [(deltanet_module_types(), deltanet_forward), (mamba1_module_types(), mamba1_forward),
+             (mamba2_module_types(), mamba2_forward), (shortconv_module_types(), shortconv_forward),
+             (rglru_module_types(), rglru_forward), (lightning_module_types(), lightning_forward)]
+    number_mixer_layers(model)
+    found = [(module, next((forward for types, forward in kinds if types and isinstance(module, types)), None))
+             for module in model.modules()]
+    found = [(module, forward) for module, forward in found if forward is not None]
+    if found:
+        relay = _BatchRelay.of(model)
+        for module, forward in found:
+            module.forward = _bound(module, forward, relay)
+    return len(found)
 
 
-def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+#: a decoder layer's index in a module's qualified name (`model.layers.3.temporal_block`)
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def number_mixer_layers(model: torch.nn.Module) -> None:
+    """Give each served mixer that does not keep its layer's index (RecurrentGemma's recurrent block)
+    the index of the decoder layer it sits in: its state is addressed in the pool by layer, and
+    `check_state_layers_served` finds a layer's mixers by it. Idempotent. A fused draft must be
+    numbered before its layers are offset after the target's (`fuse_draft_layers`), which moves
+    only the indices a module already has."""
+    served = served_mixer_types()
+    for name, module in model.named_modules():
+        if not served or not isinstance(module, served) or isinstance(getattr(module, "layer_idx", None), int):
+            continue
+        found = _LAYER_NAME.search(name)
+        if found is None:
+            raise InputError(f"{type(module).__name__} at {name!r} keeps no layer_idx and sits in no `layers.<i>`")
+        module.layer_idx = int(found.group(1))
+
+
+class _BatchRelay:
+    """The `kvchain_batch` of the model call running on this thread, for a mixer whose block does
+    not pass the keyword down. Set by a pre-hook on the model and cleared by a hook that runs even
+    when the forward raises, so a later call without the keyword finds none rather than a stale one.
+    A copy (or an unpickled one) starts empty: a thread's batch is never carried over."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (_BatchRelay, ())
+
+    @property
+    def batch(self) -> ForwardBatch | None:
+        return getattr(self._local, "batch", None)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> _BatchRelay:
+        """`model`'s relay, hooked on the first call (installing twice keeps one)."""
+        relay = model.__dict__.get("_kvchain_batch_relay")
+        if relay is None:
+            relay = model.__dict__["_kvchain_batch_relay"] = cls()
+            model.register_forward_pre_hook(relay._catch, with_kwargs=True)
+            model.register_forward_hook(relay._release, always_call=True)
+        return relay
+
+    def _catch(self, _model: torch.nn.Module, _args: tuple, kwargs: dict) -> None:
+        batch = kwargs.get("kvchain_batch")
+        self._local.batch = batch if isinstance(batch, ForwardBatch) else None
+
+    def _release(self, *_unused: object) -> None:
+        self._local.batch = None
+
+
+def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor],
+           relay: _BatchRelay) -> Callable[..., torch.Tensor]:
     def run(hidden_states: torch.Tensor, cache: object = None, attention_mask: object = None,
             **kwargs: object) -> torch.Tensor:
-        batch = kwargs.get("kvchain_batch")
+        batch = kwargs.get("kvchain_batch", relay.batch)
         if not isinstance(batch, ForwardBatch):
             raise InputError(f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) runs on "
                              "kvchain's pool and needs kvchain_batch=<ForwardBatch> in the forward's kwargs")
         if batch.verify is not None:  # a speculative round: token by token into scratch slots
-            return stepped_mixer_forward(forward, module, hidden_states, batch)
-        return forward(module, hidden_states, batch)
+            out = stepped_mixer_forward(forward, module, hidden_states, batch)
+        else:
+            out = forward(module, hidden_states, batch)
+        return (out, None) if paired else out
 
+    paired = isinstance(module, paired_output_types())
     return run
 
 

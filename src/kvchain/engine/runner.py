@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ..plan import KVStoragePlan
+from ..plan import KVStoragePlan, PoolKind
 from .attention import NAME as ATTENTION_NAME
 from .attention import register
 from .batch import ForwardBatch
@@ -56,23 +56,31 @@ class ModelRunner:
     """Runs one batched forward of `model` over the pool `plan` lays out.
 
     Construction switches the model to kvchain's paged attention and installs the state mixers; a
-    model with layers the plan does not place is refused, since its KV would live nowhere."""
+    model with layers the plan does not place is refused, since its KV would live nowhere, and one
+    whose state layers (the fused plan's draft layers, for a `draft`) run a mixer kvchain does not
+    serve, since its state would live nowhere either."""
 
     #: whether `logits` returns None and the logits come later, relayed (a pipeline stage before the
     #: last under speculative decoding, `dist/pp_spec.py`); a plain runner returns them
     relays_logits: bool = False
 
-    def __init__(self, model: torch.nn.Module, plan: KVStoragePlan) -> None:
+    def __init__(self, model: torch.nn.Module, plan: KVStoragePlan, *, draft: bool = False) -> None:
         register()
         for config in _configs(model):
             config._attn_implementation = ATTENTION_NAME
         self.model = model.eval()
         self.mixers = install_state_mixers(model)
         if plan.state is not None:
-            check_state_layers_served(model, set(plan.state.layer_ids) | set(plan.state.draft_layer_ids))
+            # a fused plan numbers a draft's layers after the target's last layer with KV or state,
+            # so a draft layer's id may be a target's layer without any (an MLP block)
+            drafts = set(plan.state.draft_layer_ids)
+            check_state_layers_served(model, drafts if draft else set(plan.state.layer_ids) - drafts)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self._masks = {"attention_mask": _NO_MASKS} if model_type in MASK_MAPPING_MODEL_TYPES else {}
-        self.layer_pool = {lid: pool.name for pool in plan.sub_pools for lid in pool.layer_ids}
+        # a layer's KV sub-pool where it has one: a layer that keeps state beside its KV (Falcon-H1)
+        # finds its state through `ForwardBatch.state_pool_of`
+        kv_last = sorted(plan.sub_pools, key=lambda pool: pool.kind is not PoolKind.STATE)
+        self.layer_pool = {lid: pool.name for pool in kv_last for lid in pool.layer_ids}
         attention_layers = {m.layer_idx for m in model.modules()
                             if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
         missing = sorted(attention_layers - set(self.layer_pool))

@@ -18,6 +18,8 @@ from ..errors import InputError
 
 #: config keys that list one entry per layer, in the families the engine serves
 _LAYER_LISTS = ("layer_types", "layers_block_type")
+#: config keys that list the indices of the attention layers (the others recurrent)
+_INDEX_LISTS = ("attn_layer_indices", "full_attn_idxs")
 _FULL_KINDS = ("full_attention", "attention")
 
 
@@ -35,6 +37,10 @@ def default_draft_layers(model: torch.nn.Module) -> list[int]:
         if kinds:
             full = next((i for i, kind in enumerate(kinds) if kind in _FULL_KINDS), 0)
             return sorted({0, full})
+    for key in _INDEX_LISTS:
+        indices = getattr(config, key, None)
+        if indices:
+            return sorted({0, min(int(i) for i in indices)})
     return [0]
 
 
@@ -53,12 +59,15 @@ def make_draft(model: torch.nn.Module, layers: Sequence[int] | None = None) -> t
     for key in _LAYER_LISTS:
         if fields.get(key):
             fields[key] = [fields[key][i] for i in keep]
+    where = {old: new for new, old in enumerate(keep)}
+    for key in _INDEX_LISTS:
+        if fields.get(key):
+            fields[key] = [where[int(i)] for i in fields[key] if int(i) in where]
     model_type = fields.pop("model_type")
     from transformers import AutoConfig
 
     draft_config = AutoConfig.for_model(model_type, **fields)
     draft = AutoModelForCausalLM.from_config(draft_config, dtype=next(model.parameters()).dtype)
-    where = {old: new for new, old in enumerate(keep)}
     pattern = re.compile(r"(^|\.)layers\.(\d+)\.")
     state = {}
     for name, tensor in model.state_dict().items():
@@ -67,7 +76,12 @@ def make_draft(model: torch.nn.Module, layers: Sequence[int] | None = None) -> t
             state[name] = tensor
         elif int(m.group(2)) in where:
             state[name[:m.start(2)] + str(where[int(m.group(2))]) + name[m.end(2):]] = tensor
-    draft.load_state_dict(state, strict=True)
+    try:
+        draft.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # the config laid the kept layers out as other kinds
+        first = str(exc).strip().splitlines()[0]
+        raise InputError(f"a {model_type} draft of layers {keep} does not keep their kinds (its config lays layer "
+                         f"kinds out by a rule the cut does not follow): {first}") from None
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(draft.generation_config, key, getattr(model.generation_config, key, None))
     return draft.eval()

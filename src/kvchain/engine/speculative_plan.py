@@ -46,7 +46,11 @@ def draft_layer_offset(decls: Sequence[KVLayerDecl]) -> int:
 
 def fuse_draft_layers(model: torch.nn.Module, offset: int) -> None:
     """Number the draft's layers after the target's (`layer_idx += offset` on every module that has
-    one), so its attention and mixers address the draft's layers of the fused plan."""
+    one), so its attention and mixers address the draft's layers of the fused plan. A mixer that
+    keeps no index of its own (RecurrentGemma's) is numbered first, or it would keep the target's."""
+    from .mixers import number_mixer_layers
+
+    number_mixer_layers(model)
     for module in model.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             module.layer_idx += offset

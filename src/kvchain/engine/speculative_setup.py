@@ -72,4 +72,4 @@ def speculative_pool(storage: KVStorage, runner: ModelRunner, draft: DraftSetup,
     take a round's `k + 1` tokens per running request."""
     k = config.num_speculative_tokens
     kwargs = {**kwargs, "max_tokens": config.max_batched_tokens + config.max_running * (k + 1)}
-    return cls(storage, runner, ModelRunner(draft.checkpoint.model, storage.plan), num_speculative_tokens=k, **kwargs)
+    return cls(storage, runner, ModelRunner(draft.checkpoint.model, storage.plan, draft=True), num_speculative_tokens=k, **kwargs)

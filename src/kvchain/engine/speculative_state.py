@@ -68,7 +68,7 @@ def state_stores(views: dict[str, SubPoolView], plan: KVStoragePlan) -> list[tor
 
 
 def _layer_stores(batch: ForwardBatch, layer: int) -> list[torch.Tensor]:
-    view = batch.pool_of(layer)
+    view = batch.state_pool_of(layer)
     return [view.state(layer, t.name) for t in view.pool.geometry.tensors]
 
 

@@ -150,6 +150,119 @@ def _lfm2() -> dict[str, Any]:
             "intermediate_size": 128, "conv_L_cache": 4, "tie_word_embeddings": False}
 
 
+def _mamba2_fields(**extra: Any) -> dict[str, Any]:
+    """The Mamba2 mixer fields Bamba, Granite 4 hybrids and Falcon-H1 share: 8 heads of 16 fill the
+    inner size 2 x hidden, B and C in 2 groups, and a scan chunk shorter than the prompts."""
+    return {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2, "mamba_d_state": 16, "mamba_n_groups": 2,
+            "mamba_d_conv": 4, "mamba_chunk_size": 16, **extra}
+
+
+def _bamba() -> dict[str, Any]:
+    return {"model_type": "bamba", "num_hidden_layers": 4, "attn_layer_indices": [1, 3], "intermediate_size": 128,
+            "tie_word_embeddings": False, **_mamba2_fields()}
+
+
+def _granitemoehybrid() -> dict[str, Any]:
+    # Granite 4.0-H: 4 experts (2 per token) beside a shared MLP in every layer, no RoPE, and its mup
+    # multipliers off 1 so a dropped one shows
+    return {"model_type": "granitemoehybrid", "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "attention"], "intermediate_size": 32,
+            "shared_intermediate_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "position_embedding_type": None,
+            "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+            "logits_scaling": 2.0, "tie_word_embeddings": False, **_mamba2_fields()}
+
+
+def _mamba2() -> dict[str, Any]:
+    # attention-free: every layer keeps state only, and the plan's token-id owner mints the ids
+    return {"model_type": "mamba2", "num_hidden_layers": 4, "num_heads": 8, "head_dim": 16, "expand": 2,
+            "state_size": 16, "n_groups": 2, "conv_kernel": 4, "chunk_size": 16, "tie_word_embeddings": False}
+
+
+def _falcon_h1() -> dict[str, Any]:
+    # every layer runs attention and Mamba2 side by side (KV and state in one layer); the mup
+    # multipliers are off 1 so a dropped one shows, and the mixer's gated norm normalises first
+    return {"model_type": "falcon_h1", "num_hidden_layers": 4, "intermediate_size": 128, "mamba_d_ssm": 128,
+            "mamba_rms_norm": True, "mamba_norm_before_gate": True, "ssm_multipliers": [0.5, 1.5, 0.8, 1.2, 0.7],
+            "ssm_in_multiplier": 0.9, "ssm_out_multiplier": 1.3, "attention_in_multiplier": 0.8,
+            "attention_out_multiplier": 1.1, "key_multiplier": 0.7, "embedding_multiplier": 2.0,
+            "lm_head_multiplier": 0.8, "mlp_multipliers": [0.9, 1.1], "tie_word_embeddings": False,
+            **_mamba2_fields()}
+
+
+def _gated_deltanet_fields(**extra: Any) -> dict[str, Any]:
+    """The gated-DeltaNet fields Qwen3.5, OLMo Hybrid and Lara Mini share with Qwen3-Next: 2 key
+    heads each serving 2 of the 4 value heads (so the grouped heads are exercised), conv width 4."""
+    return {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False, **extra}
+
+
+def _tiny_moe(**extra: Any) -> dict[str, Any]:
+    """A sparse MLP of 4 experts, 2 per token, with a shared expert."""
+    return {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+            "num_experts_per_tok": 2, **extra}
+
+
+def _qwen3_5() -> dict[str, Any]:
+    # the text model of Qwen3.5: separate qkv / z / b / a projections, partial rotary on 1/4 of a head
+    return {"model_type": "qwen3_5_text", "num_hidden_layers": 4, "intermediate_size": 128,
+            "layer_types": ["linear_attention", "full_attention"] * 2, **_gated_deltanet_fields()}
+
+
+def _qwen3_5_moe() -> dict[str, Any]:
+    return {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention"] * 2, **_tiny_moe(), **_gated_deltanet_fields()}
+
+
+def _olmo_hybrid() -> dict[str, Any]:
+    # q / k / v / a / b / g projections apart, and beta in [0, 2] (negative eigenvalues)
+    return {"model_type": "olmo_hybrid", "num_hidden_layers": 4, "intermediate_size": 128,
+            "layer_types": ["linear_attention", "full_attention"] * 2, "linear_allow_neg_eigval": True,
+            **_gated_deltanet_fields()}
+
+
+def _lara_mini() -> dict[str, Any]:
+    # DeltaNet, sliding and full attention layers: state, window and full sub-pools
+    return {"model_type": "lara_mini", "num_hidden_layers": 4, "sliding_window": 16,
+            "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+            **_tiny_moe(), **_gated_deltanet_fields()}
+
+
+def _mamba1(model_type: str) -> Callable[[], dict[str, Any]]:
+    """Mamba or Falcon-Mamba: every layer a Mamba1 mixer and none attends, so the plan is the state
+    sub-pool and the token-id owner."""
+    def config() -> dict[str, Any]:
+        return {"model_type": model_type, "num_hidden_layers": 2, "state_size": 16, "conv_kernel": 4, "expand": 2,
+                "tie_word_embeddings": False}
+    return config
+
+
+def _jamba() -> dict[str, Any]:
+    # Mamba1 layers 0 and 2, attention layers 1 and 3 (the plan: state and full sub-pools), experts on 1 and 3
+    return {"model_type": "jamba", "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+            "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+            "intermediate_size": 128, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+            "tie_word_embeddings": False}
+
+
+def _recurrent_gemma() -> dict[str, Any]:
+    # RG-LRU blocks 0, 1 and 3 around a local-attention block 2 over 16 tokens; an lru_width other
+    # than hidden, so the state follows lru_width
+    return {"model_type": "recurrent_gemma", "num_hidden_layers": 4,
+            "block_types": ["recurrent", "recurrent", "attention"], "intermediate_size": 128, "lru_width": 96,
+            "conv1d_width": 4, "attention_window_size": 16, "tie_word_embeddings": False}
+
+
+def _minimax() -> dict[str, Any]:
+    # lightning-attention layers 0, 2 and 3 around a softmax layer 1, experts on every layer; a block
+    # of 16 so transformers' own forward crosses blocks within a prompt, and residual factors off 1
+    return {"model_type": "minimax", "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 16,
+            "linear_attn_alpha_factor": 1.5, "linear_attn_beta_factor": 0.8, "full_attn_alpha_factor": 1.2,
+            "mlp_alpha_factor": 0.9, "tie_word_embeddings": False}
+
+
 FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "llama": _llama,
     "gemma3": _gemma3,
@@ -161,8 +274,22 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "qwen3": _qwen3,
     "gemma2": _sliding("gemma2"),
     "olmo3": _sliding("olmo3"),
-    "cohere2": _sliding("cohere2"),
+    # Cohere scales its logits by 1/16 by default: at this size greedy choices would near-tie
+    "cohere2": _sliding("cohere2", logit_scale=1.0),
     "lfm2": _lfm2,
+    "bamba": _bamba,
+    "granitemoehybrid": _granitemoehybrid,
+    "falcon_h1": _falcon_h1,
+    "mamba2": _mamba2,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "olmo_hybrid": _olmo_hybrid,
+    "lara_mini": _lara_mini,
+    "mamba": _mamba1("mamba"),
+    "falcon_mamba": _mamba1("falcon_mamba"),
+    "jamba": _jamba,
+    "recurrent_gemma": _recurrent_gemma,
+    "minimax": _minimax,
 }
 
 

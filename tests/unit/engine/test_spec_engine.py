@@ -28,6 +28,15 @@ def test_speculative_output_is_plain_greedy_output(family):
     assert result.stats.spec_accepted < result.stats.spec_proposed  # rounds reject (the draft is weak)
 
 
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "jamba", "recurrent_gemma", "minimax", "olmo_hybrid"])
+def test_speculative_output_on_the_other_state_families(family):
+    """The draft cut from each other kind of recurrent target: Bamba's attention layer listed by
+    index, Falcon-H1's layers holding KV and state side by side, Jamba's Mamba1 blocks that pass no
+    keywords down, RecurrentGemma's blocks that keep no layer index, MiniMax's lightning attention
+    and OLMo Hybrid's DeltaNet."""
+    check(family, 6)
+
+
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
 def test_a_draft_that_is_the_target_has_every_proposal_accepted(family):
     result = check(family, 6, whole=True)
