@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..engine.conv_state import transformers_classes
+from ..engine.mixers import served_mixer_types
 from ..errors import InputError
 
 
@@ -214,17 +216,33 @@ def _deltanet(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     module.conv_dim = 2 * module.key_dim + module.value_dim
 
 
+#: the recurrent mixers whose weights this module splits, by class: another family's mixer with the
+#: same weight names may lay them out otherwise (split projections, multipliers, per-channel decay),
+#: so it stays unsplit and `check_split` refuses it when the pool holds its state
+_SPLIT_MIXERS = {
+    "deltanet": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+    "mamba2": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+}
+
+
+def _split_mixer(module: torch.nn.Module) -> str | None:
+    """The kind of a recurrent mixer this module splits, or None for one it does not."""
+    return next((kind for kind, (where, name) in _SPLIT_MIXERS.items()
+                 if isinstance(module, transformers_classes(where, name))), None)
+
+
 def _kind(module: torch.nn.Module) -> str | None:
-    """Which split `module` takes, read from the weights it holds."""
+    """Which split `module` takes, read from the weights it holds (a recurrent mixer: from its class)."""
+    served = served_mixer_types()
+    if served and isinstance(module, served):
+        if (kind := _split_mixer(module)) is not None:
+            return kind
+        if isinstance(getattr(module, "in_proj", None), torch.nn.Linear) and isinstance(
+                getattr(module, "conv", None), torch.nn.Conv1d):
+            return "shortconv"
+        return None
     if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "attention"
-    if isinstance(getattr(module, "in_proj_qkvz", None), torch.nn.Linear):
-        return "deltanet"
-    if isinstance(getattr(module, "in_proj", None), torch.nn.Linear) and hasattr(module, "A_log"):
-        return "mamba2"
-    if isinstance(getattr(module, "in_proj", None), torch.nn.Linear) and isinstance(
-            getattr(module, "conv", None), torch.nn.Conv1d):
-        return "shortconv"
     if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
         return "experts"
     if _mlp_names(module) is not None:
@@ -266,11 +284,17 @@ def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ())
     for module, kind in layers:
         for total, what in _TOTALS[kind](module):
             split(total, n, what)
+    pool_layers = set(pool_layers)
     split_ids = {int(m.layer_idx) for m, kind in layers if kind in _POOL_KINDS and hasattr(m, "layer_idx")}
-    whole = sorted(set(pool_layers) - split_ids)
+    # a layer may hold attention and a mixer side by side (Falcon-H1): its split attention does not
+    # split its mixer
+    served = served_mixer_types()
+    unsplit_mixers = {int(m.layer_idx) for m in model.modules()
+                      if served and isinstance(m, served) and _kind(m) is None and m.layer_idx in pool_layers}
+    whole = sorted((pool_layers - split_ids) | unsplit_mixers)
     if whole:
         raise InputError(f"--tp {n}: layers {whole} hold KV or state in a form not split over ranks here "
-                         "(attention, Mamba2, gated DeltaNet and short-conv layers are)")
+                         "(attention, Nemotron-H Mamba2, Qwen3-Next gated DeltaNet and LFM short-conv layers are)")
     return len(layers)
 
 

@@ -75,6 +75,20 @@ def test_a_layer_left_whole_is_refused_before_any_rank_starts(monkeypatch):
         tp.check_tp_split(checkpoint, _config(), 2)
 
 
+@pytest.mark.parametrize("family", ["olmo_hybrid", "qwen3_5", "bamba", "falcon_h1", "mamba", "jamba"])
+def test_a_mixer_the_shard_does_not_split_is_refused_in_one_line(family):
+    """A recurrent mixer whose weights another family names alike but lays out otherwise (OLMo
+    Hybrid's DeltaNet has q/k/v/o projections; Falcon-H1's Mamba2 scales its projection by a
+    multiplier vector; Mamba1 has an `A_log` and an `in_proj`) is not split as the look-alike: it
+    is refused, naming its layers, before any rank starts."""
+    from kvchain.engine.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(checkpoint_dir(family))
+    with pytest.raises(KVChainError, match=r"--tp 2: layers \[.*\] hold KV or state in a form not split") as info:
+        tp.check_tp_split(checkpoint, _config(), 2)
+    assert "\n" not in str(info.value)
+
+
 def _skewed_rank(*args):
     """A rank process whose rank 1 reports one more live page than it holds."""
     from kvchain.dist import tp_engine
