@@ -8,18 +8,15 @@ norm, and OLMo Hybrid lets beta reach 2 (negative eigenvalues)."""
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 import pytest
 import torch
 
-from kvchain.build import build_kv_storage
-from kvchain.engine.batch import ForwardBatch
 from kvchain.engine.deltanet import deltanet_forward, deltanet_module_types
 from kvchain.engine.mixers import install_state_mixers
 from kvchain.engine.tiny import make_model
-from kvchain.models.registry import model_from_config
-from kvchain.plan import PoolKind, plan_kv_storage
-from kvchain.sizing import size_plan
+from support.mixer_pool import CONV_SCHEDULE, mixer_gap
 
 #: tiny family -> the transformers class of its recurrent mixer
 FAMILIES = {
@@ -30,10 +27,7 @@ FAMILIES = {
     "lara_mini": "LaraMiniGatedDeltaNet",
 }
 TOL = 1e-4
-PAGE = 4
-# per request: the two prompt chunks (one of a single token, shorter than the conv window), then decodes
-CHUNKS = [(3, 6), (9, 2), (1, 5)]
-DECODES = 4
+SCHEDULE = CONV_SCHEDULE
 
 
 def _mixers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -49,57 +43,6 @@ def family(request) -> str:
     return request.param
 
 
-class _Pool:
-    """A real pool planned from the model's config, its state slots filled with NaN bytes, and the
-    steps that pack requests into `ForwardBatch`es."""
-
-    def __init__(self, config) -> None:
-        spec = model_from_config(config.to_dict(), kv_dtype="float32")
-        self.plan = plan_kv_storage(list(spec.decls), page_size=PAGE)
-        sizing = size_plan(self.plan, 64 * 2**20, context_len=256, max_running_requests=8, state_slots=8)
-        self.storage = build_kv_storage(self.plan, sizing, "cpu")
-        self.views = {sp.name: self.storage.view(sp.name) for sp in self.plan.sub_pools}
-        self.layer_pool = {layer: sp.name for sp in self.plan.sub_pools for layer in sp.layer_ids}
-        for sp in self.plan.sub_pools:
-            if sp.kind is PoolKind.STATE:
-                self.views[sp.name].pages.fill_(0xFF)  # every float read of these bytes is NaN
-
-    def step(self, rows: list[int], prefix: list[int], new: list[int], fresh: list[bool]) -> ForwardBatch:
-        rows_a, prefix_a, new_a = (np.array(v, dtype=np.int64) for v in (rows, prefix, new))
-        vtok = self.storage.alloc_extend(rows_a, self.storage.table.seq_lens[rows_a] + new_a)
-        ids = self.storage.iteration_ids(vtok, rows_a)
-        runner = self.storage.runner_ids(rows_a)
-        return ForwardBatch(
-            q_starts=np.concatenate([[0], np.cumsum(new_a)]), prefix_lens=prefix_a, seq_lens=prefix_a + new_a,
-            page_size=PAGE, views=self.views, layer_pool=self.layer_pool,
-            page_tables={k: torch.as_tensor(v) for k, v in runner.page_tables.items()},
-            write_locs={k: torch.as_tensor(v) for k, v in ids.locs.items()},
-            state_slots=torch.as_tensor(ids.state_slots, dtype=torch.long),
-            state_fresh=torch.tensor(fresh),
-        )
-
-
-def _schedule() -> list[tuple[list[int], list[int], list[bool]]]:
-    """(prefix lens, new lens, fresh) of each step serving all three requests."""
-    steps = [([0, 0, 0], [c[0] for c in CHUNKS], [True] * 3),
-             ([c[0] for c in CHUNKS], [c[1] for c in CHUNKS], [False] * 3)]
-    prompt = [sum(c) for c in CHUNKS]
-    return steps + [([p + i for p in prompt], [1, 1, 1], [False] * 3) for i in range(DECODES)]
-
-
-def _serve(pool: _Pool, module: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """kvchain's forward of `module` over the schedule; each request's outputs, in order."""
-    rows = [pool.storage.alloc_row() for _ in CHUNKS]
-    outs: list[list[torch.Tensor]] = [[] for _ in CHUNKS]
-    for prefix, new, fresh in _schedule():
-        batch = pool.step(rows, prefix, new, fresh)
-        packed = torch.cat([inputs[b][p:p + n] for b, (p, n) in enumerate(zip(prefix, new))])[None]
-        out = deltanet_forward(module, packed, batch)[0]
-        for b in range(len(CHUNKS)):
-            outs[b].append(out[batch.q_starts[b]:batch.q_starts[b + 1]])
-    return [torch.cat(o) for o in outs]
-
-
 def test_every_deltanet_layer_of_the_family_is_installed(family):
     model = make_model(family)
     mixers = _mixers(model)
@@ -110,17 +53,9 @@ def test_every_deltanet_layer_of_the_family_is_installed(family):
 def test_mixer_matches_the_module_on_each_sequence(family):
     model = make_model(family)
     config = model.config
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(sum(c) + DECODES, config.hidden_size, generator=gen) for c in CHUNKS]
-    worst, relative = 0.0, 0.0
-    with torch.no_grad():
-        for module in _mixers(model).values():
-            ours = _serve(_Pool(config), module, inputs)
-            for b, x in enumerate(inputs):
-                ref = module(x[None])[0]
-                assert torch.isfinite(ours[b]).all(), "a NaN slot byte reached the output"
-                diff = (ours[b] - ref).abs().max().item()
-                worst, relative = max(worst, diff), max(relative, diff / ref.abs().max().item())
+    runs = [(functools.partial(deltanet_forward, m), lambda x, m=m: m(x[None])[0])
+            for m in _mixers(model).values()]
+    worst, relative = mixer_gap(config, runs, config.hidden_size, SCHEDULE)
     assert worst < TOL and relative < TOL, (worst, relative)
 
 
