@@ -44,19 +44,24 @@ CHAT_TURN_TOKENS = 500
 def checkpoint_interval_for(*, page_size: int, state_bytes: int, token_bytes: int,
                             turn_tokens: int = CHAT_TURN_TOKENS) -> int:
     """Tokens between checkpoints: a tenth of the tokens whose full-attention KV weighs one state
-    slot, or half a turn when that is fewer; whole pages, at least one."""
-    for name, value in (("page_size", page_size), ("state_bytes", state_bytes), ("token_bytes", token_bytes),
-                        ("turn_tokens", turn_tokens)):
+    slot, or half a turn when that is fewer; whole pages, at least one. A model that keeps no KV
+    per token (`token_bytes` 0: state only, Mamba) has only the turn rule."""
+    for name, value in (("page_size", page_size), ("state_bytes", state_bytes), ("turn_tokens", turn_tokens)):
         if value < 1:
             raise InputError(f"checkpoint interval: {name} must be >= 1, got {value}")
-    tokens = min(turn_tokens // 2, state_bytes // token_bytes // STATE_COST_INTERVALS)
+    if token_bytes < 0:
+        raise InputError(f"checkpoint interval: token_bytes must be >= 0, got {token_bytes}")
+    tokens = turn_tokens // 2
+    if token_bytes:
+        tokens = min(tokens, state_bytes // token_bytes // STATE_COST_INTERVALS)
     return max(1, -(-tokens // page_size)) * page_size
 
 
 def default_checkpoint_interval(plan: KVStoragePlan, turn_tokens: int = CHAT_TURN_TOKENS) -> int:
     """`checkpoint_interval_for` with the plan's page size, state slot bytes and full-attention
     bytes per token (the plan must have a state sub-pool). A token-id owner holds no KV: the
-    windows' bytes per token stand in (RecurrentGemma)."""
+    windows' bytes per token stand in (RecurrentGemma), and with no window either (Mamba) there
+    is none."""
     if plan.state is None:
         raise InputError("a checkpoint interval needs a plan with a state sub-pool")
     token_bytes = plan.owner.unit_bytes or sum(w.unit_bytes for w in plan.windows)

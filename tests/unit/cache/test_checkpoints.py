@@ -32,11 +32,27 @@ def test_at_least_one_page():
     assert checkpoint_interval_for(page_size=64, state_bytes=4000, token_bytes=1, turn_tokens=1) == 64
 
 
-@pytest.mark.parametrize("name", ["page_size", "state_bytes", "token_bytes", "turn_tokens"])
+@pytest.mark.parametrize("name", ["page_size", "state_bytes", "turn_tokens"])
 def test_inputs_below_one_are_refused(name):
     args = {"page_size": 64, "state_bytes": 4000, "token_bytes": 1, "turn_tokens": 500, name: 0}
     with pytest.raises(InputError, match=f"{name} must be >= 1, got 0"):
         checkpoint_interval_for(**args)
+
+
+def test_a_model_without_kv_per_token_has_only_the_turn_rule():
+    """A state-only model (Mamba) holds no KV a checkpoint could be weighed against: half a turn,
+    in whole pages; a negative byte count is refused."""
+    assert checkpoint_interval_for(page_size=64, state_bytes=4000, token_bytes=0, turn_tokens=500) == 256
+    assert checkpoint_interval_for(page_size=100, state_bytes=4000, token_bytes=0, turn_tokens=500) == 300
+    with pytest.raises(InputError, match="token_bytes must be >= 0, got -1"):
+        checkpoint_interval_for(page_size=64, state_bytes=4000, token_bytes=-1, turn_tokens=500)
+
+
+def test_a_state_only_preset_gets_the_turn_grid():
+    """falcon-mamba-7b plans state and the token-id owner only: `kvchain generate` and `simulate` on
+    such a model used to stop at the default interval's division by its zero KV bytes."""
+    plan = plan_kv_storage(model_from_preset("falcon-mamba-7b").decls, page_size=64)
+    assert default_checkpoint_interval(plan) == 256
 
 
 @pytest.mark.parametrize(("preset", "interval"), [

@@ -187,3 +187,16 @@ def test_a_token_budget_below_the_checkpoint_interval_is_one_line_and_exit_2(cap
     assert len(err.splitlines()) == 1 and "checkpoint interval 8" in err
     assert main([*argv, "--max-batched-tokens", "8"]) == 0  # one interval a step is enough
     assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 2
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_a_state_family_serves_on_the_defaults(family, tmp_path, capsys):
+    """A new user's first run on a recurrent family, no interval given: an attention-free Mamba2
+    (no KV per token to weigh a checkpoint against) and a Mamba2 hybrid, transformers' tokens."""
+    path = tmp_path / family
+    assert main(["make-checkpoint", family, str(path)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model-path", str(path), "--prompt", "hello kvchain", "--max-new-tokens", "6",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["outputs"][0]["token_ids"] == _greedy(path, list(b"hello kvchain"), 6)
