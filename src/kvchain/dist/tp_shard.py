@@ -12,7 +12,7 @@ shared expert's gate, the head. The kinds of layer split here:
   with their heads;
 - dense MLPs: gate/up (or up alone) by rows, down by columns;
 - MoE experts (fused 3-D weights): every expert's inner rows, the summed output reduced;
-- Mamba2 mixers (Nemotron-H): by groups of heads, with their z, x, B, C and dt projections, conv
+- Mamba2 mixers (Nemotron-H, Bamba, Granite 4.0-H): by groups of heads, with their z, x, B, C and dt projections, conv
   channels, per-head decay, skip and norm weights;
 - gated DeltaNet mixers (Qwen3-Next): by key heads, with their value heads, conv channels and decay;
 - short convolutions (LFM): by hidden channels, with their B, C and x projections.
@@ -220,14 +220,16 @@ def _deltanet(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
 #: same weight names may lay them out otherwise (split projections, multipliers, per-channel decay),
 #: so it stays unsplit and `check_split` refuses it when the pool holds its state
 _SPLIT_MIXERS = {
-    "deltanet": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
-    "mamba2": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+    "deltanet": (("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),),
+    "mamba2": (("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
+               ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
+               ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer")),
 }
 
 
 def _split_mixer(module: torch.nn.Module) -> str | None:
     """The kind of a recurrent mixer this module splits, or None for one it does not."""
-    return next((kind for kind, (where, name) in _SPLIT_MIXERS.items()
+    return next((kind for kind, classes in _SPLIT_MIXERS.items() for where, name in classes
                  if isinstance(module, transformers_classes(where, name))), None)
 
 
@@ -294,7 +296,7 @@ def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ())
     whole = sorted((pool_layers - split_ids) | unsplit_mixers)
     if whole:
         raise InputError(f"--tp {n}: layers {whole} hold KV or state in a form not split over ranks here "
-                         "(attention, Nemotron-H Mamba2, Qwen3-Next gated DeltaNet and LFM short-conv layers are)")
+                         "(attention, Nemotron-H, Bamba and Granite Mamba2, Qwen3-Next gated DeltaNet and LFM short-conv layers are)")
     return len(layers)
 
 

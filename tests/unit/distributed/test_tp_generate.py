@@ -42,11 +42,11 @@ def test_two_ranks_generate_what_one_process_does():
     assert not mp.active_children()
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "nemotron_h", "lfm3"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "nemotron_h", "lfm3", "bamba", "granitemoehybrid"])
 def test_every_family_on_two_ranks_generates_what_one_process_does(family):
     """The other tiny families, each split its own way (`tp_shard`): GPT-OSS's sinks and fused
     experts, Qwen3-Next's gated query, DeltaNet heads and experts beside a shared expert,
-    Nemotron-H's Mamba2 groups, LFM's short convolutions and gated attention. Each rank holds half
+    Nemotron-H's, Bamba's and Granite's Mamba2 groups, LFM's short convolutions and gated attention. Each rank holds half
     the pool's bytes per token, the ranks' digests agree every step, and both sample the tokens
     one process samples, their logits within the family's tolerance."""
     path, reqs = str(checkpoint_dir(family)), workload(4)
@@ -75,12 +75,13 @@ def test_a_layer_left_whole_is_refused_before_any_rank_starts(monkeypatch):
         tp.check_tp_split(checkpoint, _config(), 2)
 
 
-@pytest.mark.parametrize("family", ["olmo_hybrid", "qwen3_5", "bamba", "falcon_h1", "mamba", "jamba"])
+@pytest.mark.parametrize("family", ["olmo_hybrid", "qwen3_5", "falcon_h1", "mamba2", "mamba", "jamba"])
 def test_a_mixer_the_shard_does_not_split_is_refused_in_one_line(family):
     """A recurrent mixer whose weights another family names alike but lays out otherwise (OLMo
     Hybrid's DeltaNet has q/k/v/o projections; Falcon-H1's Mamba2 scales its projection by a
-    multiplier vector; Mamba1 has an `A_log` and an `in_proj`) is not split as the look-alike: it
-    is refused, naming its layers, before any rank starts."""
+    multiplier vector; Mamba1 has an `A_log` and an `in_proj`), or one not shown to split alike
+    (a pure Mamba2 model), is not split as the look-alike: it is refused, naming its layers,
+    before any rank starts."""
     from kvchain.engine.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(checkpoint_dir(family))
