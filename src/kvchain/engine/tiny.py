@@ -306,9 +306,22 @@ def tiny_config(family: str, **overrides: Any):
 
 def make_model(family: str, *, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A tiny fp32 causal LM of `family` in eval mode, its weights drawn from `seed`."""
+    return model_for_config(tiny_config(family, **overrides), seed=seed)
+
+
+def tiny_fields(model_type: str, **fields: Any):
+    """The config of a tiny `model_type` outside `FAMILIES`: the families' common sizes (hidden 64,
+    vocab 256, 4 heads of 16, 2 key-value heads) under `fields`."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**_COMMON, **fields})
+
+
+def model_for_config(config, *, seed: int = 0) -> torch.nn.Module:
+    """The fp32 causal LM of a (tiny) transformers `config` in eval mode, every matrix drawn from
+    `seed` (`_reinit`), its generation config's special tokens the config's."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit(model, seed)

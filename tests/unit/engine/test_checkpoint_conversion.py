@@ -18,23 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvchain.engine.checkpoint import load_checkpoint
-from kvchain.engine.tiny import save_checkpoint
+from kvchain.engine.tiny import model_for_config, save_checkpoint, tiny_fields
 from kvchain.errors import InputError
 
 IDS = torch.tensor([[3, 70, 100, 5, 9, 200, 17, 42]])
-INIT_STD = 0.2
-COMMON: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-    "tie_word_embeddings": False,
-}
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_expand": 2, "mamba_d_state": 16, "mamba_n_groups": 2,
            "mamba_d_conv": 4, "mamba_chunk_size": 16}
 _DELTANET = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
@@ -85,19 +72,11 @@ ON_DISK = {
 
 def make_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny fp32 model of `model_type`, every matrix drawn from N(0, INIT_STD) so logits are not flat."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if param.ndim >= 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+    config = tiny_fields(model_type, tie_word_embeddings=False, **FAMILIES[model_type])
+    model = model_for_config(config, seed=seed)
     # as the loader leaves it: with grad off, e.g. Jamba's scan runs another matmul path, last bits differ
     model.requires_grad_(False)
-    return model.eval()
+    return model
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
