@@ -44,6 +44,15 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "lara_mini": (5e-3, True),
     "recurrent_gemma": (5e-3, True),
     "minimax": (5e-3, True),
+    "zamba": (5e-3, True),
+    "zamba2": (5e-3, True),
+    "deepseek_v3": (1e-4, False),
+    "deepseek_v2": (1e-4, False),
+    "glm4_moe_lite": (1e-4, False),
+    "longcat_flash": (1e-4, False),
+    "minicpm3": (1e-4, False),
+    "youtu": (1e-4, False),
+    "kimi_linear": (5e-3, True),
 }
 PAGE = 4
 INTERVAL = 8  # tokens between state checkpoints

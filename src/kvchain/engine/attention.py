@@ -25,6 +25,9 @@ from ..errors import InputError
 from .batch import ForwardBatch, pad_buckets
 
 NAME = "kvchain_paged"
+#: set on a module whose keys and values reach the attention function already gathered from its
+#: pages (`latent.py`: MLA expands its pooled latents itself)
+LATENT_ATTR = "_kvchain_latent"
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,21 @@ def _gather(cache: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
     return pages.view(g.b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+def _split_gathered(key: torch.Tensor, value: torch.Tensor, groups: list[_Group], page_size: int,
+                    dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each group's keys and values `[b, H, C*page_size, D]` out of the `[1, H, L, D]` a latent module
+    expanded from the groups' pages laid end to end."""
+    out, start = [], 0
+    for g in groups:
+        span = len(g.pages) * page_size
+        k, v = (x[0, :, start : start + span] for x in (key, value))
+        out.append(tuple(x.to(dtype).view(x.shape[0], g.b, -1, x.shape[-1]).transpose(0, 1) for x in (k, v)))
+        start += span
+    if start != key.shape[2]:
+        raise InputError(f"latent attention got {key.shape[2]} gathered keys, its groups read {start}")
+    return out
+
+
 def _queries(query: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
     """The group's queries `[b, H, n, D]` from HF's `[1, H, T, D]`."""
     q = query[0, :, g.rows] if isinstance(g.rows, slice) else query[0].index_select(1, g.rows)
@@ -173,29 +191,29 @@ def _queries(query: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor
 
 def _attend(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     g: _Group,
     scaling: float,
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention of one group's queries over its pages: `[b, n, H, Dv]` in float32 or wider.
+    """Attention of one group's queries over its keys `k` and values `v` (`[b, KVH, C*page_size, D]`,
+    gathered in the group's dtype): `[b, n, H, Dv]` in float32 or wider.
 
     Head h reads kv head h // (H // KVH), as `repeat_kv` does; the grouped heads are a broadcast axis
     rather than repeated keys. A sink is one more key whose score is the head's sink logit and whose
     value is zero: the softmax over the keys and the sink, with the sink's mass then dropped."""
-    dtype = torch.promote_types(query.dtype, torch.float32)
-    n_heads, kv_heads = query.shape[1], k_cache.shape[2]
+    dtype = k.dtype
+    n_heads, kv_heads = query.shape[1], k.shape[1]
     groups = n_heads // kv_heads
-    k = _gather(k_cache, g, dtype)  # [b, KVH, L, D]
-    v = _gather(v_cache, g, dtype)
     q = _queries(query, g, dtype)  # [b, H, n, D]
     if softcap is None:  # the fused kernel: one call for scores, mask, softmax, values
         bias = g.bias
         if sinks is not None:
+            page_size = k.shape[2] // g.cols
             per_head = sinks.to(dtype).view(1, n_heads, 1, 1)
-            bias = bias + F.pad(per_head, ((g.cols - 1) * k_cache.shape[1], k_cache.shape[1] - 1))
+            bias = bias + F.pad(per_head, ((g.cols - 1) * page_size, page_size - 1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=groups > 1)
         return out.transpose(1, 2)  # [b, n, H, Dv]
     b, n, d = g.b, g.n, q.shape[-1]
@@ -225,13 +243,15 @@ def paged_attention(
     s_aux: torch.Tensor | None = None,
     softcap: float | None = None,
     kvchain_batch: ForwardBatch | None = None,
+    kvchain_layer: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention function: `query` `[1, H, T, D]`, `key`/`value` `[1, KVH, T, D]` for the packed
     sequence described by `kvchain_batch`; returns (`[1, T, H, Dv]` in the query's dtype, None).
 
     `attention_mask` is ignored (the batch's positions define the mask). `softcap` is taken as HF's
-    module passes it (Gemma 2 passes its config's value; Gemma 3's modules pass none)."""
+    module passes it (Gemma 2 passes its config's value; Gemma 3's modules pass none). The layer is
+    the module's `layer_idx`, or `kvchain_layer` for a block run at several layers (`shared_attention.py`)."""
     batch = kvchain_batch
     if batch is None:
         raise InputError(f"attention {NAME!r} needs kvchain_batch=ForwardBatch in the model call")
@@ -246,22 +266,30 @@ def paged_attention(
     if n_heads % kv_heads:
         raise InputError(f"{n_heads} query heads do not share {kv_heads} kv heads evenly")
 
-    layer = module.layer_idx
+    layer = module.layer_idx if kvchain_layer is None else kvchain_layer
     pool = batch.layer_pool[layer]
-    view = batch.views[pool]
-    k_cache, v_cache = view.k(layer), view.v(layer)
-    index = _write_index(batch, pool)
-    _write(k_cache, key[0].transpose(0, 1), index)
-    _write(v_cache, value[0].transpose(0, 1), index)
-
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    groups, tiled = _groups(batch, pool, sliding_window, s_aux is not None)
-    parts = [_attend(query, k_cache, v_cache, g, scaling, softcap, s_aux) for g in groups]  # [b, n, H, Dv]
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    if getattr(module, LATENT_ATTR, False):
+        # MLA: `latent.PagedLatent` wrote the latents and returned the groups' pages, which the
+        # module expanded into these keys and values, group after group
+        if sliding_window is not None or s_aux is not None:
+            raise InputError(f"layer {layer}: latent attention with a window or sinks is not served")
+        groups, tiled = _groups(batch, pool, None, False)
+        kv = _split_gathered(key, value, groups, batch.page_size, dtype)
+    else:
+        view = batch.views[pool]
+        k_cache, v_cache = view.k(layer), view.v(layer)
+        index = _write_index(batch, pool)
+        _write(k_cache, key[0].transpose(0, 1), index)
+        _write(v_cache, value[0].transpose(0, 1), index)
+        groups, tiled = _groups(batch, pool, sliding_window, s_aux is not None)
+        kv = ((_gather(k_cache, g, dtype), _gather(v_cache, g, dtype)) for g in groups)
+    parts = [_attend(query, k, v, g, scaling, softcap, s_aux) for g, (k, v) in zip(groups, kv)]  # [b, n, H, Dv]
     if tiled:  # the groups' rows follow each other from the first: their outputs concatenate in order
         out = parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1, n_heads, p.shape[-1]) for p in parts])
         return out.reshape(1, n_tokens, n_heads, -1).to(query.dtype), None
-    dtype = torch.promote_types(query.dtype, torch.float32)
     out = query.new_empty((n_tokens, n_heads, value.shape[-1]), dtype=dtype)
     for g, part in zip(groups, parts, strict=True):
         if g.real is not None:

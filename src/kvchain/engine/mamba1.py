@@ -60,8 +60,9 @@ def linear_scan(decay: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                    state: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM over L tokens for B sequences, in float32: x and dt `[B, L, D]`, a `[D, N]`
-    (negative), b and c `[B, L, N]`, state `[B, D, N]`. Returns `y = h . C` (no D skip)
-    `[B, L, D]` and the final state. A token with dt = 0 leaves the state as it is."""
+    (negative; or `[B, 1, D, N]`, a rate per sequence: Zamba's heads folded into B), b and c
+    `[B, L, N]`, state `[B, D, N]`. Returns `y = h . C` (no D skip) `[B, L, D]` and the final state.
+    A token with dt = 0 leaves the state as it is."""
     out = torch.empty_like(x)
     for lo in range(0, x.shape[1], block):
         hi = min(lo + block, x.shape[1])

@@ -38,6 +38,7 @@ MIXERS = (
     ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
     ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"),
     ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
+    ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer"),
 )
 
 

@@ -1,6 +1,6 @@
 """`install_state_mixers`: switch a model's recurrent mixers to kvchain's forwards, which read and
 write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `mamba1.py`,
-`mamba2.py`, `shortconv.py`, `rglru.py`, `lightning.py`).
+`mamba2.py`, `shortconv.py`, `rglru.py`, `lightning.py`, `zamba.py`, `kda.py`).
 
 A mixer takes the step's `ForwardBatch` from the `kvchain_batch` keyword the model passes down to
 it. Some transformers blocks call their mixer with the hidden states, cache and mask only (Mamba's,
@@ -19,12 +19,14 @@ import torch
 from ..errors import InputError
 from .batch import ForwardBatch
 from .deltanet import deltanet_forward, deltanet_module_types
+from .kda import kda_forward, kda_module_types
 from .lightning import lightning_forward, lightning_module_types
 from .mamba1 import mamba1_forward, mamba1_module_types
 from .mamba2 import mamba2_forward, mamba2_module_types
 from .rglru import rglru_forward, rglru_module_types
 from .shortconv import shortconv_forward, shortconv_module_types
 from .speculative_state import stepped_mixer_forward
+from .zamba import zamba_forward, zamba_module_types
 
 
 @functools.cache
@@ -32,7 +34,7 @@ def served_mixer_types() -> tuple[type, ...]:
     """Every recurrent mixer class kvchain's engine serves (those the installed transformers has;
     looked up once: the TP shard asks it of every module of a model)."""
     return (deltanet_module_types() + mamba1_module_types() + mamba2_module_types() + shortconv_module_types()
-            + rglru_module_types() + lightning_module_types())
+            + rglru_module_types() + lightning_module_types() + zamba_module_types() + kda_module_types())
 
 
 @functools.cache
@@ -46,11 +48,13 @@ def paired_output_types() -> tuple[type, ...]:
 def install_state_mixers(model: torch.nn.Module) -> int:
     """Replace the `forward` of every recurrent mixer in `model` (Qwen3-Next gated DeltaNet, Mamba,
     Falcon-Mamba and Jamba Mamba1, Nemotron-H Mamba2, LFM2/LFM3 short conv, RecurrentGemma RG-LRU,
-    MiniMax lightning attention) with kvchain's, which reads and writes the state in the pool through
-    the `kvchain_batch` keyword of the model's call. Returns how many were installed."""
+    MiniMax lightning attention, Zamba's multi-head Mamba1, Kimi Linear's KDA) with kvchain's, which
+    reads and writes the state in the pool through the `kvchain_batch` keyword of the model's call.
+    Returns how many were installed."""
     kinds = [(deltanet_module_types(), deltanet_forward), (mamba1_module_types(), mamba1_forward),
              (mamba2_module_types(), mamba2_forward), (shortconv_module_types(), shortconv_forward),
-             (rglru_module_types(), rglru_forward), (lightning_module_types(), lightning_forward)]
+             (rglru_module_types(), rglru_forward), (lightning_module_types(), lightning_forward),
+             (zamba_module_types(), zamba_forward), (kda_module_types(), kda_forward)]
     number_mixer_layers(model)
     found = [(module, next((forward for types, forward in kinds if types and isinstance(module, types)), None))
              for module in model.modules()]

@@ -8,6 +8,9 @@ packed into one sequence, with the translated ids in a `ForwardBatch`."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from ..errors import InputError
@@ -15,7 +18,9 @@ from ..plan import KVStoragePlan, PoolKind
 from .attention import NAME as ATTENTION_NAME
 from .attention import register
 from .batch import ForwardBatch
+from .latent import install_latent_caches
 from .mixers import check_state_layers_served, install_state_mixers
+from .shared_attention import install_shared_attention, is_shared_attention
 
 
 def _configs(model: torch.nn.Module):
@@ -47,9 +52,20 @@ class _NoMasks(dict):
 
 
 _NO_MASKS = _NoMasks()
-#: model types whose model forward takes a precomputed mask mapping in `attention_mask` (transformers
-#: 5: `isinstance(attention_mask, dict)` skips its mask building); the others build (and ignore) masks
-MASK_MAPPING_MODEL_TYPES = frozenset({"gemma3_text", "gemma3", "gpt_oss", "qwen3_next", "nemotron_h", "lfm2", "lfm3"})
+
+
+@functools.cache
+def takes_mask_mapping(model_class: type) -> bool:
+    """Whether `model_class`'s forward takes a precomputed mask mapping in `attention_mask`: the
+    transformers 5 families that test `isinstance(attention_mask, dict)` then skip building masks.
+    Read once per class from its modeling module's source; a family that does not (or whose source
+    cannot be read) builds its masks, which the attention function ignores: slower, never wrong."""
+    module = inspect.getmodule(model_class)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in source
 
 
 class ModelRunner:
@@ -70,19 +86,21 @@ class ModelRunner:
             config._attn_implementation = ATTENTION_NAME
         self.model = model.eval()
         self.mixers = install_state_mixers(model)
+        self.latent_layers = install_latent_caches(model)
         if plan.state is not None:
             # a fused plan numbers a draft's layers after the target's last layer with KV or state,
             # so a draft layer's id may be a target's layer without any (an MLP block)
             drafts = set(plan.state.draft_layer_ids)
             check_state_layers_served(model, drafts if draft else set(plan.state.layer_ids) - drafts)
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        self._masks = {"attention_mask": _NO_MASKS} if model_type in MASK_MAPPING_MODEL_TYPES else {}
+        self._masks = {"attention_mask": _NO_MASKS} if takes_mask_mapping(type(model)) else {}
         # a layer's KV sub-pool where it has one: a layer that keeps state beside its KV (Falcon-H1)
         # finds its state through `ForwardBatch.state_pool_of`
         kv_last = sorted(plan.sub_pools, key=lambda pool: pool.kind is not PoolKind.STATE)
         self.layer_pool = {lid: pool.name for pool in kv_last for lid in pool.layer_ids}
-        attention_layers = {m.layer_idx for m in model.modules()
-                            if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
+        # a block run at several layers (Zamba's shared transformer) is told its layer per call
+        attention_layers = install_shared_attention(model) | {
+            m.layer_idx for m in model.modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "o_proj") and not is_shared_attention(m)}
         missing = sorted(attention_layers - set(self.layer_pool))
         if missing:
             raise InputError(f"attention layers {missing} have no sub-pool in the plan (it places layers "

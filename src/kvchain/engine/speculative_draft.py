@@ -16,8 +16,11 @@ import torch
 
 from ..errors import InputError
 
-#: config keys that list one entry per layer, in the families the engine serves
+#: config keys that list each layer's mixer kind, in the families the engine serves
 _LAYER_LISTS = ("layer_types", "layers_block_type")
+#: config keys that list one entry per layer: the kinds, and others a draft keeps for its layers
+#: (Kimi Linear's dense or sparse MLP per layer)
+_PER_LAYER_LISTS = (*_LAYER_LISTS, "mlp_layer_types")
 #: config keys that list the indices of the attention layers (the others recurrent)
 _INDEX_LISTS = ("attn_layer_indices", "full_attn_idxs")
 _FULL_KINDS = ("full_attention", "attention")
@@ -56,7 +59,7 @@ def make_draft(model: torch.nn.Module, layers: Sequence[int] | None = None) -> t
         raise InputError(f"draft layers must be increasing target layer indices in [0, {n}), got {keep}")
     fields = config.to_dict()
     fields["num_hidden_layers"] = len(keep)
-    for key in _LAYER_LISTS:
+    for key in _PER_LAYER_LISTS:
         if fields.get(key):
             fields[key] = [fields[key][i] for i in keep]
     where = {old: new for new, old in enumerate(keep)}

@@ -47,10 +47,15 @@ def draft_layer_offset(decls: Sequence[KVLayerDecl]) -> int:
 def fuse_draft_layers(model: torch.nn.Module, offset: int) -> None:
     """Number the draft's layers after the target's (`layer_idx += offset` on every module that has
     one), so its attention and mixers address the draft's layers of the fused plan. A mixer that
-    keeps no index of its own (RecurrentGemma's) is numbered first, or it would keep the target's."""
+    keeps no index of its own (RecurrentGemma's) is numbered first, or it would keep the target's. A
+    shared attention block (Zamba's) is told its layer per call, as the draft's own decoder loop
+    counts it: it keeps the offset to add to that (`shared_attention.offset_layers`)."""
     from .mixers import number_mixer_layers
+    from .shared_attention import is_shared_attention, offset_layers
 
     number_mixer_layers(model)
     for module in model.modules():
-        if isinstance(getattr(module, "layer_idx", None), int):
+        if is_shared_attention(module):
+            offset_layers(module, offset)
+        elif isinstance(getattr(module, "layer_idx", None), int):
             module.layer_idx += offset

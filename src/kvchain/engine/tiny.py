@@ -263,6 +263,49 @@ def _minimax() -> dict[str, Any]:
             "mlp_alpha_factor": 0.9, "tie_word_embeddings": False}
 
 
+def _mla(model_type: str, **extra: Any) -> Callable[[], dict[str, Any]]:
+    """A multi-head latent attention family: a 32-dim latent and an 8-dim rope key per token (the
+    pool keeps 40 numbers per token and layer, where 4 heads of K and V would take 192), a query
+    LoRA, and experts after a first dense layer."""
+    def config() -> dict[str, Any]:
+        return {"model_type": model_type, "num_hidden_layers": 3, "intermediate_size": 128,
+                "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4, "head_dim": 8,
+                "tie_word_embeddings": False, **extra}
+    return config
+
+
+def _zamba() -> dict[str, Any]:
+    # multi-head Mamba1 in every layer, and one shared attention block run before the mixer of
+    # layers 1 and 3 (its uses' weights tied, as tied embeddings make transformers tie them)
+    return {"model_type": "zamba", "num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid"] * 2,
+            "intermediate_size": 128, "n_mamba_heads": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+            "mamba_expand": 2, "tie_word_embeddings": True}
+
+
+def _zamba2() -> dict[str, Any]:
+    # Mamba2 in every layer; two shared blocks alternate over hybrid layers 1, 3 and 5 (layers 1 and 5
+    # run the same one), each use with its own LoRA adapters, and rotary positions. The adapters
+    # need as many kv heads as heads and heads of 2 x hidden / heads
+    return {"model_type": "zamba2", "num_hidden_layers": 6, "layers_block_type": ["mamba", "hybrid"] * 3,
+            "intermediate_size": 128, "num_key_value_heads": 4, "head_dim": 32, "n_mamba_heads": 8,
+            "mamba_d_state": 16, "mamba_ngroups": 2, "mamba_d_conv": 4, "mamba_expand": 2, "chunk_size": 16,
+            "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8, "use_mem_rope": True,
+            "tie_word_embeddings": True}
+
+
+def _kimi_linear() -> dict[str, Any]:
+    # Kimi Delta Attention layers 0-2 (a decay per key channel) and a NoPE MLA layer 3, as the real
+    # model groups them; no query LoRA (as the real model), experts after a first dense layer
+    return {"model_type": "kimi_linear", "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"], "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1,
+            "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, "num_key_value_heads": 4, "linear_num_heads": 4,
+            "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False}
+
+
 FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "llama": _llama,
     "gemma3": _gemma3,
@@ -290,6 +333,16 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "jamba": _jamba,
     "recurrent_gemma": _recurrent_gemma,
     "minimax": _minimax,
+    "kimi_linear": _kimi_linear,
+    "zamba": _zamba,
+    "zamba2": _zamba2,
+    "deepseek_v3": _mla("deepseek_v3", n_group=1, topk_group=1),
+    "deepseek_v2": _mla("deepseek_v2"),
+    "glm4_moe_lite": _mla("glm4_moe_lite"),
+    # a LongCat-Flash layer runs two attentions (num_hidden_layers counts them): two layers
+    "longcat_flash": _mla("longcat_flash", num_hidden_layers=4),
+    "minicpm3": _mla("minicpm3"),
+    "youtu": _mla("youtu"),
 }
 
 

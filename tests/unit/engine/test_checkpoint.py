@@ -29,10 +29,15 @@ POOL_KINDS = {
     "qwen3": {PoolKind.FULL},
     **dict.fromkeys(("gemma2", "olmo3", "cohere2"), frozenset({PoolKind.FULL, PoolKind.WINDOW})),
     **dict.fromkeys(("lfm2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe", "olmo_hybrid",
-                     "jamba", "minimax"), frozenset({PoolKind.FULL, PoolKind.STATE})),
+                     "jamba", "minimax", "kimi_linear"), frozenset({PoolKind.FULL, PoolKind.STATE})),
+    # every layer keeps Mamba state, and the hybrid layers attend too (KV beside their state)
+    **dict.fromkeys(("zamba", "zamba2"), frozenset({PoolKind.FULL, PoolKind.STATE})),
     # state only: the state sub-pool and the token-id owner
     **dict.fromkeys(("mamba2", "mamba", "falcon_mamba"), frozenset({PoolKind.FULL, PoolKind.STATE})),
     **dict.fromkeys(("lara_mini", "recurrent_gemma"), frozenset({PoolKind.FULL, PoolKind.WINDOW, PoolKind.STATE})),
+    # latent attention on every layer: one full sub-pool of latents
+    **dict.fromkeys(("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu"),
+                    frozenset({PoolKind.FULL})),
 }
 
 

@@ -28,13 +28,40 @@ def test_speculative_output_is_plain_greedy_output(family):
     assert result.stats.spec_accepted < result.stats.spec_proposed  # rounds reject (the draft is weak)
 
 
-@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "jamba", "recurrent_gemma", "minimax", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1", "jamba", "recurrent_gemma", "minimax", "olmo_hybrid",
+                                    "kimi_linear"])
 def test_speculative_output_on_the_other_state_families(family):
     """The draft cut from each other kind of recurrent target: Bamba's attention layer listed by
     index, Falcon-H1's layers holding KV and state side by side, Jamba's Mamba1 blocks that pass no
-    keywords down, RecurrentGemma's blocks that keep no layer index, MiniMax's lightning attention
-    and OLMo Hybrid's DeltaNet."""
+    keywords down, RecurrentGemma's blocks that keep no layer index, MiniMax's lightning attention,
+    OLMo Hybrid's DeltaNet and Kimi Linear's KDA beside latent attention (its draft keeps its layers'
+    `mlp_layer_types`)."""
     check(family, 6)
+
+
+def test_speculative_output_with_latent_attention():
+    """DeepSeek-V3's draft (its first layer) and target both keep MLA latents in the fused pool: the
+    verify forward writes the proposals' latents and reads them back through the same groups."""
+    check("deepseek_v3", 6)
+
+
+def test_a_shared_attention_draft_keeps_its_kv_in_its_own_layers(monkeypatch):
+    """Zamba2's shared block is told its layer by the decoder loop, which a draft counts from 0: the
+    fused draft's block must still address the draft's layers of the pool, after the target's (a
+    draft that wrote its keys into the target's layers would corrupt what the target reads)."""
+    from kvchain.engine import attention
+
+    real, layers = attention.paged_attention, set()
+
+    def spy(module, *args, kvchain_layer=None, **kwargs):
+        layers.add(module.layer_idx if kvchain_layer is None else kvchain_layer)
+        return real(module, *args, kvchain_layer=kvchain_layer, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    result = serve_spec("zamba2", 2, at_once=3, whole=True)
+    assert mismatches(result, "zamba2", 2) == []
+    assert result.stats.spec_accepted == result.stats.spec_proposed > 0
+    assert layers == {1, 3, 5, 7, 9, 11}  # the target's hybrid layers, then the draft's (offset 6)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
