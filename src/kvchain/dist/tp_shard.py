@@ -9,12 +9,20 @@ shared expert's gate, the head. The kinds of layer split here:
 
 - attention (q/k/v/o projections): by query and key-value heads; a gated query (`q_proj` twice as
   wide, each head's query followed by its gate), a per-head output gate and attention sinks split
-  with their heads;
+  with their heads; a q/k norm over every head's channels at once (OLMo's) keeps this rank's
+  weights and sums its mean square over the ranks;
+- multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads, the latent whole on
+  every rank (its pool holds all of it, as `models/deepseek.py` plans);
 - dense MLPs: gate/up (or up alone) by rows, down by columns;
 - MoE experts (fused 3-D weights): every expert's inner rows, the summed output reduced;
-- Mamba2 mixers (Nemotron-H, Bamba, Granite 4.0-H): by groups of heads, with their z, x, B, C and dt projections, conv
-  channels, per-head decay, skip and norm weights;
-- gated DeltaNet mixers (Qwen3-Next): by key heads, with their value heads, conv channels and decay;
+- Mamba2 mixers (Nemotron-H, Bamba, Granite 4.0-H, Mamba2): by groups of heads, with their z, x, B, C and dt
+  projections, conv channels, per-head decay, skip and norm weights;
+- Mamba1 mixers (Mamba, Falcon-Mamba, Jamba): by inner channels, with their x and z projections,
+  conv channels, dt projection, decay and skip; `x_proj` reads every channel, so its dt, B and C
+  are summed over the ranks before their norms and `dt_proj`;
+- gated DeltaNet mixers (Qwen3-Next, Qwen3.5, Lara Mini, OLMo Hybrid): by key heads, with their value
+  heads, conv channels, gates and decay, however the mixer lays out its input projections;
+- Kimi Delta Attention: by heads, with their conv channels, forget gate, beta and output gate;
 - short convolutions (LFM): by hidden channels, with their B, C and x projections.
 
 Each rank's state shapes are then those `model_from_config(..., tp_size=N)` plans for it."""
@@ -29,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..engine.conv_state import transformers_classes
+from ..engine.latent import latent_module
 from ..engine.mixers import served_mixer_types
 from ..errors import InputError
 
@@ -109,17 +118,68 @@ def _reduced(module: torch.nn.Module, group: Any) -> None:
 def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     head_dim = int(module.head_dim)
     kv_heads = module.k_proj.out_features // head_dim
-    heads = module.o_proj.in_features // head_dim
+    out = _attention_out(module)
+    heads = getattr(module, out).in_features // head_dim
     per_head = module.q_proj.out_features // heads  # head_dim, or twice it for a gated query
     h, kvh = split(heads, n, "attention heads"), split(kv_heads, n, "key-value heads")
     module.q_proj = _rows(_blocks(rank, h, per_head), module.q_proj)
     module.k_proj = _rows(_blocks(rank, kvh, head_dim), module.k_proj)
     module.v_proj = _rows(_blocks(rank, kvh, head_dim), module.v_proj)
-    module.o_proj = _columns(_blocks(rank, h, head_dim), module.o_proj, rank, group)
+    setattr(module, out, _columns(_blocks(rank, h, head_dim), getattr(module, out), rank, group))
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
         module.sinks = _parameter(module.sinks[rank * h:(rank + 1) * h])
     if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # LFM's per-head output gate
         module.g_proj = _rows(_blocks(rank, h, 1), module.g_proj)
+    for name, index in (("q_norm", _blocks(rank, h, head_dim)), ("k_norm", _blocks(rank, kvh, head_dim))):
+        norm = getattr(module, name, None)
+        if _spans_heads(norm, head_dim):
+            setattr(module, name, _SplitRMSNorm(norm, index, group))
+
+
+def _attention_out(module: torch.nn.Module) -> str | None:
+    """The name of an attention module's output projection: `o_proj`, or `out_proj` (LFM2's)."""
+    return next((name for name in ("o_proj", "out_proj") if isinstance(getattr(module, name, None), torch.nn.Linear)),
+                None)
+
+
+def _spans_heads(norm: Any, head_dim: int) -> bool:
+    """Whether `norm` is an RMS norm (weight times x over its root mean square, no bias) over every
+    head's channels at once (OLMo's q/k norms), not each head's."""
+    weight = getattr(norm, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() > head_dim
+            and hasattr(norm, "variance_epsilon") and getattr(norm, "bias", None) is None)
+
+
+class _SplitRMSNorm(torch.nn.Module):
+    """An RMS norm over channels the ranks share out: the mean square is summed over the ranks, so
+    each rank scales its channels as the whole norm would, and keeps its channels' weights."""
+
+    def __init__(self, norm: torch.nn.Module, index: torch.Tensor, group: Any) -> None:
+        super().__init__()
+        self.weight = _parameter(norm.weight[index])
+        self.variance_epsilon = float(norm.variance_epsilon)
+        self.width = norm.weight.numel()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        square = x.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(square, group=self.group)
+        return (self.weight * (x * torch.rsqrt(square / self.width + self.variance_epsilon))).to(dtype)
+
+
+def _latent(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """MLA by query heads: each rank's queries, its heads' rows of the latent's up-projection
+    (`kv_b_proj`: each head's key and value parts) and its columns of the output. The latent's own
+    projection and norm stay whole: every rank keeps (and writes into its pool) the whole latent."""
+    h = split(int(module.num_heads), n, "attention heads")
+    q_name = "q_proj" if getattr(module, "q_proj", None) is not None else "q_b_proj"
+    setattr(module, q_name, _rows(_blocks(rank, h, int(module.qk_head_dim)), getattr(module, q_name)))
+    kv_width = int(module.qk_nope_head_dim) + int(module.v_head_dim)
+    module.kv_b_proj = _rows(_blocks(rank, h, kv_width), module.kv_b_proj)
+    module.o_proj = _columns(_blocks(rank, h, int(module.v_head_dim)), module.o_proj, rank, group)
+    module.num_heads = h
 
 
 #: a dense MLP's (gate, up, down) projection names: HF's usual ones and LFM's
@@ -154,7 +214,8 @@ def _shortconv(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
 
 def _experts(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     """Fused experts: GPT-OSS stores `[E, hidden, 2I]` with gate and up interleaved and biases;
-    Qwen3-Next stores `[E, 2I, hidden]` with the gates first, then the ups."""
+    Qwen3-Next stores `[E, 2I, hidden]` with the gates first, then the ups (LongCat-Flash's rows
+    past its routed experts belong to identity experts, which use none)."""
     with torch.no_grad():
         if hasattr(module, "gate_up_proj_bias"):  # gpt-oss
             inner = split(module.gate_up_proj.shape[-1] // 2, n, "expert intermediate rows")
@@ -173,7 +234,18 @@ def _experts(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
             module.gate_up_proj = _parameter(module.gate_up_proj[:, rows])
             module.down_proj = _parameter(module.down_proj[:, :, _blocks(rank, inner, 1)])
             module.intermediate_dim = inner
+    if rank and isinstance(getattr(module, "identity_expert", None), torch.nn.Identity):
+        # LongCat-Flash's zero-compute experts pass their tokens through: the sum over the ranks
+        # must add that once, from rank 0
+        module.identity_expert = _Zeros()
     _reduced(module, group)
+
+
+class _Zeros(torch.nn.Module):
+    """An identity expert's share on a rank other than the first: nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
 
 
 def _mamba2(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
@@ -199,31 +271,97 @@ def _mamba2(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     module.conv_dim = inner + 2 * groups * d_state
 
 
+def _mamba1(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """Mamba1 by inner channels: `in_proj` is [x | z], the conv, `dt_proj`, `A_log` and `D` are per
+    channel. `x_proj` reads every channel to give dt, B and C, so it keeps this rank's columns and
+    sums them over the ranks before Falcon-Mamba's and Jamba's norms over dt, B and C (whole dims)."""
+    inner = module.intermediate_size
+    channels = _blocks(rank, split(inner, n, "Mamba inner channels"), 1)
+    module.in_proj = _rows(torch.cat([channels, channels + inner]), module.in_proj)
+    module.conv1d = _conv(module.conv1d, channels)
+    module.x_proj = _columns(channels, module.x_proj, rank, group)
+    module.dt_proj = _rows(channels, module.dt_proj)
+    module.A_log = _parameter(module.A_log[channels])
+    module.D = _parameter(module.D[channels])
+    module.out_proj = _columns(channels, module.out_proj, rank, group)
+    module.intermediate_size = len(channels)
+
+
+def _deltanet_inputs(module: torch.nn.Module, rank: int, nk: int, nv: int) -> torch.Tensor:
+    """This rank's rows of the mixer's input projections, however it lays them out
+    (`deltanet._split_projections`): Qwen3-Next fuses q, k, v and z per key head (and b with a);
+    Qwen3.5 and Lara Mini project [q | k | v], z, b and a apart; OLMo Hybrid projects q, k, v, its
+    gate g, b and a each apart. Returns the conv's channels ([q | k | v], as the pool's state)."""
+    dk, dv, rep, key_dim = module.head_k_dim, module.head_v_dim, nv // nk, module.key_dim
+    q, v, heads = _blocks(rank, nk, dk), _blocks(rank, nv, dv), _blocks(rank, nv, 1)
+    qkv = torch.cat([q, q + key_dim, v + 2 * key_dim])
+    if hasattr(module, "in_proj_qkvz"):
+        module.in_proj_qkvz = _rows(_blocks(rank, nk, 2 * dk + 2 * rep * dv), module.in_proj_qkvz)
+        module.in_proj_ba = _rows(_blocks(rank, nk, 2 * rep), module.in_proj_ba)
+    elif hasattr(module, "in_proj_qkv"):
+        module.in_proj_qkv = _rows(qkv, module.in_proj_qkv)
+        module.in_proj_z = _rows(v, module.in_proj_z)
+        module.in_proj_b, module.in_proj_a = _rows(heads, module.in_proj_b), _rows(heads, module.in_proj_a)
+    else:
+        module.q_proj, module.k_proj = _rows(q, module.q_proj), _rows(q, module.k_proj)
+        module.v_proj, module.g_proj = _rows(v, module.v_proj), _rows(v, module.g_proj)
+        module.b_proj, module.a_proj = _rows(heads, module.b_proj), _rows(heads, module.a_proj)
+    return qkv
+
+
 def _deltanet(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """Gated DeltaNet by key heads, each with the run of value heads it serves."""
     nk, nv = split(module.num_k_heads, n, "linear key heads"), split(module.num_v_heads, n, "linear value heads")
-    dk, dv, rep = module.head_k_dim, module.head_v_dim, module.num_v_heads // module.num_k_heads
-    key_dim = module.key_dim
-    module.in_proj_qkvz = _rows(_blocks(rank, nk, 2 * dk + 2 * rep * dv), module.in_proj_qkvz)
-    module.in_proj_ba = _rows(_blocks(rank, nk, 2 * rep), module.in_proj_ba)
-    module.conv1d = _conv(module.conv1d, torch.cat([_blocks(rank, nk, dk), _blocks(rank, nk, dk, key_dim),
-                                                    _blocks(rank, nv, dv, 2 * key_dim)]))
+    dv = module.head_v_dim
+    module.conv1d = _conv(module.conv1d, _deltanet_inputs(module, rank, nk, nv))
     per_head = _blocks(rank, nv, 1)
     module.A_log = _parameter(module.A_log[per_head])
     module.dt_bias = _parameter(module.dt_bias[per_head])
-    module.out_proj = _columns(_blocks(rank, nv, dv), module.out_proj, rank, group)
+    out = "out_proj" if hasattr(module, "out_proj") else "o_proj"
+    setattr(module, out, _columns(_blocks(rank, nv, dv), getattr(module, out), rank, group))
     module.num_k_heads, module.num_v_heads = nk, nv
-    module.key_dim, module.value_dim = nk * dk, nv * dv
+    module.key_dim, module.value_dim = nk * module.head_k_dim, nv * dv
     module.conv_dim = 2 * module.key_dim + module.value_dim
+
+
+def _kda(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """Kimi Delta Attention by heads: q, k and v (conv'd side by side in that order), the forget
+    gate's per-head rows (`f_b_proj`, `dt_bias` per channel, `A_log` per head), beta's and the
+    output gate's rows, the output's columns. The low-rank down-projections (`f_a_proj`,
+    `g_a_proj`) and the per-head-dim norm stay whole."""
+    heads, dim = split(module.num_heads, n, "linear attention heads"), module.head_dim
+    width = module.num_heads * dim
+    channels, per_head = _blocks(rank, heads, dim), _blocks(rank, heads, 1)
+    for name in ("q_proj", "k_proj", "v_proj", "g_b_proj"):
+        setattr(module, name, _rows(channels, getattr(module, name)))
+    module.b_proj = _rows(per_head, module.b_proj)
+    module.conv1d = _conv(module.conv1d, torch.cat([channels, channels + width, channels + 2 * width]))
+    gate = module.forget_gate
+    gate.f_b_proj = _rows(channels, gate.f_b_proj)
+    gate.dt_bias = _parameter(gate.dt_bias[channels])
+    gate.A_log = _parameter(gate.A_log[:, :, per_head])
+    gate.num_heads, gate.qkv_dim = heads, heads * dim
+    module.o_proj = _columns(channels, module.o_proj, rank, group)
+    module.num_heads, module.qkv_dim, module.conv_dim = heads, heads * dim, 3 * heads * dim
 
 
 #: the recurrent mixers whose weights this module splits, by class: another family's mixer with the
 #: same weight names may lay them out otherwise (split projections, multipliers, per-channel decay),
 #: so it stays unsplit and `check_split` refuses it when the pool holds its state
 _SPLIT_MIXERS = {
-    "deltanet": (("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),),
+    "deltanet": (("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+                 ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+                 ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+                 ("transformers.models.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet"),
+                 ("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet")),
     "mamba2": (("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
                ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
-               ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer")),
+               ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+               ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer")),
+    "mamba1": (("transformers.models.mamba.modeling_mamba", "MambaMixer"),
+               ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
+               ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer")),
+    "kda": (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),),
 }
 
 
@@ -243,8 +381,10 @@ def _kind(module: torch.nn.Module) -> str | None:
                 getattr(module, "conv", None), torch.nn.Conv1d):
             return "shortconv"
         return None
-    if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj")) and _attention_out(module):
         return "attention"
+    if latent_module(module):
+        return "latent"
     if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
         return "experts"
     if _mlp_names(module) is not None:
@@ -252,8 +392,8 @@ def _kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-_SHARD = {"attention": _attention, "deltanet": _deltanet, "mamba2": _mamba2, "shortconv": _shortconv,
-          "experts": _experts, "mlp": _mlp}
+_SHARD = {"attention": _attention, "latent": _latent, "deltanet": _deltanet, "mamba2": _mamba2, "shortconv": _shortconv,
+          "experts": _experts, "mlp": _mlp, "mamba1": _mamba1, "kda": _kda}
 
 
 def _experts_inner(module: torch.nn.Module) -> int:
@@ -263,18 +403,21 @@ def _experts_inner(module: torch.nn.Module) -> int:
 
 #: what each kind of layer splits by: (its count, what it is called in a refusal)
 _TOTALS = {
-    "attention": lambda m: [(m.o_proj.in_features // int(m.head_dim), "attention heads"),
+    "attention": lambda m: [(getattr(m, _attention_out(m)).in_features // int(m.head_dim), "attention heads"),
                             (m.k_proj.out_features // int(m.head_dim), "key-value heads")],
+    "latent": lambda m: [(int(m.num_heads), "attention heads")],
     "mlp": lambda m: [(getattr(m, _mlp_names(m)[1]).out_features, "MLP intermediate rows")],
     "shortconv": lambda m: [(m.out_proj.in_features, "short-conv channels")],
     "experts": lambda m: [(_experts_inner(m), "expert intermediate rows")],
     "mamba2": lambda m: [(m.num_heads, "Mamba heads"), (m.n_groups, "Mamba groups")],
     "deltanet": lambda m: [(m.num_k_heads, "linear key heads"), (m.num_v_heads, "linear value heads")],
+    "mamba1": lambda m: [(m.intermediate_size, "Mamba inner channels")],
+    "kda": lambda m: [(m.num_heads, "linear attention heads")],
 }
 
 
 #: the kinds of layer that write KV or state into the pool
-_POOL_KINDS = ("attention", "deltanet", "mamba2", "shortconv")
+_POOL_KINDS = ("attention", "latent", "deltanet", "mamba2", "mamba1", "kda", "shortconv")
 
 
 def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ()) -> int:
@@ -287,16 +430,21 @@ def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ())
         for total, what in _TOTALS[kind](module):
             split(total, n, what)
     pool_layers = set(pool_layers)
-    split_ids = {int(m.layer_idx) for m, kind in layers if kind in _POOL_KINDS and hasattr(m, "layer_idx")}
+    # a module that keeps no layer index of its own (RecurrentGemma's block before the engine numbers
+    # it, Zamba's shared attention) is counted for no layer: its layers stay whole, and are refused
+    split_ids = {lid for m, kind in layers
+                 if kind in _POOL_KINDS and isinstance(lid := getattr(m, "layer_idx", None), int)}
     # a layer may hold attention and a mixer side by side (Falcon-H1): its split attention does not
     # split its mixer
     served = served_mixer_types()
-    unsplit_mixers = {int(m.layer_idx) for m in model.modules()
-                      if served and isinstance(m, served) and _kind(m) is None and m.layer_idx in pool_layers}
+    unsplit_mixers = {lid for m in model.modules() if served and isinstance(m, served) and _kind(m) is None
+                      and (lid := getattr(m, "layer_idx", None)) in pool_layers}
     whole = sorted((pool_layers - split_ids) | unsplit_mixers)
     if whole:
         raise InputError(f"--tp {n}: layers {whole} hold KV or state in a form not split over ranks here "
-                         "(attention, Nemotron-H, Bamba and Granite Mamba2, Qwen3-Next gated DeltaNet and LFM short-conv layers are)")
+                         "(attention, latent attention, Nemotron-H, Bamba, Granite and Mamba2 mixers, Mamba, "
+                         "Falcon-Mamba and Jamba Mamba1, Qwen3-Next, Qwen3.5, Lara Mini and OLMo Hybrid gated "
+                         "DeltaNet, Kimi Delta Attention and LFM short-conv layers are)")
     return len(layers)
 
 
