@@ -14,6 +14,7 @@ schedules the next (no micro-batch overlap)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -66,8 +67,22 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise InputError(f"{type(model).__name__}: no list of {n} decoder layers to split into stages")
 
 
+def check_stage_inputs(model: torch.nn.Module) -> None:
+    """Refuse a model whose decoder layers read more than the previous layer's hidden states: a stage
+    receives only those. Zamba's and Zamba2's hybrid layers also read the embeddings
+    (`original_hidden_states`), which a stage after the first would take from its input instead
+    (its tokens then differ from one process's)."""
+    for i, layer in enumerate(decoder_layers(model)):
+        params = inspect.signature(layer.forward).parameters
+        if "original_hidden_states" in params:
+            raise InputError(f"{type(model).__name__}: decoder layer {i} ({type(layer).__name__}) reads the "
+                             "embeddings beside the hidden states, which pipeline stages do not pass on; "
+                             "serve it without --pp")
+
+
 def keep_stage_layers(model: torch.nn.Module, layers: range, owner: Callable[[int], int]) -> None:
     """Replace every decoder layer outside `layers` by a pass-through (`owner(i)`: its stage)."""
+    check_stage_inputs(model)
     stack = decoder_layers(model)
     for i in range(len(stack)):
         if i not in layers:
@@ -272,6 +287,7 @@ def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stag
     process starts."""
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
+    check_stage_inputs(checkpoint.model)
     n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
     ranges = stage_layer_ranges(n_layers, n_stages, partition)
     decls = checkpoint.model_spec().decls

@@ -1,6 +1,7 @@
 """The host tier through the engine: a tight device budget evicts cached prefixes, the host tier
 backs them up and loads them back on later matches, and the outputs are those of the run without a
-host tier (attention and window rows for Gemma 3, recurrent state for Nemotron-H), and transformers'."""
+host tier (attention and window rows for Gemma 3, recurrent state for Nemotron-H, latents for
+DeepSeek-V3), and transformers'."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ N = 9
 HOST = 4 * 2**20
 
 
-@pytest.mark.parametrize("family", ["gemma3", "nemotron_h"])
+@pytest.mark.parametrize("family", ["gemma3", "nemotron_h", "deepseek_v3"])
 def test_prefixes_evicted_to_host_and_loaded_back_give_the_same_outputs(family):
     with_host = serve(family, N, at_once=1, host_budget=HOST)
     without = serve(family, N, at_once=1)
@@ -26,7 +27,7 @@ def test_prefixes_evicted_to_host_and_loaded_back_give_the_same_outputs(family):
     assert without.stats.host_hits == 0 and with_host.stats.cached_tokens > without.stats.cached_tokens
     assert [o.token_ids for o in with_host.outputs] == [o.token_ids for o in without.outputs]
     assert max(float((with_host.logits[k] - without.logits[k]).abs().max()) for k in without.logits) < LOGIT_TOL[family]
-    if family == "gemma3":  # transformers' reference is cheap with its cache
+    if family != "nemotron_h":  # transformers' reference is cheap with its cache
         assert mismatches(with_host, family, N) == []
 
 

@@ -16,6 +16,7 @@ from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.tiny import make_checkpoint
+from kvchain.errors import KVChainError
 from support.engine import checkpoint_dir, workload, write_prompts
 
 #: Gemma 3's interleave over six layers: split 4/2, the stages hold 3 and 1 window layers
@@ -55,6 +56,20 @@ def test_two_stages_generate_what_one_process_does():
     assert not mp.active_children()
 
 
+def test_latent_attention_in_two_stages_generates_what_one_process_does():
+    """DeepSeek-V3's three MLA layers split 2/1: each stage keeps its layers' latents in its own pool."""
+    path, reqs = str(checkpoint_dir("deepseek_v3")), workload(4)
+    config = _config(budget_bytes=4 * 2**20)
+    with Engine(path, config) as engine:
+        one = engine.generate(reqs)
+    runs = generate_in_stages(path, config, reqs, 2)
+    assert [(r.first_layer, r.last_layer) for r in runs] == [(0, 1), (2, 2)]
+    assert runs[0].bytes_per_token == 2 * runs[1].bytes_per_token
+    for run in runs:
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
+    assert not mp.active_children()
+
+
 def test_generate_cli_with_pp_prints_what_one_process_does(tmp_path, capsys):
     path = checkpoint_dir("gpt_oss")
     prompts = write_prompts(tmp_path / "p.jsonl", workload(3))
@@ -83,3 +98,20 @@ def test_bad_pp_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["zamba", "zamba2"])
+def test_layers_that_read_the_embeddings_are_refused_before_any_stage_starts(family, capsys):
+    """Zamba's hybrid layers read the embeddings beside the hidden states; a later stage would take
+    them from its input and sample other tokens than one process (it did): refused in one line, and
+    in the stage process itself when stages are started directly."""
+    path = checkpoint_dir(family)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["generate", "--model-path", str(path), "--prompt", "ab", "--pp", "2"]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reads the embeddings" in err
+    with pytest.raises(KVChainError, match="reads the embeddings beside the hidden states"):
+        generate_in_stages(str(path), _config(budget_bytes=8 * 2**20), workload(2), 2)
+    assert not mp.active_children()
