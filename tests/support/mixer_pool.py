@@ -238,3 +238,22 @@ def assert_needs_the_batch(model: torch.nn.Module) -> None:
     install_state_mixers(ours)
     with torch.no_grad(), pytest.raises(InputError, match="kvchain_batch"):
         ours(input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False)
+
+
+def delta_inputs(seed: int, per_channel: bool = False, n: int = 2, length: int = 37, heads: int = 3, dk: int = 8,
+                 dv: int = 5) -> tuple[torch.Tensor, ...]:
+    """Random inputs of the delta-rule scans (`deltanet.gated_delta_scan`): normalised q and k, v,
+    a log decay per head (or per key channel: slow and fast channels), beta and a non-zero state.
+    The default length crosses several blocks and ends mid-block."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = torch.nn.functional.normalize(rand(n, length, heads, dk), dim=-1)
+    k = torch.nn.functional.normalize(rand(n, length, heads, dk), dim=-1)
+    v = rand(n, length, heads, dv)
+    g = -rand(n, length, heads, dk).abs() * torch.linspace(0.01, 3.0, dk) if per_channel \
+        else -rand(n, length, heads).abs()
+    return q, k, v, g, rand(n, length, heads).sigmoid(), rand(n, heads, dk, dv)
+

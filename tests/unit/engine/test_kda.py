@@ -25,6 +25,7 @@ from support.mixer_pool import (
     assert_bucket_leaves_each_state_alone,
     assert_needs_the_batch,
     checkpoint_gap,
+    delta_inputs,
     diff,
     mixer_gap,
 )
@@ -103,17 +104,7 @@ def test_per_channel_blocked_scan_is_the_token_by_token_recurrence():
     """`gated_delta_chunked` with a decay per key channel, over a length that crosses several blocks
     and ends mid-block, from a non-zero state, against `gated_delta_scan` one token at a time; and a
     per-channel decay equal across channels is the scalar one."""
-    gen = torch.Generator().manual_seed(4)
-    n, length, heads, dk, dv = 2, 37, 3, 8, 5
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q = torch.nn.functional.normalize(rand(n, length, heads, dk), dim=-1)
-    k = torch.nn.functional.normalize(rand(n, length, heads, dk), dim=-1)
-    v, beta = rand(n, length, heads, dv), rand(n, length, heads).sigmoid()
-    g = -rand(n, length, heads, dk).abs() * torch.linspace(0.01, 3.0, dk)  # slow and fast channels
-    state = rand(n, heads, dk, dv)
+    q, k, v, g, beta, state = delta_inputs(4, per_channel=True)
     want, want_state = gated_delta_scan(q, k, v, g, beta, state)
     for block in (1, 8, 64):
         got, got_state = gated_delta_chunked(q, k, v, g, beta, state, block=block)
@@ -121,5 +112,5 @@ def test_per_channel_blocked_scan_is_the_token_by_token_recurrence():
 
     scalar = g[..., 0]
     want, want_state = gated_delta_chunked(q, k, v, scalar, beta, state, block=8)
-    got, got_state = gated_delta_chunked(q, k, v, scalar[..., None].expand(-1, -1, -1, dk), beta, state, block=8)
+    got, got_state = gated_delta_chunked(q, k, v, scalar[..., None].expand_as(g), beta, state, block=8)
     assert max(diff(got, want), diff(got_state, want_state)) < 1e-5

@@ -21,6 +21,7 @@ from support.mixer_pool import (
     assert_bucket_leaves_each_state_alone,
     assert_needs_the_batch,
     checkpoint_gap,
+    delta_inputs,
     diff,
     mixer_gap,
     positions,
@@ -154,20 +155,17 @@ def test_missing_batch_is_an_input_error(case):
 def test_blocked_scans_match_the_token_by_token_recurrence():
     """The block forms of both recurrences against stepping one token at a time, over a length that
     crosses several blocks and ends mid-block, from a non-zero state."""
-    gen = torch.Generator().manual_seed(4)
-    n, length, heads, dk, dv = 2, 37, 3, 8, 5
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q = torch.nn.functional.normalize(rand(n, length, heads, dk), dim=-1)
-    k = torch.nn.functional.normalize(rand(n, length, heads, dk), dim=-1)
-    v, g, beta = rand(n, length, heads, dv), -rand(n, length, heads).abs(), rand(n, length, heads).sigmoid()
-    state = rand(n, heads, dk, dv)
+    q, k, v, g, beta, state = delta_inputs(4)
     want, want_state = gated_delta_scan(q, k, v, g, beta, state)
     got, got_state = gated_delta_chunked(q, k, v, g, beta, state, block=8)
     assert max(diff(got, want), diff(got_state, want_state)) < 1e-5
 
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    (n, length, heads, dk), dv = q.shape, v.shape[-1]
     x, dt, b, c = rand(n, length, heads, dv), rand(n, length, heads).exp(), rand(n, length, heads, dk), \
         rand(n, length, heads, dk)
     a, h0 = -rand(heads).abs(), rand(n, heads, dv, dk)
