@@ -19,7 +19,14 @@ from support.engine import MORE_FAMILIES, check_family, checkpoint_dir, tight_bu
 
 @pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
 def test_family_output_is_transformers_output(family):
+    """CI slice: 12 requests per family."""
     check_family(family, 12)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_family_output_is_transformers_output_64(family):
+    check_family(family, 64)
 
 
 class _Unserved(torch.nn.Module):
