@@ -2,8 +2,9 @@
 serving its shard of every layer from its own pool, outputs identical to one process.
 
 Each rank process loads the checkpoint and keeps its shard of the weights, as engines split them
-(`tp_shard.shard_model`: attention, MLPs, MoE experts, Mamba1, Mamba2, gated DeltaNet and KDA mixers
-by heads or inner rows, each layer's output projection by columns with an all-reduce after it). So each rank
+(`tp_shard.shard_model`: attention, MLPs, MoE experts, Mamba1, Mamba2, Zamba, gated DeltaNet, KDA,
+lightning and RG-LRU mixers by heads or inner rows, each layer's output projection by columns with an
+all-reduce after it). So each rank
 computes its own heads and writes only their keys, values and state into its own pool, planned at
 `tp_size` (`model_from_config(..., tp_size=N)`: its KV and state heads split). The ranks size
 for the least budget of any of them and check their layouts agree; after every step each rank

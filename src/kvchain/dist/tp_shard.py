@@ -5,25 +5,33 @@ writes only their keys, values and state into its own pool; the one layer that m
 back (an attention's or a mixer's output projection, an MLP's down projection, the experts'
 down projections) keeps this rank's columns and sums its partial output over the ranks with an
 all-reduce. What stays whole on every rank: embeddings, norms over the hidden size, routers, the
-shared expert's gate, the head. The kinds of layer split here:
+shared expert's gate, Zamba2's shared MLP (gate and up fused, with its adapters), the head. The
+kinds of layer split here:
 
 - attention (q/k/v/o projections): by query and key-value heads; a gated query (`q_proj` twice as
   wide, each head's query followed by its gate), a per-head output gate and attention sinks split
   with their heads; a q/k norm over every head's channels at once (OLMo's) keeps this rank's
-  weights and sums its mean square over the ranks;
+  weights and sums its mean square over the ranks; a shared block run at several layers (Zamba's,
+  Zamba2's) splits at each, and Zamba2's per-use LoRA adapters keep their up-projection's rows;
 - multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads, the latent whole on
   every rank (its pool holds all of it, as `models/deepseek.py` plans);
 - dense MLPs: gate/up (or up alone) by rows, down by columns;
 - MoE experts (fused 3-D weights): every expert's inner rows, the summed output reduced;
-- Mamba2 mixers (Nemotron-H, Bamba, Granite 4.0-H, Mamba2): by groups of heads, with their z, x, B, C and dt
-  projections, conv channels, per-head decay, skip and norm weights;
+- Mamba2 mixers (Nemotron-H, Bamba, Granite 4.0-H, Mamba2, Falcon-H1, Zamba2): by groups of heads, with their
+  z, x, B, C and dt projections, conv channels, per-head decay, skip and norm weights (Falcon-H1's
+  mup multipliers with their rows, its gated norm's group count this rank's);
 - Mamba1 mixers (Mamba, Falcon-Mamba, Jamba): by inner channels, with their x and z projections,
   conv channels, dt projection, decay and skip; `x_proj` reads every channel, so its dt, B and C
   are summed over the ranks before their norms and `dt_proj`;
 - gated DeltaNet mixers (Qwen3-Next, Qwen3.5, Lara Mini, OLMo Hybrid): by key heads, with their value
   heads, conv channels, gates and decay, however the mixer lays out its input projections;
 - Kimi Delta Attention: by heads, with their conv channels, forget gate, beta and output gate;
-- short convolutions (LFM): by hidden channels, with their B, C and x projections.
+- short convolutions (LFM): by hidden channels, with their B, C and x projections;
+- MiniMax's lightning attention: by heads, with their decay slopes and output gate; its norm over
+  every head's channels sums its mean square over the ranks;
+- RecurrentGemma's RG-LRU: by heads (its gates are block-diagonal), with their x and y branches,
+  conv channels and recurrence parameter;
+- Zamba's per-head Mamba: by heads, each with its own `x_proj` and `dt_proj`.
 
 Each rank's state shapes are then those `model_from_config(..., tp_size=N)` plans for it."""
 
@@ -38,7 +46,7 @@ import torch.nn.functional as F
 
 from ..engine.conv_state import transformers_classes
 from ..engine.latent import latent_module
-from ..engine.mixers import served_mixer_types
+from ..engine.mixers import layer_in_name, served_mixer_types
 from ..errors import InputError
 
 
@@ -134,6 +142,18 @@ def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
         norm = getattr(module, name, None)
         if _spans_heads(norm, head_dim):
             setattr(module, name, _SplitRMSNorm(norm, index, group))
+    for name, index in (("q", _blocks(rank, h, per_head)), ("k", _blocks(rank, kvh, head_dim)),
+                        ("v", _blocks(rank, kvh, head_dim))):
+        _adapters(getattr(module, f"linear_{name}_adapter_list", ()), index)
+
+
+def _adapters(adapters: Iterable[torch.nn.Module], index: torch.Tensor) -> None:
+    """Zamba2's per-use LoRA adapters, each added to its projection's output: the down-projection
+    reads the whole input and stays whole, the up-projection keeps the projection's rows `index`
+    (the uses that run no adapter hold an identity)."""
+    for adapter in adapters:
+        if isinstance(adapter, torch.nn.Sequential):
+            adapter[1] = _rows(index, adapter[1])
 
 
 def _attention_out(module: torch.nn.Module) -> str | None:
@@ -154,19 +174,25 @@ class _SplitRMSNorm(torch.nn.Module):
     """An RMS norm over channels the ranks share out: the mean square is summed over the ranks, so
     each rank scales its channels as the whole norm would, and keeps its channels' weights."""
 
-    def __init__(self, norm: torch.nn.Module, index: torch.Tensor, group: Any) -> None:
+    def __init__(self, norm: torch.nn.Module, index: torch.Tensor, group: Any, cast_first: bool = False) -> None:
         super().__init__()
         self.weight = _parameter(norm.weight[index])
         self.variance_epsilon = float(norm.variance_epsilon)
         self.width = norm.weight.numel()
         self.group = group
+        #: whether the weight scales the normed channels after they are cast back (MiniMax's), not
+        #: before (OLMo's): the two round differently below float32
+        self.cast_first = cast_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         square = x.pow(2).sum(-1, keepdim=True)
         dist.all_reduce(square, group=self.group)
-        return (self.weight * (x * torch.rsqrt(square / self.width + self.variance_epsilon))).to(dtype)
+        normed = x * torch.rsqrt(square / self.width + self.variance_epsilon)
+        if self.cast_first:
+            return self.weight * normed.to(dtype)
+        return (self.weight * normed).to(dtype)
 
 
 def _latent(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
@@ -258,17 +284,30 @@ def _mamba2(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     z = _blocks(rank, heads, hd)
     xbc = [_blocks(rank, heads, hd), _blocks(rank, groups, d_state, full_inner),
            _blocks(rank, groups, d_state, full_inner + full_groups * d_state)]
-    module.in_proj = _rows(torch.cat([z, _blocks(rank, heads, hd, x_lo), _blocks(rank, groups, d_state, b_lo),
-                                      _blocks(rank, groups, d_state, c_lo), _blocks(rank, heads, 1, dt_lo)]),
-                           module.in_proj)
+    rows = torch.cat([z, _blocks(rank, heads, hd, x_lo), _blocks(rank, groups, d_state, b_lo),
+                      _blocks(rank, groups, d_state, c_lo), _blocks(rank, heads, 1, dt_lo)])
+    module.in_proj = _rows(rows, module.in_proj)
+    if isinstance(getattr(module, "mup_vector", None), torch.Tensor):  # Falcon-H1: a multiplier per row
+        module.mup_vector = module.mup_vector[..., rows].clone()
     module.conv1d = _conv(module.conv1d, torch.cat(xbc))
     per_head = _blocks(rank, heads, 1)
     for name in ("A_log", "D", "dt_bias"):
         setattr(module, name, _parameter(getattr(module, name)[per_head]))
-    module.norm.weight = _parameter(module.norm.weight[z])
+    _gated_norm(module.norm, z, groups)
     module.out_proj = _columns(z, module.out_proj, rank, group)
     module.num_heads, module.n_groups, module.intermediate_size = heads, groups, inner
     module.conv_dim = inner + 2 * groups * d_state
+
+
+def _gated_norm(norm: torch.nn.Module, channels: torch.Tensor, groups: int) -> None:
+    """A Mamba2 mixer's gated norm, normalising each group's run of channels apart: this rank keeps
+    its groups' weights. Bamba's and Nemotron-H's keep the group size; Falcon-H1's keeps the group
+    count, which becomes this rank's; Falcon-H1 without its norm has none to split."""
+    if isinstance(norm, torch.nn.Identity):
+        return
+    norm.weight = _parameter(norm.weight[channels])
+    if isinstance(getattr(norm, "n_groups", None), int):
+        norm.n_groups = groups
 
 
 def _mamba1(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
@@ -285,6 +324,21 @@ def _mamba1(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     module.D = _parameter(module.D[channels])
     module.out_proj = _columns(channels, module.out_proj, rank, group)
     module.intermediate_size = len(channels)
+
+
+def _zamba(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """Zamba's multi-head Mamba by its heads: each head's `x_proj` and `dt_proj` read that head's
+    channels only, so a head runs whole on one rank. `in_proj` interleaves each channel's x and gate
+    rows (x_c at 2c, its gate at 2c + 1); the conv, dt bias, decay and skip follow the channels and
+    heads; `out_proj` keeps this rank's columns."""
+    heads = split(module.n_mamba_heads, n, "Zamba Mamba heads")
+    channels, per_head = _blocks(rank, heads, module.mamba_head_dim), slice(rank * heads, (rank + 1) * heads)
+    module.in_proj = _rows(torch.stack([2 * channels, 2 * channels + 1], dim=-1).reshape(-1), module.in_proj)
+    module.conv1d = _conv(module.conv1d, channels)
+    for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):
+        setattr(module, name, _parameter(getattr(module, name)[per_head]))
+    module.out_proj = _columns(channels, module.out_proj, rank, group)
+    module.n_mamba_heads, module.intermediate_size = heads, len(channels)
 
 
 def _deltanet_inputs(module: torch.nn.Module, rank: int, nk: int, nv: int) -> torch.Tensor:
@@ -345,6 +399,40 @@ def _kda(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     module.num_heads, module.qkv_dim, module.conv_dim = heads, heads * dim, 3 * heads * dim
 
 
+def _lightning(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """MiniMax's lightning attention by heads: `qkv_proj` holds each head's q, k and v side by side,
+    the output gate's rows and the output's columns follow the heads, and so do the per-head decay
+    slopes (and the block decays transformers derives from them). Its RMS norm spans every head's
+    channels at once: this rank keeps its channels' weights and sums the mean square over the ranks."""
+    heads, dim = split(module.num_attention_heads, n, "lightning attention heads"), module.head_dim
+    channels = _blocks(rank, heads, dim)
+    module.qkv_proj = _rows(_blocks(rank, heads, 3 * dim), module.qkv_proj)
+    module.output_gate = _rows(channels, module.output_gate)
+    module.out_proj = _columns(channels, module.out_proj, rank, group)
+    module.norm = _SplitRMSNorm(module.norm, channels, group, cast_first=True)
+    module.slope_rate = module.slope_rate[rank * heads:(rank + 1) * heads].clone()
+    module.query_decay, module.key_decay, module.diagonal_decay = module.decay_factors(module.slope_rate)
+    module.num_attention_heads = heads
+
+
+def _rglru(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
+    """RecurrentGemma's recurrent block by the RG-LRU's heads: its gates are block-diagonal, one
+    `[block_width, block_width]` matrix per head, so a head's channels need no other's. The x and y
+    branches' rows, the conv channels, the gates' blocks and the recurrence's per-channel parameter
+    follow the heads; `linear_out` keeps this rank's columns."""
+    lru = module.rg_lru
+    heads, width = split(lru.num_attention_heads, n, "RG-LRU heads"), lru.block_width
+    channels, per_head = _blocks(rank, heads, width), slice(rank * heads, (rank + 1) * heads)
+    module.linear_x, module.linear_y = _rows(channels, module.linear_x), _rows(channels, module.linear_y)
+    module.conv_1d = _conv(module.conv_1d, channels)
+    module.linear_out = _columns(channels, module.linear_out, rank, group)
+    lru.recurrent_param = _parameter(lru.recurrent_param[channels])
+    for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
+        setattr(lru, name, _parameter(getattr(lru, name)[per_head]))
+    lru.num_attention_heads = heads
+    module.lru_width = heads * width
+
+
 #: the recurrent mixers whose weights this module splits, by class: another family's mixer with the
 #: same weight names may lay them out otherwise (split projections, multipliers, per-channel decay),
 #: so it stays unsplit and `check_split` refuses it when the pool holds its state
@@ -357,11 +445,16 @@ _SPLIT_MIXERS = {
     "mamba2": (("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHMamba2Mixer"),
                ("transformers.models.bamba.modeling_bamba", "BambaMixer"),
                ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridMambaLayer"),
-               ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer")),
+               ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"),
+               ("transformers.models.falcon_h1.modeling_falcon_h1", "FalconH1Mixer"),
+               ("transformers.models.zamba2.modeling_zamba2", "Zamba2MambaMixer")),
     "mamba1": (("transformers.models.mamba.modeling_mamba", "MambaMixer"),
                ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
                ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer")),
     "kda": (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),),
+    "lightning": (("transformers.models.minimax.modeling_minimax", "MiniMaxLightningAttention"),),
+    "rglru": (("transformers.models.recurrent_gemma.modeling_recurrent_gemma", "RecurrentGemmaRecurrentBlock"),),
+    "zamba": (("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer"),),
 }
 
 
@@ -393,7 +486,8 @@ def _kind(module: torch.nn.Module) -> str | None:
 
 
 _SHARD = {"attention": _attention, "latent": _latent, "deltanet": _deltanet, "mamba2": _mamba2, "shortconv": _shortconv,
-          "experts": _experts, "mlp": _mlp, "mamba1": _mamba1, "kda": _kda}
+          "experts": _experts, "mlp": _mlp, "mamba1": _mamba1, "kda": _kda, "lightning": _lightning,
+          "rglru": _rglru, "zamba": _zamba}
 
 
 def _experts_inner(module: torch.nn.Module) -> int:
@@ -413,11 +507,22 @@ _TOTALS = {
     "deltanet": lambda m: [(m.num_k_heads, "linear key heads"), (m.num_v_heads, "linear value heads")],
     "mamba1": lambda m: [(m.intermediate_size, "Mamba inner channels")],
     "kda": lambda m: [(m.num_heads, "linear attention heads")],
+    "lightning": lambda m: [(m.num_attention_heads, "lightning attention heads")],
+    "rglru": lambda m: [(m.rg_lru.num_attention_heads, "RG-LRU heads")],
+    "zamba": lambda m: [(m.n_mamba_heads, "Zamba Mamba heads")],
 }
 
 
 #: the kinds of layer that write KV or state into the pool
-_POOL_KINDS = ("attention", "latent", "deltanet", "mamba2", "mamba1", "kda", "shortconv")
+_POOL_KINDS = ("attention", "latent", "deltanet", "mamba2", "mamba1", "kda", "shortconv", "lightning", "rglru", "zamba")
+
+
+def _layer_of(name: str, module: torch.nn.Module) -> int | None:
+    """The layer a module's KV or state is kept for: its own `layer_idx`, or for one that keeps none
+    (RecurrentGemma's block before the engine numbers it, a shared attention block told its layer
+    per call) the `layers.<i>` its name sits in."""
+    lid = getattr(module, "layer_idx", None)
+    return lid if isinstance(lid, int) and lid >= 0 else layer_in_name(name)
 
 
 def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ()) -> int:
@@ -430,21 +535,23 @@ def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ())
         for total, what in _TOTALS[kind](module):
             split(total, n, what)
     pool_layers = set(pool_layers)
-    # a module that keeps no layer index of its own (RecurrentGemma's block before the engine numbers
-    # it, Zamba's shared attention) is counted for no layer: its layers stay whole, and are refused
-    split_ids = {lid for m, kind in layers
-                 if kind in _POOL_KINDS and isinstance(lid := getattr(m, "layer_idx", None), int)}
-    # a layer may hold attention and a mixer side by side (Falcon-H1): its split attention does not
-    # split its mixer
+    # every name of a module counts: a shared attention block reused under several `layers.<i>`
+    # splits each layer it runs at
+    named = [(name, m, _kind(m)) for name, m in model.named_modules(remove_duplicate=False)]
+    split_ids = {lid for name, m, kind in named if kind in _POOL_KINDS and (lid := _layer_of(name, m)) is not None}
+    # a layer may hold attention and a mixer side by side (Falcon-H1, Zamba): its split attention
+    # does not split its mixer
     served = served_mixer_types()
-    unsplit_mixers = {lid for m in model.modules() if served and isinstance(m, served) and _kind(m) is None
-                      and (lid := getattr(m, "layer_idx", None)) in pool_layers}
+    unsplit_mixers = {lid for name, m, kind in named if served and isinstance(m, served) and kind is None
+                      and (lid := _layer_of(name, m)) in pool_layers}
     whole = sorted((pool_layers - split_ids) | unsplit_mixers)
     if whole:
         raise InputError(f"--tp {n}: layers {whole} hold KV or state in a form not split over ranks here "
-                         "(attention, latent attention, Nemotron-H, Bamba, Granite and Mamba2 mixers, Mamba, "
-                         "Falcon-Mamba and Jamba Mamba1, Qwen3-Next, Qwen3.5, Lara Mini and OLMo Hybrid gated "
-                         "DeltaNet, Kimi Delta Attention and LFM short-conv layers are)")
+                         "(attention and shared attention blocks, latent attention, Nemotron-H, Bamba, Granite, "
+                         "Mamba2, Falcon-H1 and Zamba2 Mamba2 mixers, Mamba, Falcon-Mamba and Jamba Mamba1, "
+                         "Zamba's per-head Mamba, Qwen3-Next, Qwen3.5, Lara Mini and OLMo Hybrid gated DeltaNet, "
+                         "Kimi Delta Attention, MiniMax lightning attention, RecurrentGemma RG-LRU and LFM "
+                         "short-conv layers are)")
     return len(layers)
 
 

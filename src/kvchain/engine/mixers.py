@@ -80,10 +80,17 @@ def number_mixer_layers(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if not served or not isinstance(module, served) or isinstance(getattr(module, "layer_idx", None), int):
             continue
-        found = _LAYER_NAME.search(name)
-        if found is None:
+        layer = layer_in_name(name)
+        if layer is None:
             raise InputError(f"{type(module).__name__} at {name!r} keeps no layer_idx and sits in no `layers.<i>`")
-        module.layer_idx = int(found.group(1))
+        module.layer_idx = layer
+
+
+def layer_in_name(name: str) -> int | None:
+    """The decoder layer a module's qualified name places it in (`model.layers.3.temporal_block`: 3),
+    or None outside `layers.<i>`."""
+    found = _LAYER_NAME.search(name)
+    return None if found is None else int(found.group(1))
 
 
 class _BatchRelay:

@@ -11,16 +11,14 @@ common path gains nothing but one keyword default."""
 from __future__ import annotations
 
 import inspect
-import re
 
 import torch
 
 from ..errors import InputError
+from .mixers import layer_in_name
 
 #: the keyword `paged_attention` takes the layer of a shared block's call from
 LAYER_KEYWORD = "kvchain_layer"
-#: a decoder layer's index in a module's qualified name (`model.layers.3.shared_transf.self_attn`)
-_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _HOOKED = "_kvchain_shared_layer_hook"
 #: what a fused draft's block adds to the layer its call names (`offset_layers`)
 _OFFSET = "_kvchain_layer_offset"
@@ -58,11 +56,11 @@ def install_shared_attention(model: torch.nn.Module) -> set[int]:
         position = _layer_arg(module)
         if position is None:
             continue
-        found = _LAYER_NAME.search(name)
-        if found is None:
+        layer = layer_in_name(name)
+        if layer is None:
             raise InputError(f"{type(module).__name__} at {name!r} takes its layer per call but sits in no "
                              "`layers.<i>`: the pool cannot tell which layers' KV it keeps")
-        layers.add(int(found.group(1)))
+        layers.add(layer)
         if not module.__dict__.get(_HOOKED):
             module.register_forward_pre_hook(_relay(position), with_kwargs=True)
             module.__dict__[_HOOKED] = True

@@ -28,6 +28,8 @@ def _config(**kw) -> EngineConfig:
 #: attention-free families: with no token bytes to weigh a state slot against, the pool's default
 #: checkpoint interval outgrows a step's 64 tokens (which it refuses), so they checkpoint every 8
 _ATTENTION_FREE = {family: {"checkpoint_interval": 8} for family in ("mamba2", "mamba", "falcon_mamba")}
+#: Zamba2's state in every one of its six layers leaves a 4 MiB pool too small to admit a prompt
+_FAMILY_CONFIG = {**_ATTENTION_FREE, "zamba2": {"budget_bytes": 8 * 2**20}}
 
 
 def test_two_ranks_generate_what_one_process_does():
@@ -49,20 +51,26 @@ def test_two_ranks_generate_what_one_process_does():
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "nemotron_h", "lfm3", "bamba", "granitemoehybrid",
                                     "mamba2", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid", "olmo3",
-                                    "mamba", "falcon_mamba", "jamba", "lfm2"])
+                                    "mamba", "falcon_mamba", "jamba", "lfm2", "falcon_h1",
+                                    "minimax", "recurrent_gemma", "zamba2", "zamba"])
 def test_every_family_on_two_ranks_generates_what_one_process_does(family):
     """The other tiny families, each split its own way (`tp_shard`): GPT-OSS's sinks and fused
     experts, Qwen3-Next's gated query, DeltaNet heads and experts beside a shared expert,
     Nemotron-H's, Bamba's, Granite's and Mamba2's groups, LFM's short convolutions and gated
     attention, Qwen3.5's, Lara Mini's and OLMo Hybrid's DeltaNet projections apart, OLMo's q/k
     norms over every head, Mamba1's inner channels (Falcon-Mamba's and Jamba's dt/B/C norms after
-    `x_proj`'s sum), LFM2's attention with its `out_proj`. Each rank holds half the pool's bytes per token, the ranks' digests agree every
-    step, and both sample the tokens one process samples, their logits within the family's
-    tolerance."""
-    path, reqs, config = str(checkpoint_dir(family)), workload(4), _config(**_ATTENTION_FREE.get(family, {}))
+    `x_proj`'s sum), LFM2's attention with its `out_proj`, Falcon-H1's Mamba2 groups with their
+    mup multipliers and group-count norm beside its attention, MiniMax's lightning heads with their
+    slopes and norm over every head, RecurrentGemma's RG-LRU heads (its block numbered by name),
+    Zamba2's Mamba2 groups and shared blocks with their per-use LoRA adapters, Zamba's per-head
+    Mamba beside its shared attention. Each rank holds half the pool's bytes per token, the ranks'
+    digests agree every step, and both sample the tokens one process samples (every request
+    admitted), their logits within the family's tolerance."""
+    path, reqs, config = str(checkpoint_dir(family)), workload(4), _config(**_FAMILY_CONFIG.get(family, {}))
     with Engine(path, config) as engine:
         one = engine.generate(reqs)
         whole = StageGeometry.of_chain(engine.storage.allocator, 0).bytes_per_token()
+    assert all(o.token_ids for o in one.outputs)  # every request admitted, none rejected
     runs = generate_in_ranks(path, config, reqs, 2)
     for run in runs:
         assert run.bytes_per_token * 2 == whole
@@ -105,18 +113,20 @@ def test_a_layer_left_whole_is_refused_before_any_rank_starts(monkeypatch):
         tp.check_tp_split(checkpoint, _config(), 2)
 
 
-@pytest.mark.parametrize("family", ["falcon_h1", "recurrent_gemma", "minimax", "zamba", "zamba2"])
-def test_a_mixer_the_shard_does_not_split_is_refused_in_one_line(family):
-    """A recurrent mixer whose weights another family names alike but lays out otherwise (Falcon-H1's
-    Mamba2 scales its projection by a multiplier vector), or one the shard has no split for
-    (RecurrentGemma's RG-LRU, whose block keeps no layer index until the engine numbers it;
-    MiniMax's lightning attention; Zamba's per-head Mamba and the shared attention block told its
-    layer per call), is not split as a look-alike: it is refused, naming its layers, before any
-    rank starts."""
+@pytest.mark.parametrize(("family", "kind", "layers"), [("falcon_h1", "mamba2", "0, 1, 2, 3"),
+                                                     ("recurrent_gemma", "rglru", "0, 1, 3"),
+                                                     ("zamba", "zamba", "0, 1, 2, 3")])
+def test_a_mixer_the_shard_does_not_split_is_refused_in_one_line(family, kind, layers, monkeypatch):
+    """A recurrent mixer the shard has no split for (here its kind taken out of `_SPLIT_MIXERS`) is
+    not split as a look-alike: it is refused, naming its layers, before any rank starts; so too
+    where its layer's attention splits beside it (Falcon-H1's, Zamba's shared block) and where its
+    block keeps no layer index until the engine numbers it (RecurrentGemma's)."""
+    from kvchain.dist import tp_shard
     from kvchain.engine.checkpoint import load_checkpoint
 
+    monkeypatch.delitem(tp_shard._SPLIT_MIXERS, kind)
     checkpoint = load_checkpoint(checkpoint_dir(family))
-    with pytest.raises(KVChainError, match=r"--tp 2: layers \[.*\] hold KV or state in a form not split") as info:
+    with pytest.raises(KVChainError, match=rf"--tp 2: layers \[{layers}\] hold KV or state in a form not split") as info:
         tp.check_tp_split(checkpoint, _config(), 2)
     assert "\n" not in str(info.value)
 
