@@ -37,7 +37,9 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "mamba2": (5e-3, True),
     "mamba": (1e-4, True),
     "falcon_mamba": (1e-4, True),
-    "jamba": (1e-4, True),
+    # its Mamba1 normalises dt, B and C: the scan's other summing order shows more than in Mamba's own
+    # (64 requests: 1.1e-4 against logits up to 8; 12 requests: 4e-5; Mamba: 5e-6)
+    "jamba": (5e-4, True),
     "qwen3_5": (5e-3, True),
     "qwen3_5_moe": (5e-3, True),
     "olmo_hybrid": (5e-3, True),
