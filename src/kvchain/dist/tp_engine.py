@@ -49,7 +49,7 @@ def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int) -
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks run on --device cpu (one process per rank over gloo)")
     spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=n)
-    check_split(checkpoint.model, n, (d.layer_id for d in spec.decls if d.parts))
+    check_split(checkpoint.model, n, spec.decls)
 
 
 class RankEngine(Engine):
@@ -64,7 +64,7 @@ class RankEngine(Engine):
         self.checkpoint = checkpoint
         self.link = link
         spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=link.n_ranks)
-        check_split(checkpoint.model, link.n_ranks, (d.layer_id for d in spec.decls if d.parts))
+        check_split(checkpoint.model, link.n_ranks, spec.decls)
         shard_model(checkpoint.model, link.rank, link.n_ranks)
         context = engine_context(config.context_len, spec)
         budget = link.min_reduce(config.budget_bytes)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..decl import KVLayerDecl, Unit
 from ..engine.conv_state import transformers_classes
 from ..engine.latent import latent_module
 from ..engine.mixers import layer_in_name, served_mixer_types
@@ -515,6 +516,8 @@ _TOTALS = {
 
 #: the kinds of layer that write KV or state into the pool
 _POOL_KINDS = ("attention", "latent", "deltanet", "mamba2", "mamba1", "kda", "shortconv", "lightning", "rglru", "zamba")
+#: of those, the kinds that write KV (the others write recurrent state)
+_KV_KINDS = ("attention", "latent")
 
 
 def _layer_of(name: str, module: torch.nn.Module) -> int | None:
@@ -525,26 +528,27 @@ def _layer_of(name: str, module: torch.nn.Module) -> int | None:
     return lid if isinstance(lid, int) and lid >= 0 else layer_in_name(name)
 
 
-def check_split(model: torch.nn.Module, n: int, pool_layers: Iterable[int] = ()) -> int:
+def check_split(model: torch.nn.Module, n: int, decls: Iterable[KVLayerDecl] = ()) -> int:
     """Refuse, in one line and before any rank starts, a layer whose heads or rows do not split
-    over `n` ranks, or a layer in `pool_layers` (those the pool gives KV or state) of a kind not
-    split here, whose whole heads would meet the pool's shard of them; the number of layers that
-    split."""
+    over `n` ranks, or a layer the pool gives KV (`decls`' token parts) without a split attention
+    of that layer, or state without a split mixer of that layer: its whole heads would meet the
+    pool's shard of them. The number of layers that split."""
     layers = [(module, kind) for module in model.modules() if (kind := _kind(module)) is not None]
     for module, kind in layers:
         for total, what in _TOTALS[kind](module):
             split(total, n, what)
-    pool_layers = set(pool_layers)
+    kv_layers, state_layers = set(), set()
+    for decl in decls:
+        for part in decl.parts:
+            (kv_layers if part.geometry.unit is Unit.TOKEN else state_layers).add(decl.layer_id)
     # every name of a module counts: a shared attention block reused under several `layers.<i>`
     # splits each layer it runs at
-    named = [(name, m, _kind(m)) for name, m in model.named_modules(remove_duplicate=False)]
-    split_ids = {lid for name, m, kind in named if kind in _POOL_KINDS and (lid := _layer_of(name, m)) is not None}
-    # a layer may hold attention and a mixer side by side (Falcon-H1, Zamba): its split attention
-    # does not split its mixer
-    served = served_mixer_types()
-    unsplit_mixers = {lid for name, m, kind in named if served and isinstance(m, served) and kind is None
-                      and (lid := _layer_of(name, m)) in pool_layers}
-    whole = sorted((pool_layers - split_ids) | unsplit_mixers)
+    split_kv, split_state = set(), set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        kind = _kind(module)
+        if kind in _POOL_KINDS and (lid := _layer_of(name, module)) is not None:
+            (split_kv if kind in _KV_KINDS else split_state).add(lid)
+    whole = sorted((kv_layers - split_kv) | (state_layers - split_state))
     if whole:
         raise InputError(f"--tp {n}: layers {whole} hold KV or state in a form not split over ranks here "
                          "(attention and shared attention blocks, latent attention, Nemotron-H, Bamba, Granite, "

@@ -113,6 +113,21 @@ def test_a_layer_left_whole_is_refused_before_any_rank_starts(monkeypatch):
         tp.check_tp_split(checkpoint, _config(), 2)
 
 
+@pytest.mark.parametrize(("family", "layers"), [("falcon_h1", "0, 1, 2, 3"), ("zamba2", "1, 3, 5")])
+def test_an_unsplit_attention_beside_a_split_mixer_is_refused(family, layers, monkeypatch):
+    """Falcon-H1's and Zamba2's layers hold KV beside state: a split mixer does not make up for an
+    attention the shard does not recognise (here every attention's kind taken away), whose whole
+    heads would meet the pool's shard of them."""
+    from kvchain.dist import tp_shard
+    from kvchain.engine.checkpoint import load_checkpoint
+
+    real = tp_shard._kind
+    monkeypatch.setattr(tp_shard, "_kind", lambda m: None if real(m) == "attention" else real(m))
+    checkpoint = load_checkpoint(checkpoint_dir(family))
+    with pytest.raises(KVChainError, match=rf"--tp 2: layers \[{layers}\] hold KV or state in a form not split"):
+        tp.check_tp_split(checkpoint, _config(), 2)
+
+
 @pytest.mark.parametrize(("family", "kind", "layers"), [("falcon_h1", "mamba2", "0, 1, 2, 3"),
                                                      ("recurrent_gemma", "rglru", "0, 1, 3"),
                                                      ("zamba", "zamba", "0, 1, 2, 3")])
