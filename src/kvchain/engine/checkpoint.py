@@ -69,6 +69,7 @@ def load_checkpoint(
     model_from_config(config_dict)  # kvchain's own checks of the fields, before transformers divides by them
     model = _empty_model(path, config, dtype, device)
     state = read_safetensors(path)
+    refuse_quantized(path, config_dict, state)
     state = to_module_layout(path, model, state)
     _load_weights(path, model, state)
     model.eval()
@@ -113,6 +114,25 @@ def build_config(path: Path, config_dict: dict[str, Any]) -> Any:
         raise InputError(
             f"checkpoint {path}: {CONFIG_FILE} is not a valid {model_type} config: {_one_line(exc)}"
         ) from None
+
+
+#: dtypes a quantised checkpoint stores its weights (or their packed blocks) in
+_QUANTISED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
+
+
+def refuse_quantized(path: Path, config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose weights are stored quantised (DeepSeek-V3's fp8 blocks, GPT-OSS's
+    MXFP4 experts): the loader has no dequantizer, and without this its error would only name the
+    scale tensors as unexpected. A `quantization_config` over float weights (a dequantised copy
+    that kept it) loads."""
+    quant = config_dict.get("quantization_config")
+    packed = sorted(name for name, tensor in state.items() if tensor.dtype in _QUANTISED_DTYPES)
+    if quant is None or not packed:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    raise InputError(f"checkpoint {path}: its weights are quantised ({method}: {len(packed)} tensors such as "
+                     f"{packed[0]!r}) and kvchain's loader has no dequantizer; use the model's 16-bit release "
+                     "or a dequantised copy")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -227,6 +227,28 @@ def test_shape_mismatch(llama_dir: Path, tmp_path: Path) -> None:
     _assert_load_error(out, r"'model\.norm\.weight' has shape \(32,\), the model expects \(64,\)")
 
 
+def _fp8_blocks(state: dict[str, torch.Tensor]) -> None:
+    """The layout of DeepSeek-V3's hub release: a projection in fp8 with its block scales."""
+    weight = state["model.layers.0.mlp.down_proj.weight"]
+    state["model.layers.0.mlp.down_proj.weight"] = weight.to(torch.float8_e4m3fn)
+    state["model.layers.0.mlp.down_proj.weight_scale_inv"] = torch.ones(1, 1)
+
+
+def test_quantised_weights_are_refused_by_name(llama_dir: Path, tmp_path: Path) -> None:
+    """An fp8 checkpoint is refused as quantised, naming a packed tensor, not as one with unexpected
+    scale tensors; the same config over float weights (a dequantised copy that kept it) loads."""
+    out = _rewrite(llama_dir, tmp_path, _fp8_blocks)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(config))
+    _assert_load_error(out, r"weights are quantised \(fp8: 1 tensors such as 'model\.layers\.0\.mlp\.down_proj"
+                            r"\.weight'\) and kvchain's loader has no dequantizer")
+    floats = _copy(llama_dir, tmp_path / "floats")
+    (floats / "config.json").write_text(json.dumps({**json.loads((floats / "config.json").read_text()),
+                                                    "quantization_config": config["quantization_config"]}))
+    load_checkpoint(floats)
+
+
 def test_corrupt_safetensors(llama_dir: Path, tmp_path: Path) -> None:
     out = _copy(llama_dir, tmp_path)
     (out / "model.safetensors").write_bytes(b"\x00" * 16)
