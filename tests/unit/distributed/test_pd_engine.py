@@ -40,6 +40,19 @@ def test_pd_outputs_are_the_single_process_engines(kind):
     assert not mp.active_children()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear", "zamba2"])
+def test_pd_moves_latents_kda_state_and_shared_attention_kv(family):
+    """The decode node continues from what the prefill node sent: DeepSeek-V3's latents, Kimi
+    Linear's KDA state beside its latents, Zamba2's Mamba2 state and its shared blocks' KV."""
+    requests = workload(3, seed=3)
+    path = checkpoint_dir(family)
+    with Engine(path, CONFIG) as engine:
+        single = engine.generate(requests)
+    pd = generate_pd(path, CONFIG, requests, kind="gloo", timeout_s=120)
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert not mp.active_children()
+
+
 def test_generate_pd_on_the_command_line_matches_generate(tmp_path, capsys):
     """Gemma 3 over gloo, through `kvchain generate --pd`: without the window rows the decode
     diverges at once."""
