@@ -59,12 +59,30 @@ class PassThroughLayer(torch.nn.Module):
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's list of decoder layers (`model.model.layers` for the families served)."""
+    """The model's list of decoder layers (`model.model.layers` for the families served): one per
+    config layer, or one per `per_decoder_layer(model)` of them."""
     n = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    blocks = int(getattr(model.config, "num_layers", n) or n)  # LongCat-Flash: two attentions per layer
     for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) == n:
+        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) in (n, blocks):
             return module
     raise InputError(f"{type(model).__name__}: no list of {n} decoder layers to split into stages")
+
+
+def per_decoder_layer(model: torch.nn.Module) -> int:
+    """How many of the config's layers (the plan's layer ids) one decoder layer holds: 1, or 2 for
+    LongCat-Flash, whose layer runs two attentions and whose `num_hidden_layers` counts them."""
+    return int(model.config.num_hidden_layers) // len(decoder_layers(model))
+
+
+def check_stage_blocks(model: torch.nn.Module, ranges: Sequence[range]) -> None:
+    """Refuse stage ranges that would split a decoder layer's attentions between stages."""
+    per = per_decoder_layer(model)
+    cut = [r for r in ranges if r.start % per or r.stop % per]
+    if cut:
+        raise InputError(f"{type(model).__name__}: each decoder layer holds {per} of its {model.config.num_hidden_layers} "
+                         f"layers, so a stage must start and end on a multiple of {per} (layers {cut[0].start}.."
+                         f"{cut[0].stop - 1} do not)")
 
 
 def check_stage_inputs(model: torch.nn.Module) -> None:
@@ -81,12 +99,13 @@ def check_stage_inputs(model: torch.nn.Module) -> None:
 
 
 def keep_stage_layers(model: torch.nn.Module, layers: range, owner: Callable[[int], int]) -> None:
-    """Replace every decoder layer outside `layers` by a pass-through (`owner(i)`: its stage)."""
+    """Replace every decoder layer outside `layers` (the plan's layer ids) by a pass-through
+    (`owner(i)`: the stage of layer id `i`)."""
     check_stage_inputs(model)
-    stack = decoder_layers(model)
+    stack, per = decoder_layers(model), per_decoder_layer(model)
     for i in range(len(stack)):
-        if i not in layers:
-            stack[i] = PassThroughLayer(owner(i))
+        if i * per not in layers:
+            stack[i] = PassThroughLayer(owner(i * per))
 
 
 class _Cut(Exception):
@@ -105,6 +124,7 @@ class StageRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module, plan, stage: int, ranges: Sequence[range], link: StageLink,
                  relay: bool = False) -> None:
         layers = ranges[stage]
+        check_stage_blocks(model, ranges)
         keep_stage_layers(model, layers, lambda i: next(s for s, r in enumerate(ranges) if i in r))
         super().__init__(model, plan)
         self.stage = stage
@@ -118,7 +138,7 @@ class StageRunner(ModelRunner):
         #: hidden states on, and `relayed_logits` receives the last stage's later
         self.relays_logits = relay and not self.last
         if not self.last:
-            decoder_layers(model)[layers.stop - 1].register_forward_hook(self._cut)
+            decoder_layers(model)[layers.stop // per_decoder_layer(model) - 1].register_forward_hook(self._cut)
 
     @staticmethod
     def _cut(_module, _args, output) -> None:
@@ -290,6 +310,7 @@ def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stag
     check_stage_inputs(checkpoint.model)
     n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
     ranges = stage_layer_ranges(n_layers, n_stages, partition)
+    check_stage_blocks(checkpoint.model, ranges)
     decls = checkpoint.model_spec().decls
     plan_fn = None
     if config.draft_model_path is not None or config.num_speculative_tokens:

@@ -56,18 +56,34 @@ def test_two_stages_generate_what_one_process_does():
     assert not mp.active_children()
 
 
-def test_latent_attention_in_two_stages_generates_what_one_process_does():
-    """DeepSeek-V3's three MLA layers split 2/1: each stage keeps its layers' latents in its own pool."""
-    path, reqs = str(checkpoint_dir("deepseek_v3")), workload(4)
+@pytest.mark.parametrize(("family", "split"), [("deepseek_v3", [(0, 1), (2, 2)]), ("longcat_flash", [(0, 1), (2, 3)])])
+def test_latent_attention_in_two_stages_generates_what_one_process_does(family, split):
+    """DeepSeek-V3's three MLA layers split 2/1, LongCat-Flash's two decoder layers (two attentions
+    each, four layer ids) one per stage: each stage keeps its layers' latents in its own pool."""
+    path, reqs = str(checkpoint_dir(family)), workload(4)
     config = _config(budget_bytes=4 * 2**20)
     with Engine(path, config) as engine:
         one = engine.generate(reqs)
     runs = generate_in_stages(path, config, reqs, 2)
-    assert [(r.first_layer, r.last_layer) for r in runs] == [(0, 1), (2, 2)]
-    assert runs[0].bytes_per_token == 2 * runs[1].bytes_per_token
+    assert [(r.first_layer, r.last_layer) for r in runs] == split
+    per_layer = [r.bytes_per_token / (r.last_layer - r.first_layer + 1) for r in runs]
+    assert per_layer[0] == per_layer[1]
     for run in runs:
         assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
     assert not mp.active_children()
+
+
+def test_a_stage_that_cuts_a_decoder_layer_is_refused(capsys):
+    """LongCat-Flash's layer ids 0..3 are two decoder layers of two attentions: a stage boundary
+    between a layer's attentions is refused in one line before any stage starts."""
+    path = checkpoint_dir("longcat_flash")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["generate", "--model-path", str(path), "--prompt", "ab", "--pp", "2",
+                               "--pp-partition", "1,3"]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a stage must start and end on a multiple of 2 (layers 0..0 do not)" in err
 
 
 def test_generate_cli_with_pp_prints_what_one_process_does(tmp_path, capsys):
