@@ -80,7 +80,8 @@ def test_every_family_on_two_ranks_generates_what_one_process_does(family):
     assert not mp.active_children()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "longcat_flash", "kimi_linear"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
+                                    "kimi_linear"])
 def test_latent_attention_on_two_ranks_generates_what_one_process_does(family):
     """DeepSeek-V3's, LongCat-Flash's and Kimi Linear's latent attention split by query heads: each
     rank computes its heads from the whole latent, so each rank's pool holds all of the bytes per
