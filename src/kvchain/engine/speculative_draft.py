@@ -23,7 +23,7 @@ _LAYER_LISTS = ("layer_types", "layers_block_type")
 _PER_LAYER_LISTS = (*_LAYER_LISTS, "mlp_layer_types")
 #: config keys that list the indices of the attention layers (the others recurrent)
 _INDEX_LISTS = ("attn_layer_indices", "full_attn_idxs")
-_FULL_KINDS = ("full_attention", "attention")
+_FULL_KINDS = ("full_attention", "attention", "hybrid")  # Zamba's hybrid layers run its shared attention
 
 
 def _text_config(model: torch.nn.Module):

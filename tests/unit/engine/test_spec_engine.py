@@ -29,13 +29,13 @@ def test_speculative_output_is_plain_greedy_output(family):
 
 
 @pytest.mark.parametrize("family", ["bamba", "falcon_h1", "jamba", "recurrent_gemma", "minimax", "olmo_hybrid",
-                                    "kimi_linear"])
+                                    "kimi_linear", "zamba2"])
 def test_speculative_output_on_the_other_state_families(family):
     """The draft cut from each other kind of recurrent target: Bamba's attention layer listed by
     index, Falcon-H1's layers holding KV and state side by side, Jamba's Mamba1 blocks that pass no
     keywords down, RecurrentGemma's blocks that keep no layer index, MiniMax's lightning attention,
-    OLMo Hybrid's DeltaNet and Kimi Linear's KDA beside latent attention (its draft keeps its layers'
-    `mlp_layer_types`)."""
+    OLMo Hybrid's DeltaNet, Kimi Linear's KDA beside latent attention (its draft keeps its layers'
+    `mlp_layer_types`) and Zamba2's Mamba2 with its first hybrid layer's shared attention block."""
     check(family, 6)
 
 
