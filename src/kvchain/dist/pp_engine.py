@@ -90,12 +90,12 @@ def check_stage_inputs(model: torch.nn.Module) -> None:
     receives only those. Zamba's and Zamba2's hybrid layers also read the embeddings
     (`original_hidden_states`), which a stage after the first would take from its input instead
     (its tokens then differ from one process's)."""
-    for i, layer in enumerate(decoder_layers(model)):
-        params = inspect.signature(layer.forward).parameters
-        if "original_hidden_states" in params:
-            raise InputError(f"{type(model).__name__}: decoder layer {i} ({type(layer).__name__}) reads the "
-                             "embeddings beside the hidden states, which pipeline stages do not pass on; "
-                             "serve it without --pp")
+    taking = sorted({type(layer).__name__ for layer in decoder_layers(model)
+                     if "original_hidden_states" in inspect.signature(layer.forward).parameters})
+    if taking:
+        raise InputError(f"{type(model).__name__}: its decoder layers ({', '.join(taking)}) take the embeddings "
+                         "(original_hidden_states) beside the hidden states, and pipeline stages pass on only "
+                         "the hidden states; serve it without --pp")
 
 
 def keep_stage_layers(model: torch.nn.Module, layers: range, owner: Callable[[int], int]) -> None:
