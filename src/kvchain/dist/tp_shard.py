@@ -6,7 +6,8 @@ back (an attention's or a mixer's output projection, an MLP's down projection, t
 down projections) keeps this rank's columns and sums its partial output over the ranks with an
 all-reduce. What stays whole on every rank: embeddings, norms over the hidden size, routers, the
 shared expert's gate, Zamba2's shared MLP (gate and up fused, with its adapters), the head. The
-kinds of layer split here:
+kinds of layer split (the recurrent mixers' splits in `tp_mixers.py`, the pieces they are cut with
+in `tp_parts.py`):
 
 - attention (q/k/v/o projections): by query and key-value heads; a gated query (`q_proj` twice as
   wide, each head's query followed by its gate), a per-head output gate and attention sinks split
@@ -41,87 +42,23 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..decl import KVLayerDecl, Unit
 from ..engine.conv_state import transformers_classes
 from ..engine.latent import latent_module
 from ..engine.mixers import layer_in_name, served_mixer_types
 from ..errors import InputError
-
-
-class RowParallelLinear(torch.nn.Module):
-    """A linear layer's column shard: this rank's partial output, summed over the ranks. The bias
-    is added on rank 0 only, so the sum holds it once."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any = None) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        #: the ranks that sum their shards (None: the whole process group)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        dist.all_reduce(out, group=self.group)
-        return out
-
-
-def split(total: int, n: int, what: str) -> int:
-    """`total` over `n` ranks, refused in one line when it does not split evenly."""
-    if total % n:
-        raise InputError(f"--tp {n}: {what} ({total}) do not split evenly over {n} ranks")
-    return total // n
-
-
-def _rows(index: torch.Tensor, linear: torch.nn.Linear) -> torch.nn.Linear:
-    """The output rows `index` of `linear` (a column-parallel shard)."""
-    out = torch.nn.Linear(linear.in_features, len(index), bias=linear.bias is not None,
-                          device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(linear.weight[index])
-        if linear.bias is not None:
-            out.bias.copy_(linear.bias[index])
-    return out.requires_grad_(False)
-
-
-def _columns(index: torch.Tensor, linear: torch.nn.Linear, rank: int, group: Any) -> RowParallelLinear:
-    bias = linear.bias.detach().clone() if linear.bias is not None and rank == 0 else None
-    return RowParallelLinear(linear.weight.detach()[:, index].clone(), bias, group)
-
-
-def _blocks(rank: int, per_rank: int, width: int, offset: int = 0) -> torch.Tensor:
-    """The indices of this rank's `per_rank` blocks of `width` each, after `offset`."""
-    lo = offset + rank * per_rank * width
-    return torch.arange(lo, lo + per_rank * width)
-
-
-def _parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
-    return torch.nn.Parameter(tensor.detach().clone(), requires_grad=False)
-
-
-def _conv(conv: torch.nn.Conv1d, index: torch.Tensor) -> torch.nn.Conv1d:
-    """The depthwise convolution's channels `index`."""
-    out = torch.nn.Conv1d(len(index), len(index), conv.kernel_size[0], groups=len(index), padding=conv.padding[0],
-                          bias=conv.bias is not None, device=conv.weight.device, dtype=conv.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(conv.weight[index])
-        if conv.bias is not None:
-            out.bias.copy_(conv.bias[index])
-    return out.requires_grad_(False)
-
-
-def _reduced(module: torch.nn.Module, group: Any) -> None:
-    """Sum `module`'s output over the ranks after its own forward (its inner rows are split)."""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        dist.all_reduce(out, group=group)
-        return out
-
-    module.forward = forward
+from . import tp_mixers
+from .tp_parts import (
+    SplitRMSNorm,
+    blocks,
+    columns,
+    parameter,
+    reduced,
+    rows,
+    spans_heads,
+    split,
+)
 
 
 def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
@@ -131,20 +68,20 @@ def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     heads = getattr(module, out).in_features // head_dim
     per_head = module.q_proj.out_features // heads  # head_dim, or twice it for a gated query
     h, kvh = split(heads, n, "attention heads"), split(kv_heads, n, "key-value heads")
-    module.q_proj = _rows(_blocks(rank, h, per_head), module.q_proj)
-    module.k_proj = _rows(_blocks(rank, kvh, head_dim), module.k_proj)
-    module.v_proj = _rows(_blocks(rank, kvh, head_dim), module.v_proj)
-    setattr(module, out, _columns(_blocks(rank, h, head_dim), getattr(module, out), rank, group))
+    module.q_proj = rows(blocks(rank, h, per_head), module.q_proj)
+    module.k_proj = rows(blocks(rank, kvh, head_dim), module.k_proj)
+    module.v_proj = rows(blocks(rank, kvh, head_dim), module.v_proj)
+    setattr(module, out, columns(blocks(rank, h, head_dim), getattr(module, out), rank, group))
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
-        module.sinks = _parameter(module.sinks[rank * h:(rank + 1) * h])
+        module.sinks = parameter(module.sinks[rank * h:(rank + 1) * h])
     if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # LFM's per-head output gate
-        module.g_proj = _rows(_blocks(rank, h, 1), module.g_proj)
-    for name, index in (("q_norm", _blocks(rank, h, head_dim)), ("k_norm", _blocks(rank, kvh, head_dim))):
+        module.g_proj = rows(blocks(rank, h, 1), module.g_proj)
+    for name, index in (("q_norm", blocks(rank, h, head_dim)), ("k_norm", blocks(rank, kvh, head_dim))):
         norm = getattr(module, name, None)
-        if _spans_heads(norm, head_dim):
-            setattr(module, name, _SplitRMSNorm(norm, index, group))
-    for name, index in (("q", _blocks(rank, h, per_head)), ("k", _blocks(rank, kvh, head_dim)),
-                        ("v", _blocks(rank, kvh, head_dim))):
+        if spans_heads(norm, head_dim):
+            setattr(module, name, SplitRMSNorm(norm, index, group))
+    for name, index in (("q", blocks(rank, h, per_head)), ("k", blocks(rank, kvh, head_dim)),
+                        ("v", blocks(rank, kvh, head_dim))):
         _adapters(getattr(module, f"linear_{name}_adapter_list", ()), index)
 
 
@@ -154,7 +91,7 @@ def _adapters(adapters: Iterable[torch.nn.Module], index: torch.Tensor) -> None:
     (the uses that run no adapter hold an identity)."""
     for adapter in adapters:
         if isinstance(adapter, torch.nn.Sequential):
-            adapter[1] = _rows(index, adapter[1])
+            adapter[1] = rows(index, adapter[1])
 
 
 def _attention_out(module: torch.nn.Module) -> str | None:
@@ -163,49 +100,16 @@ def _attention_out(module: torch.nn.Module) -> str | None:
                 None)
 
 
-def _spans_heads(norm: Any, head_dim: int) -> bool:
-    """Whether `norm` is an RMS norm (weight times x over its root mean square, no bias) over every
-    head's channels at once (OLMo's q/k norms), not each head's."""
-    weight = getattr(norm, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() > head_dim
-            and hasattr(norm, "variance_epsilon") and getattr(norm, "bias", None) is None)
-
-
-class _SplitRMSNorm(torch.nn.Module):
-    """An RMS norm over channels the ranks share out: the mean square is summed over the ranks, so
-    each rank scales its channels as the whole norm would, and keeps its channels' weights."""
-
-    def __init__(self, norm: torch.nn.Module, index: torch.Tensor, group: Any, cast_first: bool = False) -> None:
-        super().__init__()
-        self.weight = _parameter(norm.weight[index])
-        self.variance_epsilon = float(norm.variance_epsilon)
-        self.width = norm.weight.numel()
-        self.group = group
-        #: whether the weight scales the normed channels after they are cast back (MiniMax's), not
-        #: before (OLMo's): the two round differently below float32
-        self.cast_first = cast_first
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        square = x.pow(2).sum(-1, keepdim=True)
-        dist.all_reduce(square, group=self.group)
-        normed = x * torch.rsqrt(square / self.width + self.variance_epsilon)
-        if self.cast_first:
-            return self.weight * normed.to(dtype)
-        return (self.weight * normed).to(dtype)
-
-
 def _latent(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     """MLA by query heads: each rank's queries, its heads' rows of the latent's up-projection
     (`kv_b_proj`: each head's key and value parts) and its columns of the output. The latent's own
     projection and norm stay whole: every rank keeps (and writes into its pool) the whole latent."""
     h = split(int(module.num_heads), n, "attention heads")
     q_name = "q_proj" if getattr(module, "q_proj", None) is not None else "q_b_proj"
-    setattr(module, q_name, _rows(_blocks(rank, h, int(module.qk_head_dim)), getattr(module, q_name)))
+    setattr(module, q_name, rows(blocks(rank, h, int(module.qk_head_dim)), getattr(module, q_name)))
     kv_width = int(module.qk_nope_head_dim) + int(module.v_head_dim)
-    module.kv_b_proj = _rows(_blocks(rank, h, kv_width), module.kv_b_proj)
-    module.o_proj = _columns(_blocks(rank, h, int(module.v_head_dim)), module.o_proj, rank, group)
+    module.kv_b_proj = rows(blocks(rank, h, kv_width), module.kv_b_proj)
+    module.o_proj = columns(blocks(rank, h, int(module.v_head_dim)), module.o_proj, rank, group)
     module.num_heads = h
 
 
@@ -222,21 +126,10 @@ def _mlp_names(module: torch.nn.Module) -> tuple[str | None, str, str] | None:
 
 def _mlp(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     gate, up, down = _mlp_names(module)
-    index = _blocks(rank, split(getattr(module, up).out_features, n, "MLP intermediate rows"), 1)
+    index = blocks(rank, split(getattr(module, up).out_features, n, "MLP intermediate rows"), 1)
     for name in (gate, up) if gate else (up,):
-        setattr(module, name, _rows(index, getattr(module, name)))
-    setattr(module, down, _columns(index, getattr(module, down), rank, group))
-
-
-def _shortconv(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """LFM's short convolution: `in_proj` is [B | C | x], each of the hidden size, gated around a
-    depthwise convolution over the hidden channels."""
-    hidden = module.out_proj.in_features
-    per_rank = split(hidden, n, "short-conv channels")
-    channels = _blocks(rank, per_rank, 1)
-    module.in_proj = _rows(torch.cat([channels, channels + hidden, channels + 2 * hidden]), module.in_proj)
-    module.conv = _conv(module.conv, channels)
-    module.out_proj = _columns(channels, module.out_proj, rank, group)
+        setattr(module, name, rows(index, getattr(module, name)))
+    setattr(module, down, columns(index, getattr(module, down), rank, group))
 
 
 def _experts(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
@@ -246,26 +139,26 @@ def _experts(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     with torch.no_grad():
         if hasattr(module, "gate_up_proj_bias"):  # gpt-oss
             inner = split(module.gate_up_proj.shape[-1] // 2, n, "expert intermediate rows")
-            pairs = _blocks(rank, inner, 2)
-            module.gate_up_proj = _parameter(module.gate_up_proj[:, :, pairs])
-            module.gate_up_proj_bias = _parameter(module.gate_up_proj_bias[:, pairs])
-            rows = _blocks(rank, inner, 1)
-            module.down_proj = _parameter(module.down_proj[:, rows])
+            pairs = blocks(rank, inner, 2)
+            module.gate_up_proj = parameter(module.gate_up_proj[:, :, pairs])
+            module.gate_up_proj_bias = parameter(module.gate_up_proj_bias[:, pairs])
+            kept = blocks(rank, inner, 1)
+            module.down_proj = parameter(module.down_proj[:, kept])
             if rank:
-                module.down_proj_bias = _parameter(torch.zeros_like(module.down_proj_bias))
+                module.down_proj_bias = parameter(torch.zeros_like(module.down_proj_bias))
             module.intermediate_size = inner
         else:
             full = module.gate_up_proj.shape[1] // 2
             inner = split(full, n, "expert intermediate rows")
-            rows = torch.cat([_blocks(rank, inner, 1), _blocks(rank, inner, 1, full)])
-            module.gate_up_proj = _parameter(module.gate_up_proj[:, rows])
-            module.down_proj = _parameter(module.down_proj[:, :, _blocks(rank, inner, 1)])
+            kept = torch.cat([blocks(rank, inner, 1), blocks(rank, inner, 1, full)])
+            module.gate_up_proj = parameter(module.gate_up_proj[:, kept])
+            module.down_proj = parameter(module.down_proj[:, :, blocks(rank, inner, 1)])
             module.intermediate_dim = inner
     if rank and isinstance(getattr(module, "identity_expert", None), torch.nn.Identity):
         # LongCat-Flash's zero-compute experts pass their tokens through: the sum over the ranks
         # must add that once, from rank 0
         module.identity_expert = _Zeros()
-    _reduced(module, group)
+    reduced(module, group)
 
 
 class _Zeros(torch.nn.Module):
@@ -273,165 +166,6 @@ class _Zeros(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
-
-
-def _mamba2(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    heads, groups = split(module.num_heads, n, "Mamba heads"), split(module.n_groups, n, "Mamba groups")
-    inner, d_state, hd = heads * module.head_dim, module.ssm_state_size, module.head_dim
-    full_inner, full_groups = module.intermediate_size, module.n_groups
-    x_lo = full_inner  # in_proj: [z | x | B | C | dt]; conv: [x | B | C]
-    b_lo, c_lo = 2 * full_inner, 2 * full_inner + full_groups * d_state
-    dt_lo = full_inner + module.conv_dim
-    z = _blocks(rank, heads, hd)
-    xbc = [_blocks(rank, heads, hd), _blocks(rank, groups, d_state, full_inner),
-           _blocks(rank, groups, d_state, full_inner + full_groups * d_state)]
-    rows = torch.cat([z, _blocks(rank, heads, hd, x_lo), _blocks(rank, groups, d_state, b_lo),
-                      _blocks(rank, groups, d_state, c_lo), _blocks(rank, heads, 1, dt_lo)])
-    module.in_proj = _rows(rows, module.in_proj)
-    if isinstance(getattr(module, "mup_vector", None), torch.Tensor):  # Falcon-H1: a multiplier per row
-        module.mup_vector = module.mup_vector[..., rows].clone()
-    module.conv1d = _conv(module.conv1d, torch.cat(xbc))
-    per_head = _blocks(rank, heads, 1)
-    for name in ("A_log", "D", "dt_bias"):
-        setattr(module, name, _parameter(getattr(module, name)[per_head]))
-    _gated_norm(module.norm, z, groups)
-    module.out_proj = _columns(z, module.out_proj, rank, group)
-    module.num_heads, module.n_groups, module.intermediate_size = heads, groups, inner
-    module.conv_dim = inner + 2 * groups * d_state
-
-
-def _gated_norm(norm: torch.nn.Module, channels: torch.Tensor, groups: int) -> None:
-    """A Mamba2 mixer's gated norm, normalising each group's run of channels apart: this rank keeps
-    its groups' weights. Bamba's and Nemotron-H's keep the group size; Falcon-H1's keeps the group
-    count, which becomes this rank's; Falcon-H1 without its norm has none to split."""
-    if isinstance(norm, torch.nn.Identity):
-        return
-    norm.weight = _parameter(norm.weight[channels])
-    if isinstance(getattr(norm, "n_groups", None), int):
-        norm.n_groups = groups
-
-
-def _mamba1(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """Mamba1 by inner channels: `in_proj` is [x | z], the conv, `dt_proj`, `A_log` and `D` are per
-    channel. `x_proj` reads every channel to give dt, B and C, so it keeps this rank's columns and
-    sums them over the ranks before Falcon-Mamba's and Jamba's norms over dt, B and C (whole dims)."""
-    inner = module.intermediate_size
-    channels = _blocks(rank, split(inner, n, "Mamba inner channels"), 1)
-    module.in_proj = _rows(torch.cat([channels, channels + inner]), module.in_proj)
-    module.conv1d = _conv(module.conv1d, channels)
-    module.x_proj = _columns(channels, module.x_proj, rank, group)
-    module.dt_proj = _rows(channels, module.dt_proj)
-    module.A_log = _parameter(module.A_log[channels])
-    module.D = _parameter(module.D[channels])
-    module.out_proj = _columns(channels, module.out_proj, rank, group)
-    module.intermediate_size = len(channels)
-
-
-def _zamba(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """Zamba's multi-head Mamba by its heads: each head's `x_proj` and `dt_proj` read that head's
-    channels only, so a head runs whole on one rank. `in_proj` interleaves each channel's x and gate
-    rows (x_c at 2c, its gate at 2c + 1); the conv, dt bias, decay and skip follow the channels and
-    heads; `out_proj` keeps this rank's columns."""
-    heads = split(module.n_mamba_heads, n, "Zamba Mamba heads")
-    channels, per_head = _blocks(rank, heads, module.mamba_head_dim), slice(rank * heads, (rank + 1) * heads)
-    module.in_proj = _rows(torch.stack([2 * channels, 2 * channels + 1], dim=-1).reshape(-1), module.in_proj)
-    module.conv1d = _conv(module.conv1d, channels)
-    for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):
-        setattr(module, name, _parameter(getattr(module, name)[per_head]))
-    module.out_proj = _columns(channels, module.out_proj, rank, group)
-    module.n_mamba_heads, module.intermediate_size = heads, len(channels)
-
-
-def _deltanet_inputs(module: torch.nn.Module, rank: int, nk: int, nv: int) -> torch.Tensor:
-    """This rank's rows of the mixer's input projections, however it lays them out
-    (`deltanet._split_projections`): Qwen3-Next fuses q, k, v and z per key head (and b with a);
-    Qwen3.5 and Lara Mini project [q | k | v], z, b and a apart; OLMo Hybrid projects q, k, v, its
-    gate g, b and a each apart. Returns the conv's channels ([q | k | v], as the pool's state)."""
-    dk, dv, rep, key_dim = module.head_k_dim, module.head_v_dim, nv // nk, module.key_dim
-    q, v, heads = _blocks(rank, nk, dk), _blocks(rank, nv, dv), _blocks(rank, nv, 1)
-    qkv = torch.cat([q, q + key_dim, v + 2 * key_dim])
-    if hasattr(module, "in_proj_qkvz"):
-        module.in_proj_qkvz = _rows(_blocks(rank, nk, 2 * dk + 2 * rep * dv), module.in_proj_qkvz)
-        module.in_proj_ba = _rows(_blocks(rank, nk, 2 * rep), module.in_proj_ba)
-    elif hasattr(module, "in_proj_qkv"):
-        module.in_proj_qkv = _rows(qkv, module.in_proj_qkv)
-        module.in_proj_z = _rows(v, module.in_proj_z)
-        module.in_proj_b, module.in_proj_a = _rows(heads, module.in_proj_b), _rows(heads, module.in_proj_a)
-    else:
-        module.q_proj, module.k_proj = _rows(q, module.q_proj), _rows(q, module.k_proj)
-        module.v_proj, module.g_proj = _rows(v, module.v_proj), _rows(v, module.g_proj)
-        module.b_proj, module.a_proj = _rows(heads, module.b_proj), _rows(heads, module.a_proj)
-    return qkv
-
-
-def _deltanet(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """Gated DeltaNet by key heads, each with the run of value heads it serves."""
-    nk, nv = split(module.num_k_heads, n, "linear key heads"), split(module.num_v_heads, n, "linear value heads")
-    dv = module.head_v_dim
-    module.conv1d = _conv(module.conv1d, _deltanet_inputs(module, rank, nk, nv))
-    per_head = _blocks(rank, nv, 1)
-    module.A_log = _parameter(module.A_log[per_head])
-    module.dt_bias = _parameter(module.dt_bias[per_head])
-    out = "out_proj" if hasattr(module, "out_proj") else "o_proj"
-    setattr(module, out, _columns(_blocks(rank, nv, dv), getattr(module, out), rank, group))
-    module.num_k_heads, module.num_v_heads = nk, nv
-    module.key_dim, module.value_dim = nk * module.head_k_dim, nv * dv
-    module.conv_dim = 2 * module.key_dim + module.value_dim
-
-
-def _kda(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """Kimi Delta Attention by heads: q, k and v (conv'd side by side in that order), the forget
-    gate's per-head rows (`f_b_proj`, `dt_bias` per channel, `A_log` per head), beta's and the
-    output gate's rows, the output's columns. The low-rank down-projections (`f_a_proj`,
-    `g_a_proj`) and the per-head-dim norm stay whole."""
-    heads, dim = split(module.num_heads, n, "linear attention heads"), module.head_dim
-    width = module.num_heads * dim
-    channels, per_head = _blocks(rank, heads, dim), _blocks(rank, heads, 1)
-    for name in ("q_proj", "k_proj", "v_proj", "g_b_proj"):
-        setattr(module, name, _rows(channels, getattr(module, name)))
-    module.b_proj = _rows(per_head, module.b_proj)
-    module.conv1d = _conv(module.conv1d, torch.cat([channels, channels + width, channels + 2 * width]))
-    gate = module.forget_gate
-    gate.f_b_proj = _rows(channels, gate.f_b_proj)
-    gate.dt_bias = _parameter(gate.dt_bias[channels])
-    gate.A_log = _parameter(gate.A_log[:, :, per_head])
-    gate.num_heads, gate.qkv_dim = heads, heads * dim
-    module.o_proj = _columns(channels, module.o_proj, rank, group)
-    module.num_heads, module.qkv_dim, module.conv_dim = heads, heads * dim, 3 * heads * dim
-
-
-def _lightning(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """MiniMax's lightning attention by heads: `qkv_proj` holds each head's q, k and v side by side,
-    the output gate's rows and the output's columns follow the heads, and so do the per-head decay
-    slopes (and the block decays transformers derives from them). Its RMS norm spans every head's
-    channels at once: this rank keeps its channels' weights and sums the mean square over the ranks."""
-    heads, dim = split(module.num_attention_heads, n, "lightning attention heads"), module.head_dim
-    channels = _blocks(rank, heads, dim)
-    module.qkv_proj = _rows(_blocks(rank, heads, 3 * dim), module.qkv_proj)
-    module.output_gate = _rows(channels, module.output_gate)
-    module.out_proj = _columns(channels, module.out_proj, rank, group)
-    module.norm = _SplitRMSNorm(module.norm, channels, group, cast_first=True)
-    module.slope_rate = module.slope_rate[rank * heads:(rank + 1) * heads].clone()
-    module.query_decay, module.key_decay, module.diagonal_decay = module.decay_factors(module.slope_rate)
-    module.num_attention_heads = heads
-
-
-def _rglru(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    """RecurrentGemma's recurrent block by the RG-LRU's heads: its gates are block-diagonal, one
-    `[block_width, block_width]` matrix per head, so a head's channels need no other's. The x and y
-    branches' rows, the conv channels, the gates' blocks and the recurrence's per-channel parameter
-    follow the heads; `linear_out` keeps this rank's columns."""
-    lru = module.rg_lru
-    heads, width = split(lru.num_attention_heads, n, "RG-LRU heads"), lru.block_width
-    channels, per_head = _blocks(rank, heads, width), slice(rank * heads, (rank + 1) * heads)
-    module.linear_x, module.linear_y = _rows(channels, module.linear_x), _rows(channels, module.linear_y)
-    module.conv_1d = _conv(module.conv_1d, channels)
-    module.linear_out = _columns(channels, module.linear_out, rank, group)
-    lru.recurrent_param = _parameter(lru.recurrent_param[channels])
-    for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
-        setattr(lru, name, _parameter(getattr(lru, name)[per_head]))
-    lru.num_attention_heads = heads
-    module.lru_width = heads * width
 
 
 #: the recurrent mixers whose weights this module splits, by class: another family's mixer with the
@@ -486,9 +220,9 @@ def _kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-_SHARD = {"attention": _attention, "latent": _latent, "deltanet": _deltanet, "mamba2": _mamba2, "shortconv": _shortconv,
-          "experts": _experts, "mlp": _mlp, "mamba1": _mamba1, "kda": _kda, "lightning": _lightning,
-          "rglru": _rglru, "zamba": _zamba}
+_SHARD = {"attention": _attention, "latent": _latent, "deltanet": tp_mixers.deltanet, "mamba2": tp_mixers.mamba2, "shortconv": tp_mixers.shortconv,
+          "experts": _experts, "mlp": _mlp, "mamba1": tp_mixers.mamba1, "kda": tp_mixers.kda, "lightning": tp_mixers.lightning,
+          "rglru": tp_mixers.rglru, "zamba": tp_mixers.zamba}
 
 
 def _experts_inner(module: torch.nn.Module) -> int:
