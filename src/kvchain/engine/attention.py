@@ -112,7 +112,7 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
                   zero=zero, bias=torch.from_numpy(bias[:, None]).to(device), visible=visible, sink_col=sinks)
 
 
-def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> tuple[list[_Group], bool]:
+def attention_groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> tuple[list[_Group], bool]:
     """This step's groups for one (sub-pool, window, sinks), and whether their rows are slices that
     tile the packed sequence in order (their outputs then concatenate): computed once per forward
     and shared by every layer that reads the same sub-pool, since they see the same page tables and
@@ -139,7 +139,7 @@ def _groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> 
     return found
 
 
-def _write_index(batch: ForwardBatch, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
+def write_index(batch: ForwardBatch, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(page, offset) of each new token's physical id in `pool`, split once per step for all layers."""
     cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = batch.__dict__.setdefault("_write_index", {})
     index = cache.get(pool)
@@ -149,7 +149,7 @@ def _write_index(batch: ForwardBatch, pool: str) -> tuple[torch.Tensor, torch.Te
     return index
 
 
-def _write(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> None:
+def write_tokens(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Store `new` (`[T, KVH, D]`) at the (page, offset) pairs `index`. A page holds several layers'
     components, so one layer's K is strided by page and has no flat token view: index the page grid
     by (page, offset) in one vectorised put instead."""
@@ -276,15 +276,15 @@ def paged_attention(
         # module expanded into these keys and values, group after group
         if sliding_window is not None or s_aux is not None:
             raise InputError(f"layer {layer}: latent attention with a window or sinks is not served")
-        groups, tiled = _groups(batch, pool, None, False)
+        groups, tiled = attention_groups(batch, pool, None, False)
         kv = _split_gathered(key, value, groups, batch.page_size, dtype)
     else:
         view = batch.views[pool]
         k_cache, v_cache = view.k(layer), view.v(layer)
-        index = _write_index(batch, pool)
-        _write(k_cache, key[0].transpose(0, 1), index)
-        _write(v_cache, value[0].transpose(0, 1), index)
-        groups, tiled = _groups(batch, pool, sliding_window, s_aux is not None)
+        index = write_index(batch, pool)
+        write_tokens(k_cache, key[0].transpose(0, 1), index)
+        write_tokens(v_cache, value[0].transpose(0, 1), index)
+        groups, tiled = attention_groups(batch, pool, sliding_window, s_aux is not None)
         kv = ((_gather(k_cache, g, dtype), _gather(v_cache, g, dtype)) for g in groups)
     parts = [_attend(query, k, v, g, scaling, softcap, s_aux) for g, (k, v) in zip(groups, kv)]  # [b, n, H, Dv]
     if tiled:  # the groups' rows follow each other from the first: their outputs concatenate in order

@@ -8,8 +8,8 @@ into per-head keys and values, and call the attention function. kvchain gives ea
 `PagedLatent` as that cache (a forward pre-hook swaps it in): its `update` writes the step's new
 latents into the layer's sub-pool (component `kv`, latent then rope key) at the step's write
 locations and returns, instead of the whole sequence a contiguous cache returns, the latents of the
-pages each attention group reads (`attention._groups`), laid end to end. The module expands them
-with its own weights, and `attention.paged_attention`, seeing a latent module, attends over those
+pages each attention group reads (`attention.attention_groups`), laid end to end. The module
+expands them with its own weights, and `attention.paged_attention`, seeing a latent module, attends over those
 gathered keys group by group instead of writing and reading a K/V cache.
 
 The pool holds the latent only (what `decl.MLA` prices); the per-head keys exist for one layer of
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .attention import LATENT_ATTR, _groups, _write, _write_index
+from .attention import LATENT_ATTR, attention_groups, write_index, write_tokens
 from .batch import ForwardBatch
 
 
@@ -53,8 +53,8 @@ class PagedLatent:
             raise InputError(f"layer {layer_idx}: the pool keeps {cache.shape[-1]} latent dims per token, the "
                              f"model's latent and rope key have {rank} + {rope_key.shape[-1]}: plan from this "
                              "checkpoint's own config")
-        _write(cache, torch.cat([latent[0, 0], rope_key[0, 0]], dim=-1), _write_index(batch, pool))
-        groups, _tiled = _groups(batch, pool, None, False)
+        write_tokens(cache, torch.cat([latent[0, 0], rope_key[0, 0]], dim=-1), write_index(batch, pool))
+        groups, _tiled = attention_groups(batch, pool, None, False)
         pages = groups[0].pages if len(groups) == 1 else torch.cat([g.pages for g in groups])
         gathered = cache.index_select(0, pages).reshape(1, 1, -1, cache.shape[-1])
         if gathered.dtype != latent.dtype:
