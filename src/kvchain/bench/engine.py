@@ -234,10 +234,12 @@ def _interleaved(runners: dict[str, Callable[[], tuple[Outputs, float, dict]]], 
 
 
 def _throughput(tokens: int, runs: list[float], cpu: list[float]) -> dict[str, Any]:
+    """Seconds to microseconds: a run of a tiny model takes tens of milliseconds, and the paired
+    ratios printed beside are recomputed from these runs to 1e-3."""
     seconds = statistics.median(runs)
-    return {"seconds": round(seconds, 4), "tokens_per_second": round(tokens / seconds, 2),
-            "runs": [round(s, 4) for s in runs], "cpu_seconds": round(statistics.median(cpu), 4),
-            "cpu_runs": [round(c, 4) for c in cpu]}
+    return {"seconds": round(seconds, 6), "tokens_per_second": round(tokens / seconds, 2),
+            "runs": [round(s, 6) for s in runs], "cpu_seconds": round(statistics.median(cpu), 6),
+            "cpu_runs": [round(c, 6) for c in cpu]}
 
 
 def _paired(ours: tuple[int, list[float]], theirs: tuple[int, list[float]]) -> dict[str, float]:
