@@ -4,10 +4,12 @@ transformers' reference outputs computed once per run, and a tight pool to serve
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,8 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "minicpm3": (1e-4, False),
     "youtu": (1e-4, False),
     "kimi_linear": (5e-3, True),
+    "deepseek_v32": (1e-4, False),
+    "glm_moe_dsa": (1e-4, False),
 }
 PAGE = 4
 INTERVAL = 8  # tokens between state checkpoints
@@ -73,6 +77,15 @@ def checkpoint_dir(family: str) -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"kvchain-{family}-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return make_checkpoint(family, root / family, seed=1)
+
+
+@functools.cache
+def every_token_indexed_dir(family: str) -> Path:
+    """A sparse-attention family's tiny checkpoint with a top-k past every request's length: each
+    query reads all its earlier tokens, so no pick sits on a near-tie."""
+    root = Path(tempfile.mkdtemp(prefix=f"kvchain-{family}-wide-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return make_checkpoint(family, root / family, seed=1, index_topk=128)
 
 
 @functools.cache
@@ -105,22 +118,53 @@ def write_prompts(path: Path, requests: list[GenerateRequest]) -> Path:
     return path
 
 
+#: families whose sparse-attention indexer keeps its keys in the pool as fp8 (`engine/indexer.py`)
+INDEXED_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def _stored_as_fp8(keys: torch.Tensor) -> torch.Tensor:
+    """Indexer keys `[B, T, D]` as the pool gives them back: each 128-dim block scaled so its
+    largest magnitude is fp8 e4m3's largest finite value (448), rounded to fp8, scaled back."""
+    blocks = keys.float().unflatten(-1, (-1, 128))
+    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
+    return ((blocks / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(keys.dtype)
+
+
+@contextlib.contextmanager
+def _indexer_keys_rounded(family: str) -> Iterator[None]:
+    """transformers' indexer key cache holding what the pool holds: the reference for a family whose
+    pool stores the indexer's keys in fp8, as serving engines do (transformers keeps them exact)."""
+    if family not in INDEXED_FAMILIES:
+        yield
+        return
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    real = DynamicIndexedLayer.update_indexer
+    DynamicIndexedLayer.update_indexer = lambda self, keys: real(self, _stored_as_fp8(keys))
+    try:
+        yield
+    finally:
+        DynamicIndexedLayer.update_indexer = real
+
+
 @functools.cache
-def reference(family: str, n: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def reference(family: str, n: int, path: Path | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """transformers' greedy `generate` on each prompt alone: the new tokens and their logits. For the
     models with recurrent state it runs without its cache (each step one whole forward): its cached
     decode path (the plain-torch fallbacks of its Mamba2 and DeltaNet kernels) drifts from its own
     uncached forward, by up to 2e-3 in Nemotron-H's logits within 8 tokens, enough to flip a
-    near-tied greedy choice, while kvchain's engine matches the uncached forward within 3e-6."""
-    model = load_checkpoint(checkpoint_dir(family)).model
+    near-tied greedy choice, while kvchain's engine matches the uncached forward within 3e-6. `path`:
+    another checkpoint of the family than its tiny one."""
+    model = load_checkpoint(path or checkpoint_dir(family)).model
     tokens, logits = [], []
     for req in workload(n):
         ids = torch.tensor([list(req.prompt_token_ids)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
-                             use_cache=family not in STATE_FAMILIES,
-                             output_scores=True, generation_config=GenerationConfig(
-                                 max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0))
+        with _indexer_keys_rounded(family):
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                                 use_cache=family not in STATE_FAMILIES,
+                                 output_scores=True, generation_config=GenerationConfig(
+                                     max_new_tokens=req.max_new_tokens, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0))
         tokens.append(out.sequences[0, ids.shape[1]:].tolist())
         logits.append(torch.cat(out.scores).float())
     return tokens, logits
@@ -137,35 +181,37 @@ def tight_budget(family: str, at_once: int) -> int:
     return fixed + at_once * (pages_for(92, PAGE) * token_pages + 3 * state)
 
 
-def serve(family: str, n: int, *, at_once: int = 4, poison: bool = False, **overrides) -> GenerateResult:
+def serve(family: str, n: int, *, at_once: int = 4, poison: bool = False, path: Path | None = None,
+          **overrides) -> GenerateResult:
     """Serve `workload(n)` under the overlap loop on ThreadDevice; `poison` fills the arena with NaN
     bytes before the first step (memory as a device may hand it over)."""
     cfg = dict(budget_bytes=tight_budget(family, at_once), page_size=PAGE, max_running=8, max_batched_tokens=48,
                context_len=128, checkpoint_interval=INTERVAL, ignore_eos=True, keep_logits=True, overlap=True)
     cfg.update(overrides)
-    with Engine(load_checkpoint(checkpoint_dir(family)), EngineConfig(**cfg)) as engine:
+    with Engine(load_checkpoint(path or checkpoint_dir(family)), EngineConfig(**cfg)) as engine:
         if poison:
             engine.storage.arena.data.fill_(0xFF)  # every float32 lane reads NaN
         return engine.generate(workload(n))
 
 
-def mismatches(result: GenerateResult, family: str, n: int) -> list[int]:
-    want, _ = reference(family, n)
+def mismatches(result: GenerateResult, family: str, n: int, path: Path | None = None) -> list[int]:
+    want, _ = reference(family, n, path)
     return [i for i, (out, w) in enumerate(zip(result.outputs, want)) if out.token_ids != w]
 
 
-def logit_error(result: GenerateResult, family: str, n: int) -> float:
-    _, want = reference(family, n)
+def logit_error(result: GenerateResult, family: str, n: int, path: Path | None = None) -> float:
+    _, want = reference(family, n, path)
     return max(float((result.logits[(i, j)] - want[i][j]).abs().max())
                for i in range(n) for j in range(len(want[i])))
 
 
-def check_family(family: str, n: int) -> None:
-    """`n` requests of `family` served batched from a tight pool: transformers' tokens and logits,
-    and the pool did what the test means to exercise (moves, prefix hits, retirement, checkpoints)."""
-    result = serve(family, n, poison=True)
-    assert mismatches(result, family, n) == []
-    assert logit_error(result, family, n) < LOGIT_TOL[family]
+def check_family(family: str, n: int, path: Path | None = None) -> None:
+    """`n` requests of `family` (its tiny checkpoint, or the one at `path`) served batched from a
+    tight pool: transformers' tokens and logits, and the pool did what the test means to exercise
+    (moves, prefix hits, retirement, checkpoints)."""
+    result = serve(family, n, poison=True, path=path)
+    assert mismatches(result, family, n, path) == []
+    assert logit_error(result, family, n, path) < LOGIT_TOL[family]
     stats = result.stats
     assert stats.peak_running >= 2  # batched
     assert stats.compaction_moves > 0  # pages moved under the running forwards

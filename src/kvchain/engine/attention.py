@@ -15,6 +15,7 @@ reads its own last page again there, masked."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +138,41 @@ def attention_groups(batch: ForwardBatch, pool: str, window: int | None, sinks: 
             end = g.rows.stop
         found = cache[key] = (groups, end == int(batch.q_starts[-1]))
     return found
+
+
+def query_rows(g: _Group) -> np.ndarray:
+    """The group's `[b, n]` query rows in the packed sequence (a padded query repeats its last)."""
+    if isinstance(g.rows, slice):
+        rows = np.arange(g.rows.start, g.rows.stop)
+    else:
+        rows = g.rows.cpu().numpy()
+    return rows.reshape(g.b, g.n)
+
+
+def slot_columns(groups: list[_Group], page_size: int) -> list[np.ndarray]:
+    """Per group, `[b, C * page_size]`: where each request's key slots lie in the end-to-end layout."""
+    out, start = [], 0
+    for g in groups:
+        span = g.cols * page_size
+        out.append(start + np.arange(g.b)[:, None] * span + np.arange(span))
+        start += g.b * span
+    return out
+
+
+def restrict(groups: list[_Group], indices: torch.Tensor, page_size: int) -> list[_Group]:
+    """The groups with each query's keys narrowed to the slots the indexer picked (`indices`
+    `[1, T, topk]`, positions in the end-to-end layout `PagedLatent` returned). A pick among slots the
+    query may not see (a request with fewer keys than the top-k) stays masked."""
+    picked = torch.zeros(indices.shape[1], sum(g.b * g.cols * page_size for g in groups), dtype=torch.bool,
+                         device=indices.device)
+    picked.scatter_(1, indices[0].long(), True)
+    out = []
+    for g, cols in zip(groups, slot_columns(groups, page_size), strict=True):
+        rows = torch.from_numpy(query_rows(g)).to(picked.device)
+        seen = picked[rows[:, :, None], torch.from_numpy(cols).to(picked.device)[:, None, :]]  # [b, n, span]
+        out.append(dataclasses.replace(g, bias=g.bias.masked_fill(~seen[:, None], float("-inf")),
+                                       visible=g.visible & seen.cpu().numpy()))
+    return out
 
 
 def write_index(batch: ForwardBatch, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,6 +314,8 @@ def paged_attention(
             raise InputError(f"layer {layer}: latent attention with a window or sinks is not served")
         groups, tiled = attention_groups(batch, pool, None, False)
         kv = _split_gathered(key, value, groups, batch.page_size, dtype)
+        if kwargs.get("indices") is not None:  # a sparse-attention indexer's picks (`indexer.py`)
+            groups = restrict(groups, kwargs["indices"], batch.page_size)
     else:
         view = batch.views[pool]
         k_cache, v_cache = view.k(layer), view.v(layer)

@@ -12,6 +12,9 @@ pages each attention group reads (`attention.attention_groups`), laid end to end
 expands them with its own weights, and `attention.paged_attention`, seeing a latent module, attends over those
 gathered keys group by group instead of writing and reading a K/V cache.
 
+A sparse-attention indexer's keys (DeepSeek-V3.2, GLM-5) go through the same cache's
+`update_indexer`, into the layer's `index_k` component beside the latent (`indexer.py`).
+
 The pool holds the latent only (what `decl.MLA` prices); the per-head keys exist for one layer of
 one step. Expanding every gathered page is the plain form of MLA, the one transformers computes; an
 engine's absorbed decode kernel (queries multiplied into `kv_b_proj` instead) reads the same pool
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from ..decl import INDEX_QUANT_BLOCK
 from ..errors import InputError
 from .attention import LATENT_ATTR, attention_groups, write_index, write_tokens
 from .batch import ForwardBatch
+from .indexer import dequantize, key_mask, quantize
 
 
 def latent_module(module: torch.nn.Module) -> bool:
@@ -61,18 +66,27 @@ class PagedLatent:
             gathered = gathered.to(latent.dtype)
         return gathered[..., :rank], gathered[..., rank:]
 
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """A sparse-attention indexer's new keys `[1, T, D]`: stored quantised beside the latents
+        (`indexer.quantize`); returns the keys of the same gathered slots as `update`, `[1, L, D]`."""
+        batch = self.batch
+        pool = batch.layer_pool[layer_idx]
+        cache = batch.views[pool].index_k(layer_idx)  # [pages, page_size, bytes]
+        dim = keys.shape[-1]
+        if cache.shape[-1] != dim + 4 * (dim // INDEX_QUANT_BLOCK) or dim % INDEX_QUANT_BLOCK:
+            raise InputError(f"layer {layer_idx}: the pool keeps {cache.shape[-1]} indexer key bytes per token, "
+                             f"the model's indexer key has {dim} dims: plan from this checkpoint's own config")
+        write_tokens(cache, quantize(keys[0]), write_index(batch, pool))
+        groups, _tiled = attention_groups(batch, pool, None, False)
+        pages = groups[0].pages if len(groups) == 1 else torch.cat([g.pages for g in groups])
+        return dequantize(cache.index_select(0, pages), dim).reshape(1, -1, dim).to(keys.dtype)
+
 
 def install_latent_caches(model: torch.nn.Module) -> int:
     """Hand every MLA attention module of `model` a `PagedLatent` for the step in its call's
     `kvchain_batch`, and mark it for the attention function. Returns how many; installing twice
     keeps one hook per module."""
     found = [module for module in model.modules() if latent_module(module)]
-    sparse = sorted({getattr(m, "layer_idx", -1) for m in found if getattr(m, "indexer", None) is not None})
-    if sparse:
-        kind = type(next(m for m in found if getattr(m, "indexer", None) is not None).indexer).__name__
-        raise InputError(f"layers {sparse} choose their keys with a sparse-attention indexer ({kind}), whose own "
-                         "key cache kvchain's engine does not serve; kvchain can plan this model's pool "
-                         "(`kvchain plan`) but not run it")
     for module in found:
         if not getattr(module, LATENT_ATTR, False):
             module.register_forward_pre_hook(_swap_cache, with_kwargs=True)
@@ -87,4 +101,6 @@ def _swap_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tup
                          "in kvchain's pool and needs kvchain_batch=<ForwardBatch> in the forward's kwargs")
     kwargs.pop("past_key_values", None)
     kwargs["cache"] = PagedLatent(batch)
+    if hasattr(module, "indexer"):  # the indexer scores the gathered keys its query may see
+        kwargs["attention_mask"] = key_mask(batch, batch.layer_pool[module.layer_idx])
     return args, kwargs

@@ -343,6 +343,13 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "longcat_flash": _mla("longcat_flash", num_hidden_layers=4),
     "minicpm3": _mla("minicpm3"),
     "youtu": _mla("youtu"),
+    # DeepSeek-V3.2's sparse attention: an 8-head indexer with one 128-dim key per token picks 16
+    # of the up to 92 earlier tokens each query reads
+    "deepseek_v32": _mla("deepseek_v32", n_group=1, topk_group=1, index_n_heads=8, index_head_dim=128,
+                         index_topk=16),
+    # GLM-5's: its second layer reuses the first's picks (a shared indexer layer keeps no key)
+    "glm_moe_dsa": _mla("glm_moe_dsa", index_n_heads=8, index_head_dim=128, index_topk=16,
+                        indexer_types=["full", "shared", "full"]),
 }
 
 

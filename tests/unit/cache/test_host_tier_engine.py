@@ -19,7 +19,7 @@ N = 9
 HOST = 4 * 2**20
 
 
-@pytest.mark.parametrize("family", ["gemma3", "nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["gemma3", "nemotron_h", "deepseek_v3", "deepseek_v32"])
 def test_prefixes_evicted_to_host_and_loaded_back_give_the_same_outputs(family):
     with_host = serve(family, N, at_once=1, host_budget=HOST)
     without = serve(family, N, at_once=1)

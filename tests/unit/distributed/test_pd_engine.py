@@ -40,10 +40,11 @@ def test_pd_outputs_are_the_single_process_engines(kind):
     assert not mp.active_children()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear", "zamba2"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear", "zamba2", "deepseek_v32"])
 def test_pd_moves_latents_kda_state_and_shared_attention_kv(family):
     """The decode node continues from what the prefill node sent: DeepSeek-V3's latents, Kimi
-    Linear's KDA state beside its latents, Zamba2's Mamba2 state and its shared blocks' KV."""
+    Linear's KDA state beside its latents, Zamba2's Mamba2 state and its shared blocks' KV,
+    DeepSeek-V3.2's indexer keys beside its latents."""
     requests = workload(3, seed=3)
     path = checkpoint_dir(family)
     with Engine(path, CONFIG) as engine:

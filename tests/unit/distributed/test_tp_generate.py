@@ -16,7 +16,14 @@ from kvchain.dist import tp_engine as tp
 from kvchain.dist.tp_engine import generate_in_ranks
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import KVChainError
-from support.engine import LOGIT_TOL, checkpoint_dir, workload, write_prompts
+from support.engine import (
+    INDEXED_FAMILIES,
+    LOGIT_TOL,
+    checkpoint_dir,
+    every_token_indexed_dir,
+    workload,
+    write_prompts,
+)
 
 
 def _config(**kw) -> EngineConfig:
@@ -81,14 +88,18 @@ def test_every_family_on_two_ranks_generates_what_one_process_does(family):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
-                                    "kimi_linear"])
+                                    "kimi_linear", "deepseek_v32", "glm_moe_dsa"])
 def test_latent_attention_on_two_ranks_generates_what_one_process_does(family):
     """DeepSeek-V3's, LongCat-Flash's and Kimi Linear's latent attention split by query heads: each
     rank computes its heads from the whole latent, so each rank's pool holds all of the bytes per
     token (the latent is not split), and both sample the tokens one process samples. LongCat-Flash's
     identity experts pass their tokens through on rank 0 only (summed on both ranks, they diverged
-    at the fifth token); Kimi Linear's delta-attention layers split by heads beside them."""
-    path, reqs = str(checkpoint_dir(family)), workload(4)
+    at the fifth token); Kimi Linear's delta-attention layers split by heads beside them.
+    DeepSeek-V3.2's and GLM-5's indexers run whole on every rank (their keys beside the whole latent);
+    their top-k reaches every token here, since the ranks' all-reduced sums differ from one process's
+    in the last bits, which can flip a pick on a near-tie (`test_engine_families.py`)."""
+    dir_of = every_token_indexed_dir if family in INDEXED_FAMILIES else checkpoint_dir
+    path, reqs = str(dir_of(family)), workload(4)
     with Engine(path, _config()) as engine:
         one = engine.generate(reqs)
         whole = StageGeometry.of_chain(engine.storage.allocator, 0).bytes_per_token()

@@ -14,7 +14,14 @@ import torch
 from kvchain.engine.mixers import check_state_layers_served, served_mixer_types
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import InputError
-from support.engine import MORE_FAMILIES, check_family, checkpoint_dir, tight_budget
+from support.engine import (
+    INDEXED_FAMILIES,
+    MORE_FAMILIES,
+    check_family,
+    checkpoint_dir,
+    every_token_indexed_dir,
+    tight_budget,
+)
 
 
 @pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
@@ -26,7 +33,13 @@ def test_family_output_is_transformers_output(family):
 @pytest.mark.sweep
 @pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
 def test_family_output_is_transformers_output_64(family):
-    check_family(family, 64)
+    """64 requests per family. A sparse-attention indexer's top-k is discontinuous: at 64 requests a
+    pick on a near-tie flips between the batched forward and transformers' one-request forward (with
+    a top-k of 16, DeepSeek-V3.2 showed four isolated one-token logit jumps, 0.02 to 0.5, errors of
+    1e-6 before and after; one changed a greedy token). So the indexed families run here with every
+    token in reach (`every_token_indexed_dir`); their sparse picks are held at 12 requests above and
+    by `test_indexer.py`."""
+    check_family(family, 64, every_token_indexed_dir(family) if family in INDEXED_FAMILIES else None)
 
 
 class _Unserved(torch.nn.Module):

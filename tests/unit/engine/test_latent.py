@@ -1,7 +1,7 @@
 """Multi-head latent attention through the pool (`engine/latent.py`): the pool keeps one latent and
 rope key per token and layer, the module expands what the pool returns, and the tokens are
 transformers' (`test_engine_families.py` holds every MLA family to that). Here: what the pool
-holds, and the models whose attention the engine cannot serve are refused when it is built."""
+holds (`test_indexer.py`: a sparse-attention indexer's keys beside it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.latent import LATENT_ATTR, PagedLatent, install_latent_caches
 from kvchain.engine.runner import ModelRunner, takes_mask_mapping
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
-from kvchain.engine.tiny import make_model, model_for_config, tiny_fields
+from kvchain.engine.tiny import make_model
 from kvchain.errors import InputError
 from kvchain.plan import plan_kv_storage
 from support.engine import checkpoint_dir, tight_budget, workload
@@ -67,18 +67,6 @@ def test_the_latent_written_is_the_models_own(monkeypatch):
     assert set(captured) == set(seen) == set(range(loaded.config.num_hidden_layers))
     for layer, want in seen.items():
         torch.testing.assert_close(captured[layer], want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
-def test_a_sparse_attention_indexer_is_refused(model_type):
-    """DeepSeek-V3.2's and GLM-5's attention picks its keys with an indexer that keeps a key cache
-    of its own: served without it, the model would attend to other keys than its own, silently."""
-    cfg = tiny_fields(model_type, num_hidden_layers=2, intermediate_size=64, kv_lora_rank=32, q_lora_rank=48,
-                      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4, head_dim=8,
-                      n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    model = model_for_config(cfg)
-    with pytest.raises(InputError, match=r"layers \[0, 1\] choose their keys with a sparse-attention indexer"):
-        install_latent_caches(model)
 
 
 def test_a_latent_module_needs_the_batch():

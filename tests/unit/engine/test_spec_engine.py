@@ -39,10 +39,12 @@ def test_speculative_output_on_the_other_state_families(family):
     check(family, 6)
 
 
-def test_speculative_output_with_latent_attention():
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_speculative_output_with_latent_attention(family):
     """DeepSeek-V3's draft (its first layer) and target both keep MLA latents in the fused pool: the
-    verify forward writes the proposals' latents and reads them back through the same groups."""
-    check("deepseek_v3", 6)
+    verify forward writes the proposals' latents and reads them back through the same groups.
+    DeepSeek-V3.2's also keep their indexer keys there, and the draft's indexer picks among its own."""
+    check(family, 6)
 
 
 def test_a_shared_attention_draft_keeps_its_kv_in_its_own_layers(monkeypatch):
