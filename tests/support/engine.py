@@ -32,6 +32,8 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "gemma2": (1e-4, False),
     "olmo3": (1e-4, False),
     "cohere2": (1e-4, False),
+    "llama4": (1e-4, False),
+    "mimo_v2_flash": (1e-4, False),
     "lfm2": (1e-4, True),
     "bamba": (5e-3, True),
     "granitemoehybrid": (5e-3, True),

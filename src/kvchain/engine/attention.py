@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..decl import WindowLifetime
 from ..errors import InputError
 from .batch import ForwardBatch, pad_buckets
 
@@ -77,8 +78,9 @@ def _rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
 
 
 def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray, lens: np.ndarray,
-           sinks: bool) -> _Group:
-    """The positions and pages for requests `reqs` (with `lens` new tokens each) in sub-pool `pool`."""
+           sinks: bool, chunk: int | None = None) -> _Group:
+    """The positions and pages for requests `reqs` (with `lens` new tokens each) in sub-pool `pool`;
+    `chunk`: attention within aligned chunks of that many tokens (Llama 4), instead of a window."""
     table = batch.page_tables[pool]
     device = table.device
     ps = batch.page_size
@@ -86,7 +88,12 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
     prefix = batch.prefix_lens[reqs]
     last_col = (batch.seq_lens[reqs] - 1) // ps
     # the lowest position any of the request's queries sees: its first query's window start
-    first_col = np.maximum(prefix - window + 1, 0) // ps if window is not None else np.zeros_like(prefix)
+    if window is not None:
+        first_col = np.maximum(prefix - window + 1, 0) // ps
+    elif chunk is not None:
+        first_col = prefix // chunk * chunk // ps
+    else:
+        first_col = np.zeros_like(prefix)
     n_cols = int((last_col - first_col).max()) + 1 + sinks  # a sink reads one more (zeroed) column
     span = n_cols * ps
     cols = np.minimum(first_col[:, None] + np.arange(n_cols), last_col[:, None])  # [b, C]; pads: own last page
@@ -98,6 +105,9 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
     visible = rel <= 0  # causal; positions past the request's length are past every query
     if window is not None:
         visible &= rel > -window  # HF: kv_idx > q_idx - window
+    if chunk is not None:  # HF: kv_idx // chunk == q_idx // chunk (with kv_idx <= q_idx)
+        key_pos = (first_col * ps)[:, None, None] + np.arange(span)
+        visible &= key_pos >= (q_pos // chunk * chunk)[:, :, None]
     bias = np.where(visible, np.float32(0.0), np.float32(-np.inf))
     zero = None
     if sinks:
@@ -113,23 +123,24 @@ def _group(batch: ForwardBatch, pool: str, window: int | None, reqs: np.ndarray,
                   zero=zero, bias=torch.from_numpy(bias[:, None]).to(device), visible=visible, sink_col=sinks)
 
 
-def attention_groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool) -> tuple[list[_Group], bool]:
-    """This step's groups for one (sub-pool, window, sinks), and whether their rows are slices that
+def attention_groups(batch: ForwardBatch, pool: str, window: int | None, sinks: bool,
+                     chunk: int | None = None) -> tuple[list[_Group], bool]:
+    """This step's groups for one (sub-pool, window or chunk, sinks), and whether their rows are slices that
     tile the packed sequence in order (their outputs then concatenate): computed once per forward
     and shared by every layer that reads the same sub-pool, since they see the same page tables and
     positions."""
     cache: dict[tuple, tuple[list[_Group], bool]] = batch.__dict__.setdefault("_attention_groups", {})
-    key = (pool, window, sinks)
+    key = (pool, window, sinks, chunk)
     found = cache.get(key)
     if found is None:
         new = batch.seq_lens - batch.prefix_lens
         groups = []
         decode = np.flatnonzero(new == 1)
         if len(decode):
-            groups.append(_group(batch, pool, window, decode, new[decode], sinks))
+            groups.append(_group(batch, pool, window, decode, new[decode], sinks, chunk))
         chunks = np.flatnonzero(new > 1)
         for bucket in pad_buckets(new[chunks]):
-            groups.append(_group(batch, pool, window, chunks[bucket], new[chunks[bucket]], sinks))
+            groups.append(_group(batch, pool, window, chunks[bucket], new[chunks[bucket]], sinks, chunk))
         end = 0
         for g in groups:
             if not isinstance(g.rows, slice) or g.real is not None or g.rows.start != end:
@@ -303,7 +314,13 @@ def paged_attention(
         raise InputError(f"{n_heads} query heads do not share {kv_heads} kv heads evenly")
 
     layer = module.layer_idx if kvchain_layer is None else kvchain_layer
+    attended = batch.__dict__.setdefault("attended", set())
+    if layer in attended:  # its second call would write its tokens' K/V again over the first's
+        raise InputError(f"layer {layer} ({type(module).__name__}) calls the attention function twice in one "
+                         "forward: kvchain's pool keeps one K and V per token and layer, so it cannot serve it")
+    attended.add(layer)
     pool = batch.layer_pool[layer]
+    sliding_window, chunk = _reach(batch, pool, layer, sliding_window)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     dtype = torch.promote_types(query.dtype, torch.float32)
@@ -322,7 +339,7 @@ def paged_attention(
         index = write_index(batch, pool)
         write_tokens(k_cache, key[0].transpose(0, 1), index)
         write_tokens(v_cache, value[0].transpose(0, 1), index)
-        groups, tiled = attention_groups(batch, pool, sliding_window, s_aux is not None)
+        groups, tiled = attention_groups(batch, pool, sliding_window, s_aux is not None, chunk)
         kv = ((_gather(k_cache, g, dtype), _gather(v_cache, g, dtype)) for g in groups)
     parts = [_attend(query, k, v, g, scaling, softcap, s_aux) for g, (k, v) in zip(groups, kv)]  # [b, n, H, Dv]
     if tiled:  # the groups' rows follow each other from the first: their outputs concatenate in order
@@ -337,6 +354,28 @@ def paged_attention(
         else:
             out.index_copy_(0, g.rows, part.reshape(-1, n_heads, part.shape[-1]))
     return out.to(query.dtype).unsqueeze(0), None
+
+
+def _reach(batch: ForwardBatch, pool: str, layer: int, sliding_window: int | None) -> tuple[int | None, int | None]:
+    """The (window, chunk) a layer's queries see, from its sub-pool's lifetime, which is what the pool
+    retires by: a layer planned chunked attends within aligned chunks (Llama 4 passes no window; the
+    mask transformers would build says so, and the batch's positions are the mask here), one planned
+    with a window attends over it where the module passes none, and a module whose window reaches
+    past the plan's is refused rather than read over pages the pool has retired."""
+    lifetime = batch.views[pool].pool.lifetime
+    if not isinstance(lifetime, WindowLifetime):
+        return sliding_window, None
+    if lifetime.chunked:
+        if sliding_window is not None:
+            raise InputError(f"layer {layer}: planned as attention in chunks of {lifetime.window}, but its module "
+                             f"passes a sliding window of {sliding_window}")
+        return None, lifetime.window
+    if sliding_window is None:
+        return lifetime.window, None
+    if sliding_window > lifetime.window:
+        raise InputError(f"layer {layer}: its module attends over a window of {sliding_window} tokens, the pool "
+                         f"keeps {lifetime.window}: plan from this checkpoint's own config")
+    return sliding_window, None
 
 
 def _no_mask(*args, **kwargs) -> None:

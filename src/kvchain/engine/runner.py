@@ -105,6 +105,13 @@ class ModelRunner:
         if missing:
             raise InputError(f"attention layers {missing} have no sub-pool in the plan (it places layers "
                              f"{sorted(self.layer_pool)}): plan from this checkpoint's own config")
+        kv_pools = [pool for pool in plan.sub_pools if pool.kind is not PoolKind.STATE]
+        drafts = {lid for pool in kv_pools for lid in pool.draft_layer_ids}
+        #: the layers whose K/V the plan keeps (the draft's, for a draft): each must reach the
+        #: attention function once a forward
+        self.kv_layers = frozenset(drafts if draft else {lid for pool in kv_pools for lid in pool.layer_ids} - drafts)
+        self._classes = {m.layer_idx: type(m).__name__ for m in model.modules()
+                         if isinstance(getattr(m, "layer_idx", None), int)}
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
@@ -116,4 +123,15 @@ class ModelRunner:
         new token's KV and state into the pool."""
         out = self.model(input_ids=input_ids[None], position_ids=positions[None],
                          logits_to_keep=sample_at, use_cache=False, kvchain_batch=batch, **self._masks)
+        self.check_attended(batch)
         return out.logits[0].float()
+
+    def check_attended(self, batch: ForwardBatch) -> None:
+        """Every layer whose K/V the pool keeps went through the attention function in this forward:
+        a module that attends its own way (over only the step's tokens) would serve wrong tokens
+        without a word."""
+        skipped = self.kv_layers - batch.__dict__.get("attended", frozenset())
+        if skipped:
+            classes = sorted({self._classes.get(lid, type(self.model).__name__) for lid in skipped})
+            raise InputError(f"attention layers {sorted(skipped)} ({', '.join(classes)}) never called the attention "
+                             "function: they attend without the pool's K/V, which kvchain cannot serve")

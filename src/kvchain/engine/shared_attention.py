@@ -49,8 +49,8 @@ def offset_layers(module: torch.nn.Module, offset: int) -> None:
 
 def install_shared_attention(model: torch.nn.Module) -> set[int]:
     """Hook every shared attention module of `model` to relay its call's layer (idempotent), and
-    return the decoder layers they run at: those whose `layers.<i>` holds one (every name of a
-    module reused under several layers)."""
+    return the layers of the pool they run at: those whose `layers.<i>` holds one (every name of a
+    module reused under several layers), offset as a fused draft's (`offset_layers`)."""
     layers: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         position = _layer_arg(module)
@@ -60,7 +60,7 @@ def install_shared_attention(model: torch.nn.Module) -> set[int]:
         if layer is None:
             raise InputError(f"{type(module).__name__} at {name!r} takes its layer per call but sits in no "
                              "`layers.<i>`: the pool cannot tell which layers' KV it keeps")
-        layers.add(layer)
+        layers.add(layer + module.__dict__.get(_OFFSET, 0))
         if not module.__dict__.get(_HOOKED):
             module.register_forward_pre_hook(_relay(position), with_kwargs=True)
             module.__dict__[_HOOKED] = True

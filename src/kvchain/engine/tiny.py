@@ -253,6 +253,22 @@ def _recurrent_gemma() -> dict[str, Any]:
             "conv1d_width": 4, "attention_window_size": 16, "tie_word_embeddings": False}
 
 
+def _llama4() -> dict[str, Any]:
+    # Llama 4's text model: layers 0-2 attend within aligned chunks of 16 tokens (prompts and outputs
+    # cross chunks), layer 3 is global without rope; experts on every layer beside a shared one
+    return {"model_type": "llama4_text", "num_hidden_layers": 4, "attention_chunk_size": 16,
+            "intermediate_size": 32, "intermediate_size_mlp": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
+            "tie_word_embeddings": False}
+
+
+def _mimo_v2_flash() -> dict[str, Any]:
+    # MiMo-V2-Flash: a global layer, then sliding layers with twice its K/V heads and sinks; keys of
+    # 24 dims (8 rotated), values of 16; experts after a first dense layer
+    return {"model_type": "mimo_v2_flash", "num_hidden_layers": 4, "head_dim": 24, "v_head_dim": 16,
+            "sliding_window": 16, "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "tie_word_embeddings": False}
+
+
 def _minimax() -> dict[str, Any]:
     # lightning-attention layers 0, 2 and 3 around a softmax layer 1, experts on every layer; a block
     # of 16 so transformers' own forward crosses blocks within a prompt, and residual factors off 1
@@ -333,6 +349,8 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "jamba": _jamba,
     "recurrent_gemma": _recurrent_gemma,
     "minimax": _minimax,
+    "llama4": _llama4,
+    "mimo_v2_flash": _mimo_v2_flash,
     "kimi_linear": _kimi_linear,
     "zamba": _zamba,
     "zamba2": _zamba2,

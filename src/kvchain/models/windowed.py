@@ -1,10 +1,14 @@
 """Attention-only families that interleave bounded and global attention layers:
-gpt-oss (sliding/full), Gemma 3 (local/global) and Llama 4 (chunked/NoPE-global)."""
+gpt-oss (sliding/full), Gemma 3 (local/global), Llama 4 (chunked/NoPE-global) and MiMo-V2-Flash
+(sliding layers with twice the global layers' K/V heads)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..decl import KVPart
 from .fields import Fields
+from .generic import attention_geometry as kv_geometry
 from .parts import Context, FamilyLayers, Kind, attention_geometry, attention_lifetime, kinds_subset
 
 _SLIDING_OR_FULL = kinds_subset(Kind.FULL, Kind.WINDOW)
@@ -94,3 +98,24 @@ def _llama4_rope_layers(fields: Fields, num_layers: int) -> list[bool]:
         return [bool(f) for f in flags]
     interval = fields.integer("no_rope_layer_interval", _LLAMA4_NOPE_INTERVAL_DEFAULT)
     return [(i + 1) % interval != 0 for i in range(num_layers)]
+
+
+def parse_mimo_v2_flash(fields: Fields, ctx: Context, model_type: str) -> FamilyLayers:
+    """MiMo-V2-Flash: the first layer and every sixth are global, the rest slide. A sliding layer
+    keeps twice the global layers' K/V heads (`swa_num_key_value_heads` in the hub's config; the
+    doubling is hard-coded in transformers' model, which ignores that field), keys of `head_dim`
+    and values of `v_head_dim` in both. The hub's `sliding_window_size` counts the tokens before the
+    query, so the window is one more (as transformers reads it)."""
+    num_layers = fields.num_layers()
+    full = kv_geometry(fields, ctx)
+    global_heads = fields.integer("num_key_value_heads")
+    swa_heads = fields.integer("swa_num_key_value_heads", 2 * global_heads)
+    sliding = dataclasses.replace(full, kv_heads=fields.split_heads("swa_num_key_value_heads", swa_heads, ctx.tp))
+    kinds = fields.layer_kinds(("layer_types",), _SLIDING_OR_FULL, num_layers)
+    if kinds is None:
+        kinds = [Kind.FULL if i == 0 or (i + 1) % 6 == 0 else Kind.WINDOW for i in range(num_layers)]
+    size = fields.optional_integer("sliding_window_size", minimum=1)
+    window = size + 1 if size is not None else fields.window()
+    layers = [[KVPart(sliding if k is Kind.WINDOW else full, attention_lifetime(k, window, fields, "sliding_window"))]
+              for k in kinds]
+    return FamilyLayers(layers, fields.integer("max_position_embeddings"))

@@ -280,7 +280,7 @@ def test_window_edge_is_hf_convention():
     table = decode.page_tables[sub.name][0]
 
     def run() -> torch.Tensor:
-        return paged_attention(module, qd, kd, vd, None, sliding_window=WINDOW, kvchain_batch=decode)[0]
+        return paged_attention(module, qd, kd, vd, None, sliding_window=WINDOW, kvchain_batch=_again(decode))[0]
 
     # the first call writes position 12 itself; positions 0..11 hold whatever the pool held
     view.k(layer)[table[:3]] = torch.randn(3, PAGE, 2, 16)
@@ -294,6 +294,12 @@ def test_window_edge_is_hf_convention():
     assert torch.equal(run(), base)
     view.v(layer)[table[inside // PAGE], inside % PAGE] += 1.0
     assert not torch.allclose(run(), base)
+
+
+def _again(batch: ForwardBatch) -> ForwardBatch:
+    """`batch` for another forward of the same step (a forward attends each layer once)."""
+    batch.__dict__.pop("attended", None)
+    return batch
 
 
 def test_decode_batch_pads_with_garbage_safely():
@@ -325,7 +331,7 @@ def test_decode_batch_pads_with_garbage_safely():
     fresh = table[1, decode.prefix_lens[1] // PAGE]  # request 1's decode starts this page
     stale = view.v(module.layer_idx)[fresh].clone()
     view.v(module.layer_idx)[fresh, 1:] = float("nan")  # past the token the decode writes
-    poisoned = paged_attention(module, q, k, v, None, kvchain_batch=decode)[0]
+    poisoned = paged_attention(module, q, k, v, None, kvchain_batch=_again(decode))[0]
     assert torch.isnan(poisoned[0, 1]).all() and torch.equal(poisoned[0, [0, 2]], together[0, [0, 2]])
     view.v(module.layer_idx)[fresh] = stale
     for b in range(3):

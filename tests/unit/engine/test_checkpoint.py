@@ -28,6 +28,9 @@ POOL_KINDS = {
     "mistral": {PoolKind.FULL, PoolKind.WINDOW},
     "qwen3": {PoolKind.FULL},
     **dict.fromkeys(("gemma2", "olmo3", "cohere2"), frozenset({PoolKind.FULL, PoolKind.WINDOW})),
+    # Llama 4: chunked layers (a window sub-pool that retires by chunk) and a global one
+    "llama4": frozenset({PoolKind.FULL, PoolKind.WINDOW}),
+    "mimo_v2_flash": frozenset({PoolKind.FULL, PoolKind.WINDOW}),
     **dict.fromkeys(("lfm2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe", "olmo_hybrid",
                      "jamba", "minimax", "kimi_linear"), frozenset({PoolKind.FULL, PoolKind.STATE})),
     # every layer keeps Mamba state, and the hybrid layers attend too (KV beside their state)

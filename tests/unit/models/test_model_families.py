@@ -309,6 +309,29 @@ def test_hymba_every_i_layer_reuse_and_no_window():
     assert set(lifetimes(model_from_config(cfg))) == {"full", "-"}
 
 
+def test_mimo_v2_flash_sliding_layers_keep_twice_the_kv_heads():
+    """MiMo-V2-Flash as its hub config states it: 48 layers, global ones first and every sixth, 4
+    K/V heads there and 8 (`swa_num_key_value_heads`) on the sliding layers, keys of 192 and values
+    of 128 dims, a window of `sliding_window_size` + 1 = 129 tokens. The generic reading planned
+    the sliding layers with 4 heads: 122,880 bytes per token where the model keeps 222,720."""
+    cfg = {"model_type": "mimo_v2_flash", "num_hidden_layers": 48, "hidden_size": 4096, "num_attention_heads": 64,
+           "num_key_value_heads": 4, "swa_num_key_value_heads": 8, "head_dim": 192, "v_head_dim": 128,
+           "swa_head_dim": 192, "swa_v_head_dim": 128, "sliding_window_size": 128, "max_position_embeddings": 262144,
+           "torch_dtype": "bfloat16"}
+    spec = model_from_config(cfg)
+    kinds = lifetimes(spec)
+    assert [i for i, k in enumerate(kinds) if k == "full"] == [0, *range(5, 48, 6)]
+    assert set(kinds) == {"full", "window 129"}
+    plan = plan_kv_storage(spec.decls, page_size=64)
+    per_token = {p.name: p.unit_bytes for p in plan.sub_pools}
+    assert per_token == {"window129": 39 * 8 * (192 + 128) * 2, "full": 9 * 4 * (192 + 128) * 2}
+    assert model_from_config(cfg, tp_size=4).decls[1].parts[0].geometry.kv_heads == 2
+    assert "'swa_num_key_value_heads'" in error_of({**cfg, "swa_num_key_value_heads": 6}, tp_size=4)
+    # without the field, transformers' doubling
+    del cfg["swa_num_key_value_heads"]
+    assert model_from_config(cfg).decls[1].parts[0].geometry.kv_heads == 8
+
+
 def test_deepseek_v2_uses_the_mla_parser():
     cfg = load_preset_config("deepseek-v3")
     cfg.update(model_type="deepseek_v2", num_hidden_layers=27, q_lora_rank=None)

@@ -131,6 +131,8 @@ def expected_bytes(t) -> tuple[int, int]:
         if name in ("full_attention", "attention", "indexed_attention", "sliding_attention", "chunked_attention",
                     "hybrid"):
             per_token += attention_bytes(t)
+            if name == "sliding_attention" and t.model_type == "mimo_v2_flash":
+                per_token += attention_bytes(t)  # its model gives sliding layers twice the K/V heads
         if name in ("linear_attention", "mamba", "conv", "hybrid"):
             per_slot += state_bytes(t)
     return per_token, per_slot
