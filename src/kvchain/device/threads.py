@@ -161,6 +161,8 @@ class ThreadDevice(Device):
         for name, worker in self._workers.items():
             if worker.error is not None:
                 error, worker.error = worker.error, None
+                if isinstance(error, InputError):  # what the caller handed in, refused where it ran
+                    raise InputError(f"{error} (on stream {name!r})") from error
                 raise KVChainError(f"work on stream {name!r} failed: {error!r}") from error
 
     def launch(

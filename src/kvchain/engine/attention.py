@@ -336,6 +336,11 @@ def paged_attention(
     else:
         view = batch.views[pool]
         k_cache, v_cache = view.k(layer), view.v(layer)
+        if key.shape[1:2] + key.shape[3:] != k_cache.shape[2:] or value.shape[1:2] + value.shape[3:] != v_cache.shape[2:]:
+            raise InputError(f"layer {layer} ({type(module).__name__}) hands the attention function keys "
+                             f"{tuple(key.shape[1:2] + key.shape[3:])} and values {tuple(value.shape[1:2] + value.shape[3:])} "
+                             f"(heads, dims) per token, where the pool planned from its config keeps "
+                             f"{tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}: kvchain cannot serve it")
         index = write_index(batch, pool)
         write_tokens(k_cache, key[0].transpose(0, 1), index)
         write_tokens(v_cache, value[0].transpose(0, 1), index)

@@ -5,7 +5,7 @@ write their conv and SSM/delta state in the pool by state slot (`deltanet.py`, `
 A mixer takes the step's `ForwardBatch` from the `kvchain_batch` keyword the model passes down to
 it. Some transformers blocks call their mixer with the hidden states, cache and mask only (Mamba's,
 Falcon-Mamba's and Jamba's drop the other keywords), so the keyword is also caught where the model
-itself is called and relayed to the mixers of that call (`_BatchRelay`)."""
+itself is called and relayed to the mixers of that call (`BatchRelay`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def install_state_mixers(model: torch.nn.Module) -> int:
              for module in model.modules()]
     found = [(module, forward) for module, forward in found if forward is not None]
     if found:
-        relay = _BatchRelay.of(model)
+        relay = BatchRelay.of(model)
         for module, forward in found:
             module.forward = _bound(module, forward, relay)
     return len(found)
@@ -93,7 +93,7 @@ def layer_in_name(name: str) -> int | None:
     return None if found is None else int(found.group(1))
 
 
-class _BatchRelay:
+class BatchRelay:
     """The `kvchain_batch` of the model call running on this thread, for a mixer whose block does
     not pass the keyword down. Set by a pre-hook on the model and cleared by a hook that runs even
     when the forward raises, so a later call without the keyword finds none rather than a stale one.
@@ -103,14 +103,14 @@ class _BatchRelay:
         self._local = threading.local()
 
     def __reduce__(self) -> tuple[type, tuple]:
-        return (_BatchRelay, ())
+        return (BatchRelay, ())
 
     @property
     def batch(self) -> ForwardBatch | None:
         return getattr(self._local, "batch", None)
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> _BatchRelay:
+    def of(cls, model: torch.nn.Module) -> BatchRelay:
         """`model`'s relay, hooked on the first call (installing twice keeps one)."""
         relay = model.__dict__.get("_kvchain_batch_relay")
         if relay is None:
@@ -127,8 +127,31 @@ class _BatchRelay:
         self._local.batch = None
 
 
+def relay_batch_to_attention(model: torch.nn.Module) -> int:
+    """Hand the model call's `kvchain_batch` to every attention module of `model` called without it
+    (StableLM's and Nemotron's decoder layers pass their attention no keywords; the attention
+    passes its own on to the attention function). Idempotent; returns how many modules it hooks."""
+    relay = BatchRelay.of(model)
+    hooked = 0
+    for module in model.modules():
+        if hasattr(module, "o_proj") and isinstance(getattr(module, "layer_idx", None), int):
+            if not module.__dict__.get("_kvchain_batch_hook"):
+                module.register_forward_pre_hook(_with_batch(relay), with_kwargs=True, prepend=True)
+                module.__dict__["_kvchain_batch_hook"] = True
+            hooked += 1
+    return hooked
+
+
+def _with_batch(relay: BatchRelay):
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if "kvchain_batch" in kwargs or relay.batch is None:
+            return None
+        return args, {**kwargs, "kvchain_batch": relay.batch}
+    return hook
+
+
 def _bound(module: torch.nn.Module, forward: Callable[..., torch.Tensor],
-           relay: _BatchRelay) -> Callable[..., torch.Tensor]:
+           relay: BatchRelay) -> Callable[..., torch.Tensor]:
     def run(hidden_states: torch.Tensor, cache: object = None, attention_mask: object = None,
             **kwargs: object) -> torch.Tensor:
         batch = kwargs.get("kvchain_batch", relay.batch)

@@ -13,13 +13,13 @@ import inspect
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, KVChainError
 from ..plan import KVStoragePlan, PoolKind
 from .attention import NAME as ATTENTION_NAME
 from .attention import register
 from .batch import ForwardBatch
 from .latent import install_latent_caches
-from .mixers import check_state_layers_served, install_state_mixers
+from .mixers import check_state_layers_served, install_state_mixers, relay_batch_to_attention
 from .shared_attention import install_shared_attention, is_shared_attention
 
 
@@ -87,6 +87,7 @@ class ModelRunner:
         self.model = model.eval()
         self.mixers = install_state_mixers(model)
         self.latent_layers = install_latent_caches(model)
+        relay_batch_to_attention(model)
         if plan.state is not None:
             # a fused plan numbers a draft's layers after the target's last layer with KV or state,
             # so a draft layer's id may be a target's layer without any (an MLP block)
@@ -121,17 +122,28 @@ class ModelRunner:
                sample_at: torch.Tensor) -> torch.Tensor:
         """Logits `[len(sample_at), vocab]` at the packed positions `sample_at`, after writing every
         new token's KV and state into the pool."""
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None],
-                         logits_to_keep=sample_at, use_cache=False, kvchain_batch=batch, **self._masks)
+        try:
+            out = self.model(input_ids=input_ids[None], position_ids=positions[None],
+                             logits_to_keep=sample_at, use_cache=False, kvchain_batch=batch, **self._masks)
+        except Exception as error:
+            if isinstance(error, KVChainError):
+                raise
+            self.check_attended(batch, error)
+            raise
         self.check_attended(batch)
         return out.logits[0].float()
 
-    def check_attended(self, batch: ForwardBatch) -> None:
+    def check_attended(self, batch: ForwardBatch, raised: Exception | None = None) -> None:
         """Every layer whose K/V the pool keeps went through the attention function in this forward:
         a module that attends its own way (over only the step's tokens) would serve wrong tokens
-        without a word."""
-        skipped = self.kv_layers - batch.__dict__.get("attended", frozenset())
+        without a word. A forward that `raised` before the first layer reached it is refused the
+        same way, naming what it raised (Falcon's attention adds a mask the engine does not build)."""
+        attended = batch.__dict__.get("attended", frozenset())
+        skipped = self.kv_layers - attended
+        if raised is not None and attended:
+            return  # it got as far as the attention function: the error is the model's own
         if skipped:
             classes = sorted({self._classes.get(lid, type(self.model).__name__) for lid in skipped})
+            why = "" if raised is None else f" (the forward raised {type(raised).__name__}: {raised})"
             raise InputError(f"attention layers {sorted(skipped)} ({', '.join(classes)}) never called the attention "
-                             "function: they attend without the pool's K/V, which kvchain cannot serve")
+                             f"function{why}: they attend without the pool's K/V, which kvchain cannot serve") from raised

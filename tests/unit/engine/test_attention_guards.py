@@ -20,7 +20,7 @@ import torch
 from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.tiny import model_for_config, save_checkpoint, tiny_fields
-from kvchain.errors import KVChainError
+from kvchain.errors import InputError, KVChainError
 from support.engine import PAGE, checkpoint_dir, mismatches, tight_budget, workload
 
 N = 6
@@ -102,4 +102,29 @@ def test_a_model_that_keeps_no_cache_is_refused(tmp_path):
     model = model_for_config(tiny_fields("openai-gpt", num_hidden_layers=2, tie_word_embeddings=False), seed=1)
     loaded = load_checkpoint(save_checkpoint(model, tmp_path / "gpt1"))
     with pytest.raises(KVChainError, match=r"attention layers \[0, 1\] \(.*\) never called the attention function"):
+        _serve(loaded, "llama")
+
+
+def test_keys_of_another_shape_than_the_pools_are_refused(tmp_path):
+    """JetMoE's attention tiles its K/V heads by its top-k after the cache, so the attention function
+    gets twice the heads the pool keeps per token: one line naming both shapes (it was a torch
+    shape error from inside the forward)."""
+    model = model_for_config(tiny_fields("jetmoe", num_hidden_layers=2, num_key_value_heads=4,
+                                         tie_word_embeddings=False), seed=1)
+    loaded = load_checkpoint(save_checkpoint(model, tmp_path / "jetmoe"))
+    with pytest.raises(InputError, match=r"layer 0 \(JetMoeAttention\) hands the attention function keys \(8, 16\) "
+                                         r"and values \(8, 16\) .* keeps \(4, 16\) and \(4, 16\)"):
+        _serve(loaded, "llama")
+
+
+def test_a_model_that_fails_before_its_attention_is_refused_as_such(tmp_path):
+    """Falcon's attention adds a mask the engine does not build and raises before it reaches the
+    attention function: one line that says so and what it raised (it was a bare TypeError)."""
+    from transformers import FalconConfig
+
+    config = FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          bos_token_id=None, eos_token_id=None)
+    loaded = load_checkpoint(save_checkpoint(model_for_config(config, seed=1), tmp_path / "falcon"))
+    with pytest.raises(InputError, match=r"attention layers \[0, 1\] \(FalconAttention\) never called the attention "
+                                         r"function \(the forward raised TypeError"):
         _serve(loaded, "llama")
