@@ -9,7 +9,8 @@ shared expert's gate, Zamba2's shared MLP (gate and up fused, with its adapters)
 kinds of layer split (the recurrent mixers' splits in `tp_mixers.py`, the pieces they are cut with
 in `tp_parts.py`):
 
-- attention (q/k/v/o projections): by query and key-value heads; a gated query (`q_proj` twice as
+- attention (q/k/v/o projections): by query and key-value heads (values as wide as the module's
+  `v_proj` gives them: MiMo-V2-Flash's are narrower than its keys); a gated query (`q_proj` twice as
   wide, each head's query followed by its gate), a per-head output gate and attention sinks split
   with their heads; a q/k norm over every head's channels at once (OLMo's) keeps this rank's
   weights and sums its mean square over the ranks; a shared block run at several layers (Zamba's,
@@ -17,7 +18,8 @@ in `tp_parts.py`):
 - multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads, the latent whole on
   every rank (its pool holds all of it, as `models/deepseek.py` plans);
 - dense MLPs: gate/up (or up alone) by rows, down by columns;
-- MoE experts (fused 3-D weights): every expert's inner rows, the summed output reduced;
+- MoE experts (fused 3-D weights, GPT-OSS's, Qwen3-Next's and Llama 4's layouts): every expert's
+  inner rows, the summed output reduced;
 - Mamba2 mixers (Nemotron-H, Bamba, Granite 4.0-H, Mamba2, Falcon-H1, Zamba2): by groups of heads, with their
   z, x, B, C and dt projections, conv channels, per-head decay, skip and norm weights (Falcon-H1's
   mup multipliers with their rows, its gated norm's group count this rank's);
@@ -61,17 +63,22 @@ from .tp_parts import (
 )
 
 
+def _value_dim(module: torch.nn.Module) -> int:
+    """An attention's value width per head: `head_dim`, or MiMo-V2-Flash's narrower `v_head_dim`."""
+    return module.v_proj.out_features // (module.k_proj.out_features // int(module.head_dim))
+
+
 def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
-    head_dim = int(module.head_dim)
+    head_dim, v_dim = int(module.head_dim), _value_dim(module)
     kv_heads = module.k_proj.out_features // head_dim
     out = _attention_out(module)
-    heads = getattr(module, out).in_features // head_dim
+    heads = getattr(module, out).in_features // v_dim
     per_head = module.q_proj.out_features // heads  # head_dim, or twice it for a gated query
     h, kvh = split(heads, n, "attention heads"), split(kv_heads, n, "key-value heads")
     module.q_proj = rows(blocks(rank, h, per_head), module.q_proj)
     module.k_proj = rows(blocks(rank, kvh, head_dim), module.k_proj)
-    module.v_proj = rows(blocks(rank, kvh, head_dim), module.v_proj)
-    setattr(module, out, columns(blocks(rank, h, head_dim), getattr(module, out), rank, group))
+    module.v_proj = rows(blocks(rank, kvh, v_dim), module.v_proj)
+    setattr(module, out, columns(blocks(rank, h, v_dim), getattr(module, out), rank, group))
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
         module.sinks = parameter(module.sinks[rank * h:(rank + 1) * h])
     if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # LFM's per-head output gate
@@ -81,7 +88,7 @@ def _attention(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
         if spans_heads(norm, head_dim):
             setattr(module, name, SplitRMSNorm(norm, index, group))
     for name, index in (("q", blocks(rank, h, per_head)), ("k", blocks(rank, kvh, head_dim)),
-                        ("v", blocks(rank, kvh, head_dim))):
+                        ("v", blocks(rank, kvh, v_dim))):
         _adapters(getattr(module, f"linear_{name}_adapter_list", ()), index)
 
 
@@ -147,6 +154,13 @@ def _experts(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
             if rank:
                 module.down_proj_bias = parameter(torch.zeros_like(module.down_proj_bias))
             module.intermediate_size = inner
+        elif hasattr(module, "expert_dim"):  # Llama 4: `[E, hidden, 2I]`, the gates first, then the ups
+            full = module.gate_up_proj.shape[-1] // 2
+            inner = split(full, n, "expert intermediate rows")
+            kept = torch.cat([blocks(rank, inner, 1), blocks(rank, inner, 1, full)])
+            module.gate_up_proj = parameter(module.gate_up_proj[:, :, kept])
+            module.down_proj = parameter(module.down_proj[:, blocks(rank, inner, 1)])
+            module.expert_dim = module.intermediate_size = inner
         else:
             full = module.gate_up_proj.shape[1] // 2
             inner = split(full, n, "expert intermediate rows")
@@ -226,13 +240,13 @@ _SHARD = {"attention": _attention, "latent": _latent, "deltanet": tp_mixers.delt
 
 
 def _experts_inner(module: torch.nn.Module) -> int:
-    width = module.gate_up_proj.shape[-1] if hasattr(module, "gate_up_proj_bias") else module.gate_up_proj.shape[1]
-    return width // 2
+    last = hasattr(module, "gate_up_proj_bias") or hasattr(module, "expert_dim")  # gpt-oss's, Llama 4's
+    return (module.gate_up_proj.shape[-1] if last else module.gate_up_proj.shape[1]) // 2
 
 
 #: what each kind of layer splits by: (its count, what it is called in a refusal)
 _TOTALS = {
-    "attention": lambda m: [(getattr(m, _attention_out(m)).in_features // int(m.head_dim), "attention heads"),
+    "attention": lambda m: [(getattr(m, _attention_out(m)).in_features // _value_dim(m), "attention heads"),
                             (m.k_proj.out_features // int(m.head_dim), "key-value heads")],
     "latent": lambda m: [(int(m.num_heads), "attention heads")],
     "mlp": lambda m: [(getattr(m, _mlp_names(m)[1]).out_features, "MLP intermediate rows")],

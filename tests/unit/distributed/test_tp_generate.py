@@ -59,7 +59,7 @@ def test_two_ranks_generate_what_one_process_does():
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "nemotron_h", "lfm3", "bamba", "granitemoehybrid",
                                     "mamba2", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid", "olmo3",
                                     "mamba", "falcon_mamba", "jamba", "lfm2", "falcon_h1",
-                                    "minimax", "recurrent_gemma", "zamba2", "zamba"])
+                                    "minimax", "recurrent_gemma", "zamba2", "zamba", "llama4", "mimo_v2_flash"])
 def test_every_family_on_two_ranks_generates_what_one_process_does(family):
     """The other tiny families, each split its own way (`tp_shard`): GPT-OSS's sinks and fused
     experts, Qwen3-Next's gated query, DeltaNet heads and experts beside a shared expert,
@@ -70,7 +70,8 @@ def test_every_family_on_two_ranks_generates_what_one_process_does(family):
     mup multipliers and group-count norm beside its attention, MiniMax's lightning heads with their
     slopes and norm over every head, RecurrentGemma's RG-LRU heads (its block numbered by name),
     Zamba2's Mamba2 groups and shared blocks with their per-use LoRA adapters, Zamba's per-head
-    Mamba beside its shared attention. Each rank holds half the pool's bytes per token, the ranks'
+    Mamba beside its shared attention, Llama 4's experts (`[E, hidden, 2I]`) beside its chunked
+    attention, MiMo-V2-Flash's values narrower than its keys. Each rank holds half the pool's bytes per token, the ranks'
     digests agree every step, and both sample the tokens one process samples (every request
     admitted), their logits within the family's tolerance."""
     path, reqs, config = str(checkpoint_dir(family)), workload(4), _config(**_FAMILY_CONFIG.get(family, {}))
