@@ -47,6 +47,13 @@ def test_speculative_output_with_latent_attention(family):
     check(family, 6)
 
 
+@pytest.mark.parametrize("family", ["llama4", "mimo_v2_flash"])
+def test_speculative_output_with_chunked_and_wide_windows(family):
+    """Llama 4's draft keeps a chunked layer and MiMo-V2-Flash's a sliding layer with twice the
+    global layers' K/V heads and sinks: each draft window is a band of the fused pool."""
+    check(family, 6)
+
+
 def test_a_shared_attention_draft_keeps_its_kv_in_its_own_layers(monkeypatch):
     """Zamba2's shared block is told its layer by the decoder loop, which a draft counts from 0: the
     fused draft's block must still address the draft's layers of the pool, after the target's (a
