@@ -59,6 +59,7 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "minicpm3": (1e-4, False),
     "youtu": (1e-4, False),
     "kimi_linear": (5e-3, True),
+    "bailing_hybrid": (5e-3, True),
     "deepseek_v32": (1e-4, False),
     "glm_moe_dsa": (1e-4, False),
 }

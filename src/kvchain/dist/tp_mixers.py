@@ -131,18 +131,21 @@ def kda(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     """Kimi Delta Attention by heads: q, k and v (conv'd side by side in that order), the forget
     gate's per-head rows (`f_b_proj`, `dt_bias` per channel, `A_log` per head), beta's and the
     output gate's rows, the output's columns. The low-rank down-projections (`f_a_proj`,
-    `g_a_proj`) and the per-head-dim norm stay whole."""
+    `g_a_proj`) and the per-head-dim norm stay whole. Bailing's layer: its full-rank forget and
+    output gates (`f_proj`, `g_proj`) by rows, its `A_log` one per head."""
     heads, dim = split(module.num_heads, n, "linear attention heads"), module.head_dim
     width = module.num_heads * dim
     channels, per_head = blocks(rank, heads, dim), blocks(rank, heads, 1)
-    for name in ("q_proj", "k_proj", "v_proj", "g_b_proj"):
+    output_gate = "g_b_proj" if hasattr(module, "g_b_proj") else "g_proj"  # Bailing's is one projection
+    for name in ("q_proj", "k_proj", "v_proj", output_gate):
         setattr(module, name, rows(channels, getattr(module, name)))
     module.b_proj = rows(per_head, module.b_proj)
     module.conv1d = conv_channels(module.conv1d, torch.cat([channels, channels + width, channels + 2 * width]))
     gate = module.forget_gate
-    gate.f_b_proj = rows(channels, gate.f_b_proj)
+    forget = "f_b_proj" if hasattr(gate, "f_b_proj") else "f_proj"  # Bailing's is full rank
+    setattr(gate, forget, rows(channels, getattr(gate, forget)))
     gate.dt_bias = parameter(gate.dt_bias[channels])
-    gate.A_log = parameter(gate.A_log[:, :, per_head])
+    gate.A_log = parameter(gate.A_log[per_head] if gate.A_log.dim() == 1 else gate.A_log[:, :, per_head])
     gate.num_heads, gate.qkv_dim = heads, heads * dim
     module.o_proj = columns(channels, module.o_proj, rank, group)
     module.num_heads, module.qkv_dim, module.conv_dim = heads, heads * dim, 3 * heads * dim

@@ -15,8 +15,9 @@ in `tp_parts.py`):
   with their heads; a q/k norm over every head's channels at once (OLMo's) keeps this rank's
   weights and sums its mean square over the ranks; a shared block run at several layers (Zamba's,
   Zamba2's) splits at each, and Zamba2's per-use LoRA adapters keep their up-projection's rows;
-- multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads, the latent whole on
-  every rank (its pool holds all of it, as `models/deepseek.py` plans);
+- multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads (with Bailing's
+  per-head output gate), the latent whole on every rank (its pool holds all of it, as
+  `models/deepseek.py` plans);
 - dense MLPs: gate/up (or up alone) by rows, down by columns;
 - MoE experts (fused 3-D weights, GPT-OSS's, Qwen3-Next's and Llama 4's layouts): every expert's
   inner rows, the summed output reduced;
@@ -117,6 +118,8 @@ def _latent(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     kv_width = int(module.qk_nope_head_dim) + int(module.v_head_dim)
     module.kv_b_proj = rows(blocks(rank, h, kv_width), module.kv_b_proj)
     module.o_proj = columns(blocks(rank, h, int(module.v_head_dim)), module.o_proj, rank, group)
+    if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # Bailing's per-head output gate
+        module.g_proj = rows(blocks(rank, h, 1), module.g_proj)
     module.num_heads = h
 
 
@@ -200,7 +203,8 @@ _SPLIT_MIXERS = {
     "mamba1": (("transformers.models.mamba.modeling_mamba", "MambaMixer"),
                ("transformers.models.falcon_mamba.modeling_falcon_mamba", "FalconMambaMixer"),
                ("transformers.models.jamba.modeling_jamba", "JambaMambaMixer")),
-    "kda": (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),),
+    "kda": (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),
+            ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention")),
     "lightning": (("transformers.models.minimax.modeling_minimax", "MiniMaxLightningAttention"),),
     "rglru": (("transformers.models.recurrent_gemma.modeling_recurrent_gemma", "RecurrentGemmaRecurrentBlock"),),
     "zamba": (("transformers.models.zamba.modeling_zamba", "ZambaMambaMixer"),),

@@ -13,7 +13,10 @@ pool's state) with one value head per q/k head; only its inputs and its output d
 - g `[T, heads, head_dim]` is the module's `forget_gate` (a low-rank projection, -exp(A_log) times
   a softplus of it plus dt_bias), beta = sigmoid(b_proj);
 - the output goes through an RMS norm per head gated by sigmoid of a low-rank projection
-  (`g_a_proj`, `g_b_proj`, `o_norm`), then `o_proj`."""
+  (`g_a_proj`, `g_b_proj`, `o_norm`; Bailing's one `g_proj`), then `o_proj`.
+
+Bailing's hybrid (Ring-linear) runs the same layer with its own forget gate module and a
+one-projection output gate."""
 
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from .conv_state import cast, packed_input, transformers_classes
 from .deltanet import DeltaHeads, DeltaInputs, delta_rule_layer
 
 #: (module, class) of each transformers KDA mixer `kda_forward` serves
-MIXERS = (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),)
+MIXERS = (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention"),
+          # Bailing's (Ring-linear): the same rule, its output gate one projection (`g_proj`)
+          ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention"))
 
 
 def kda_module_types() -> tuple[type, ...]:
@@ -37,7 +42,8 @@ def _project(module: torch.nn.Module, x: torch.Tensor) -> DeltaInputs:
     module's own (float32, `[T, heads, head_dim]`): it reads a `[batch, seq, hidden]` input."""
     shape = (x.shape[0], module.num_heads, module.head_dim)
     mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
-    gate = module.g_b_proj(module.g_a_proj(x)).view(shape)
+    low_rank = getattr(module, "g_proj", None) is None
+    gate = (module.g_b_proj(module.g_a_proj(x)) if low_rank else module.g_proj(x)).view(shape)
     g = module.forget_gate(x[None])[0].view(shape)
     return DeltaInputs(mixed, gate, module.b_proj(x).sigmoid(), g)
 

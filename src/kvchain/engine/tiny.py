@@ -269,6 +269,15 @@ def _mimo_v2_flash() -> dict[str, Any]:
             "num_experts_per_tok": 2, "tie_word_embeddings": False}
 
 
+def _bailing_hybrid() -> dict[str, Any]:
+    # Bailing's hybrid (Ring-linear): Kimi-style delta attention on layers 0 and 2 (its own forget
+    # gate and output gate), latent attention on layers 1 and 3, experts after a first dense layer
+    return {"model_type": "bailing_hybrid", "num_hidden_layers": 4, "layer_group_size": 2, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+            "head_dim": 16, "num_key_value_heads": 4, "tie_word_embeddings": False}
+
+
 def _minimax() -> dict[str, Any]:
     # lightning-attention layers 0, 2 and 3 around a softmax layer 1, experts on every layer; a block
     # of 16 so transformers' own forward crosses blocks within a prompt, and residual factors off 1
@@ -352,6 +361,7 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     "llama4": _llama4,
     "mimo_v2_flash": _mimo_v2_flash,
     "kimi_linear": _kimi_linear,
+    "bailing_hybrid": _bailing_hybrid,
     "zamba": _zamba,
     "zamba2": _zamba2,
     "deepseek_v3": _mla("deepseek_v3", n_group=1, topk_group=1),

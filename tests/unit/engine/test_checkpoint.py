@@ -32,7 +32,7 @@ POOL_KINDS = {
     "llama4": frozenset({PoolKind.FULL, PoolKind.WINDOW}),
     "mimo_v2_flash": frozenset({PoolKind.FULL, PoolKind.WINDOW}),
     **dict.fromkeys(("lfm2", "bamba", "granitemoehybrid", "falcon_h1", "qwen3_5", "qwen3_5_moe", "olmo_hybrid",
-                     "jamba", "minimax", "kimi_linear"), frozenset({PoolKind.FULL, PoolKind.STATE})),
+                     "jamba", "minimax", "kimi_linear", "bailing_hybrid"), frozenset({PoolKind.FULL, PoolKind.STATE})),
     # every layer keeps Mamba state, and the hybrid layers attend too (KV beside their state)
     **dict.fromkeys(("zamba", "zamba2"), frozenset({PoolKind.FULL, PoolKind.STATE})),
     # state only: the state sub-pool and the token-id owner

@@ -29,13 +29,14 @@ def test_speculative_output_is_plain_greedy_output(family):
 
 
 @pytest.mark.parametrize("family", ["bamba", "falcon_h1", "jamba", "recurrent_gemma", "minimax", "olmo_hybrid",
-                                    "kimi_linear", "zamba2"])
+                                    "kimi_linear", "zamba2", "bailing_hybrid"])
 def test_speculative_output_on_the_other_state_families(family):
     """The draft cut from each other kind of recurrent target: Bamba's attention layer listed by
     index, Falcon-H1's layers holding KV and state side by side, Jamba's Mamba1 blocks that pass no
     keywords down, RecurrentGemma's blocks that keep no layer index, MiniMax's lightning attention,
     OLMo Hybrid's DeltaNet, Kimi Linear's KDA beside latent attention (its draft keeps its layers'
-    `mlp_layer_types`) and Zamba2's Mamba2 with its first hybrid layer's shared attention block."""
+    `mlp_layer_types`), Zamba2's Mamba2 with its first hybrid layer's shared attention block and
+    Bailing's delta attention beside its gated latent attention."""
     check(family, 6)
 
 
