@@ -62,6 +62,7 @@ MORE_FAMILIES: dict[str, tuple[float, bool]] = {
     "bailing_hybrid": (5e-3, True),
     "deepseek_v32": (1e-4, False),
     "glm_moe_dsa": (1e-4, False),
+    "hy_v4": (1e-4, False),
 }
 PAGE = 4
 INTERVAL = 8  # tokens between state checkpoints
@@ -122,7 +123,7 @@ def write_prompts(path: Path, requests: list[GenerateRequest]) -> Path:
 
 
 #: families whose sparse-attention indexer keeps its keys in the pool as fp8 (`engine/indexer.py`)
-INDEXED_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+INDEXED_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4")
 
 
 def _stored_as_fp8(keys: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ in `tp_parts.py`):
   with their heads; a q/k norm over every head's channels at once (OLMo's) keeps this rank's
   weights and sums its mean square over the ranks; a shared block run at several layers (Zamba's,
   Zamba2's) splits at each, and Zamba2's per-use LoRA adapters keep their up-projection's rows;
-- multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads (with Bailing's
-  per-head output gate), the latent whole on every rank (its pool holds all of it, as
+- multi-head latent attention (DeepSeek-V2/V3 and its kin): by query heads (with Bailing's and
+  HY-V4's output gates and HY-V4's sinks), the latent whole on every rank (its pool holds all of it, as
   `models/deepseek.py` plans);
 - dense MLPs: gate/up (or up alone) by rows, down by columns;
 - MoE experts (fused 3-D weights, GPT-OSS's, Qwen3-Next's and Llama 4's layouts): every expert's
@@ -120,6 +120,10 @@ def _latent(module: torch.nn.Module, rank: int, n: int, group: Any) -> None:
     module.o_proj = columns(blocks(rank, h, int(module.v_head_dim)), module.o_proj, rank, group)
     if isinstance(getattr(module, "g_proj", None), torch.nn.Linear):  # Bailing's per-head output gate
         module.g_proj = rows(blocks(rank, h, 1), module.g_proj)
+    if isinstance(getattr(module, "gate_proj", None), torch.nn.Linear):  # HY-V4's per-channel output gate
+        module.gate_proj = rows(blocks(rank, h, int(module.v_head_dim)), module.gate_proj)
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):  # HY-V4's, one per head
+        module.sinks = parameter(module.sinks[rank * h:(rank + 1) * h])
     module.num_heads = h
 
 

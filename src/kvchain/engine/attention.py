@@ -250,12 +250,14 @@ def _attend(
 
     Head h reads kv head h // (H // KVH), as `repeat_kv` does; the grouped heads are a broadcast axis
     rather than repeated keys. A sink is one more key whose score is the head's sink logit and whose
-    value is zero: the softmax over the keys and the sink, with the sink's mass then dropped."""
+    value is zero: the softmax over the keys and the sink, with the sink's mass then dropped. The
+    fused kernel reads it from the group's zeroed sink column; a group gathered without one (a
+    latent module's, whose keys it expands itself) takes the explicit path, the sink a logit column."""
     dtype = k.dtype
     n_heads, kv_heads = query.shape[1], k.shape[1]
     groups = n_heads // kv_heads
     q = _queries(query, g, dtype)  # [b, H, n, D]
-    if softcap is None:  # the fused kernel: one call for scores, mask, softmax, values
+    if softcap is None and (sinks is None or g.sink_col):  # the fused kernel: scores, mask, softmax, values
         bias = g.bias
         if sinks is not None:
             page_size = k.shape[2] // g.cols
@@ -266,7 +268,8 @@ def _attend(
     b, n, d = g.b, g.n, q.shape[-1]
     qg = q.view(b, kv_heads, groups, n, d)  # [b, KVH, G, n, D]
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scaling  # [b, KVH, G, n, L]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     hidden = torch.from_numpy(~g.visible).to(scores.device)[:, None, None]  # the sink slot included
     if sinks is not None:
         sink = sinks.to(dtype).view(1, kv_heads, groups, 1, 1).expand(b, -1, -1, n, 1)
@@ -327,8 +330,8 @@ def paged_attention(
     if getattr(module, LATENT_ATTR, False):
         # MLA: `latent.PagedLatent` wrote the latents and returned the groups' pages, which the
         # module expanded into these keys and values, group after group
-        if sliding_window is not None or s_aux is not None:
-            raise InputError(f"layer {layer}: latent attention with a window or sinks is not served")
+        if sliding_window is not None:
+            raise InputError(f"layer {layer}: latent attention with a window is not served")
         groups, tiled = attention_groups(batch, pool, None, False)
         kv = _split_gathered(key, value, groups, batch.page_size, dtype)
         if kwargs.get("indices") is not None:  # a sparse-attention indexer's picks (`indexer.py`)

@@ -375,6 +375,11 @@ FAMILIES: dict[str, Callable[[], dict[str, Any]]] = {
     # of the up to 92 earlier tokens each query reads
     "deepseek_v32": _mla("deepseek_v32", n_group=1, topk_group=1, index_n_heads=8, index_head_dim=128,
                          index_topk=16),
+    # Hunyuan's HY-V4: the same sparse attention, with attention sinks and a gated output; its top-k
+    # reaches every token (at 16, one pick on a near-tie flipped in 12 requests: 0.014 in one
+    # request's logits), so its family check holds the latent path with sinks exactly; DeepSeek-V3.2
+    # and GLM-5 hold the picks
+    "hy_v4": _mla("hy_v4", n_group=1, topk_group=1, index_n_heads=8, index_head_dim=128, index_topk=128),
     # GLM-5's: its second layer reuses the first's picks (a shared indexer layer keeps no key)
     "glm_moe_dsa": _mla("glm_moe_dsa", index_n_heads=8, index_head_dim=128, index_topk=16,
                         indexer_types=["full", "shared", "full"]),

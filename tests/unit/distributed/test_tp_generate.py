@@ -89,7 +89,7 @@ def test_every_family_on_two_ranks_generates_what_one_process_does(family):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
-                                    "kimi_linear", "deepseek_v32", "glm_moe_dsa", "bailing_hybrid"])
+                                    "kimi_linear", "deepseek_v32", "glm_moe_dsa", "bailing_hybrid", "hy_v4"])
 def test_latent_attention_on_two_ranks_generates_what_one_process_does(family):
     """DeepSeek-V3's, LongCat-Flash's and Kimi Linear's latent attention split by query heads: each
     rank computes its heads from the whole latent, so each rank's pool holds all of the bytes per

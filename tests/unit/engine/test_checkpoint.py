@@ -40,7 +40,7 @@ POOL_KINDS = {
     **dict.fromkeys(("lara_mini", "recurrent_gemma"), frozenset({PoolKind.FULL, PoolKind.WINDOW, PoolKind.STATE})),
     # latent attention on every layer: one full sub-pool of latents
     **dict.fromkeys(("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
-                     "deepseek_v32", "glm_moe_dsa"), frozenset({PoolKind.FULL})),
+                     "deepseek_v32", "glm_moe_dsa", "hy_v4"), frozenset({PoolKind.FULL})),
 }
 
 
