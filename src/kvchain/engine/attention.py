@@ -27,6 +27,9 @@ from ..errors import InputError
 from .batch import ForwardBatch, pad_buckets
 
 NAME = "kvchain_paged"
+#: the `ForwardBatch` entry listing the layers a forward has attended (each once: `ModelRunner`
+#: checks that every layer the pool keeps K/V for is among them)
+ATTENDED = "attended"
 #: set on a module whose keys and values reach the attention function already gathered from its
 #: pages (`latent.py`: MLA expands its pooled latents itself)
 LATENT_ATTR = "_kvchain_latent"
@@ -317,7 +320,7 @@ def paged_attention(
         raise InputError(f"{n_heads} query heads do not share {kv_heads} kv heads evenly")
 
     layer = module.layer_idx if kvchain_layer is None else kvchain_layer
-    attended = batch.__dict__.setdefault("attended", set())
+    attended = batch.__dict__.setdefault(ATTENDED, set())
     if layer in attended:  # its second call would write its tokens' K/V again over the first's
         raise InputError(f"layer {layer} ({type(module).__name__}) calls the attention function twice in one "
                          "forward: kvchain's pool keeps one K and V per token and layer, so it cannot serve it")
@@ -339,11 +342,12 @@ def paged_attention(
     else:
         view = batch.views[pool]
         k_cache, v_cache = view.k(layer), view.v(layer)
-        if key.shape[1:2] + key.shape[3:] != k_cache.shape[2:] or value.shape[1:2] + value.shape[3:] != v_cache.shape[2:]:
-            raise InputError(f"layer {layer} ({type(module).__name__}) hands the attention function keys "
-                             f"{tuple(key.shape[1:2] + key.shape[3:])} and values {tuple(value.shape[1:2] + value.shape[3:])} "
-                             f"(heads, dims) per token, where the pool planned from its config keeps "
-                             f"{tuple(k_cache.shape[2:])} and {tuple(v_cache.shape[2:])}: kvchain cannot serve it")
+        got = ((key.shape[1], key.shape[3]), (value.shape[1], value.shape[3]))  # (heads, dims) per token
+        kept = (tuple(k_cache.shape[2:]), tuple(v_cache.shape[2:]))
+        if got != kept:
+            raise InputError(f"layer {layer} ({type(module).__name__}) hands the attention function keys {got[0]} "
+                             f"and values {got[1]} (heads, dims) per token, where the pool planned from its config "
+                             f"keeps {kept[0]} and {kept[1]}: kvchain cannot serve it")
         index = write_index(batch, pool)
         write_tokens(k_cache, key[0].transpose(0, 1), index)
         write_tokens(v_cache, value[0].transpose(0, 1), index)

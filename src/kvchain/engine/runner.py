@@ -15,8 +15,8 @@ import torch
 
 from ..errors import InputError, KVChainError
 from ..plan import KVStoragePlan, PoolKind
+from .attention import ATTENDED, register
 from .attention import NAME as ATTENTION_NAME
-from .attention import register
 from .batch import ForwardBatch
 from .latent import install_latent_caches
 from .mixers import check_state_layers_served, install_state_mixers, relay_batch_to_attention
@@ -138,7 +138,7 @@ class ModelRunner:
         a module that attends its own way (over only the step's tokens) would serve wrong tokens
         without a word. A forward that `raised` before the first layer reached it is refused the
         same way, naming what it raised (Falcon's attention adds a mask the engine does not build)."""
-        attended = batch.__dict__.get("attended", frozenset())
+        attended = batch.__dict__.get(ATTENDED, frozenset())
         skipped = self.kv_layers - attended
         if raised is not None and attended:
             return  # it got as far as the attention function: the error is the model's own

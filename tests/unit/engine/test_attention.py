@@ -25,7 +25,7 @@ from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward a
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
 from kvchain.build import build_kv_storage
-from kvchain.engine.attention import NAME, paged_attention, register
+from kvchain.engine.attention import ATTENDED, NAME, paged_attention, register
 from kvchain.engine.batch import ForwardBatch
 from kvchain.errors import InputError
 from kvchain.models.registry import model_from_config
@@ -298,7 +298,7 @@ def test_window_edge_is_hf_convention():
 
 def _again(batch: ForwardBatch) -> ForwardBatch:
     """`batch` for another forward of the same step (a forward attends each layer once)."""
-    batch.__dict__.pop("attended", None)
+    batch.__dict__.pop(ATTENDED, None)
     return batch
 
 
