@@ -57,11 +57,11 @@ def test_two_stages_generate_what_one_process_does():
 
 
 @pytest.mark.parametrize(("family", "split"), [("deepseek_v3", [(0, 1), (2, 2)]), ("longcat_flash", [(0, 1), (2, 3)]),
-                                               ("deepseek_v32", [(0, 1), (2, 2)])])
+                                               ("deepseek_v32", [(0, 1), (2, 2)]), ("bailing_hybrid", [(0, 1), (2, 3)])])
 def test_latent_attention_in_two_stages_generates_what_one_process_does(family, split):
     """DeepSeek-V3's three MLA layers split 2/1, LongCat-Flash's two decoder layers (two attentions
     each, four layer ids) one per stage: each stage keeps its layers' latents in its own pool (and
-    DeepSeek-V3.2's their indexer keys)."""
+    DeepSeek-V3.2's their indexer keys, Bailing's its delta-attention state beside them)."""
     path, reqs = str(checkpoint_dir(family)), workload(4)
     config = _config(budget_bytes=4 * 2**20)
     with Engine(path, config) as engine:
