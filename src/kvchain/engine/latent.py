@@ -59,9 +59,7 @@ class PagedLatent:
                              f"model's latent and rope key have {rank} + {rope_key.shape[-1]}: plan from this "
                              "checkpoint's own config")
         write_tokens(cache, torch.cat([latent[0, 0], rope_key[0, 0]], dim=-1), write_index(batch, pool))
-        groups, _tiled = attention_groups(batch, pool, None, False)
-        pages = groups[0].pages if len(groups) == 1 else torch.cat([g.pages for g in groups])
-        gathered = cache.index_select(0, pages).reshape(1, 1, -1, cache.shape[-1])
+        gathered = cache.index_select(0, self._pages(pool)).reshape(1, 1, -1, cache.shape[-1])
         if gathered.dtype != latent.dtype:
             gathered = gathered.to(latent.dtype)
         return gathered[..., :rank], gathered[..., rank:]
@@ -77,9 +75,13 @@ class PagedLatent:
             raise InputError(f"layer {layer_idx}: the pool keeps {cache.shape[-1]} indexer key bytes per token, "
                              f"the model's indexer key has {dim} dims: plan from this checkpoint's own config")
         write_tokens(cache, quantize(keys[0]), write_index(batch, pool))
-        groups, _tiled = attention_groups(batch, pool, None, False)
-        pages = groups[0].pages if len(groups) == 1 else torch.cat([g.pages for g in groups])
-        return dequantize(cache.index_select(0, pages), dim).reshape(1, -1, dim).to(keys.dtype)
+        return dequantize(cache.index_select(0, self._pages(pool)), dim).reshape(1, -1, dim).to(keys.dtype)
+
+    def _pages(self, pool: str) -> torch.Tensor:
+        """The pages the step's attention groups of `pool` read, laid end to end: the latents and the
+        indexer keys are gathered alike, so the indexer's picks index the attention's key slots."""
+        groups, _tiled = attention_groups(self.batch, pool, None, False)
+        return groups[0].pages if len(groups) == 1 else torch.cat([g.pages for g in groups])
 
 
 def install_latent_caches(model: torch.nn.Module) -> int:
