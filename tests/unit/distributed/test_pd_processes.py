@@ -319,6 +319,12 @@ def _prefill_restarts(stage: int, n: int, port: int, kind: str, marker: str) -> 
             if time.monotonic() > deadline:
                 raise TimeoutError("the first prefill process never went")
             time.sleep(0.05)
+        # a port of its own, told to the decode node through a file: between the first process's
+        # death and this bind, another process (another test's ephemeral socket) may take the old one
+        from kvchain.dist.pp import free_port
+
+        port = free_port()
+        Path(marker + ".port").write_text(str(port))
         node = prefill_node(port, kind)
         row = prefilled(node.storage, seed=2)
         sent = digests(node.storage, row)
@@ -334,6 +340,12 @@ def _prefill_restarts(stage: int, n: int, port: int, kind: str, marker: str) -> 
         raised = str(e)
     held = sorted(node.deferred)
     released = node.peer_lost()
+    deadline = time.monotonic() + 30
+    while not Path(marker + ".port").exists() or not Path(marker + ".port").read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the restarted prefill process never published its port")
+        time.sleep(0.05)
+    port = int(Path(marker + ".port").read_text())
     link = PDLink.connect(SECRET, "127.0.0.1", port, hello(node.engine.descriptor(), layout_digest(node.storage)),
                           timeout_s=30, group_timeout_s=20)
     node.rejoin(link)
