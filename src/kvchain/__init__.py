@@ -52,6 +52,7 @@ from .engine.batch import ForwardBatch
 from .engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from .engine.model_pool import ModelPool
 from .engine.pool import KVChainPool
+from .engine.quantize import quantize_checkpoint
 from .engine.runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
@@ -225,6 +226,7 @@ __all__ = [
     "plan_kv_storage",
     "plan_stages",
     "plan_with_draft",
+    "quantize_checkpoint",
     "reclaimable_pages",
     "request_demand",
     "save_trace",

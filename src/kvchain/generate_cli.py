@@ -327,6 +327,11 @@ def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
                    help="also write a matching draft for speculative decoding: the model's own first layers")
     p.add_argument("--draft-layers", default=None, metavar="I,J,...",
                    help="the layers the draft keeps (default: the first and the first full-attention layer)")
+    p.add_argument("--quantize", choices=("fp8", "mxfp4"), default=None,
+                   help="store the weights as a quantised release does: fp8 blocks (DeepSeek-V3's layout) or "
+                        "MXFP4 experts (GPT-OSS's); the loader dequantises them")
+    p.add_argument("--fp8-block", type=positive_int, default=None,
+                   help="rows and columns of an fp8 block (default 128; with --quantize fp8)")
 
 
 def _checkpoint_dir(path: str, flag: str, force: bool) -> Path:
@@ -361,8 +366,27 @@ def _draft_layers(args: argparse.Namespace, num_layers: int) -> list[int] | None
     return layers
 
 
+def _write_checkpoint(args: argparse.Namespace, out: Path) -> None:
+    """The family's tiny checkpoint at `out`, quantised with `--quantize`: written and quantised in a
+    scratch folder first, so that a family with nothing to quantise leaves nothing behind."""
+    from .engine.tiny import make_checkpoint
+
+    if args.quantize is None:
+        make_checkpoint(args.family, out, seed=args.seed)
+        return
+    import shutil
+    import tempfile
+
+    from .engine.quantize import quantize_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="kvchain-checkpoint-") as scratch:
+        made = make_checkpoint(args.family, Path(scratch) / "checkpoint", seed=args.seed)
+        quantize_checkpoint(made, args.quantize, args.fp8_block or 128)
+        shutil.copytree(made, out, dirs_exist_ok=True)
+
+
 def run_make_checkpoint(args: argparse.Namespace) -> int:
-    from .engine.tiny import FAMILIES, make_checkpoint, tiny_config
+    from .engine.tiny import FAMILIES, tiny_config
 
     if args.family not in FAMILIES:
         raise InputError(f"unknown family {args.family!r}; known: {', '.join(FAMILIES)}")
@@ -372,8 +396,10 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     if draft is not None and draft.resolve() == out.resolve():
         raise InputError(f"--draft {draft} is the target's own folder")
     layers = _draft_layers(args, tiny_config(args.family).num_hidden_layers)
+    if args.fp8_block is not None and args.quantize != "fp8":
+        raise InputError("--fp8-block sizes the blocks of --quantize fp8, which is not given")
     try:
-        make_checkpoint(args.family, out, seed=args.seed)
+        _write_checkpoint(args, out)
     except OSError as e:
         raise InputError(f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote a tiny {args.family} checkpoint to {out}")

@@ -152,14 +152,21 @@ def _indexer_keys_rounded(family: str) -> Iterator[None]:
 
 
 @functools.cache
-def reference(family: str, n: int, path: Path | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+def reference(family: str, n: int, path: Path | None = None,
+              from_pretrained: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
     """transformers' greedy `generate` on each prompt alone: the new tokens and their logits. For the
     models with recurrent state it runs without its cache (each step one whole forward): its cached
     decode path (the plain-torch fallbacks of its Mamba2 and DeltaNet kernels) drifts from its own
     uncached forward, by up to 2e-3 in Nemotron-H's logits within 8 tokens, enough to flip a
     near-tied greedy choice, while kvchain's engine matches the uncached forward within 3e-6. `path`:
-    another checkpoint of the family than its tiny one."""
-    model = load_checkpoint(path or checkpoint_dir(family)).model
+    another checkpoint of the family than its tiny one, loaded by kvchain's loader or (`from_pretrained`)
+    by transformers' own, which dequantises a quantised checkpoint its own way."""
+    if from_pretrained:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path or checkpoint_dir(family), dtype=torch.float32).eval()
+    else:
+        model = load_checkpoint(path or checkpoint_dir(family)).model
     tokens, logits = [], []
     for req in workload(n):
         ids = torch.tensor([list(req.prompt_token_ids)])

@@ -7,7 +7,8 @@ safetensors files are read and checked name by name and shape by shape before a 
 missing tensors, dropping unexpected ones) would hide a checkpoint that does not match the model.
 The names and layouts do follow `from_pretrained`: transformers' own conversion mapping for the
 family (`get_model_conversion_mapping`) turns the hub layout into the modules' tensors, and its
-operations run here, with the checks it leaves to its loading report made errors.
+operations run here, with the checks it leaves to its loading report made errors. Weights stored
+quantised (fp8 blocks, MXFP4 experts) are dequantised as they are read (`dequantize.py`).
 Every problem is one `InputError` line naming the path and what is wrong."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..errors import InputError
 from ..models.registry import model_from_config
 from ..models.spec import ModelSpec
 from ..units import dtype_name
+from .dequantize import dequantize_state
 
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightConverter
@@ -69,7 +71,7 @@ def load_checkpoint(
     model_from_config(config_dict)  # kvchain's own checks of the fields, before transformers divides by them
     model = _empty_model(path, config, dtype, device)
     state = read_safetensors(path)
-    refuse_quantized(path, config_dict, state)
+    state = dequantize_state(path, config_dict, state, {name: t.shape for name, t in model.state_dict().items()})
     state = to_module_layout(path, model, state)
     _load_weights(path, model, state)
     model.eval()
@@ -114,25 +116,6 @@ def build_config(path: Path, config_dict: dict[str, Any]) -> Any:
         raise InputError(
             f"checkpoint {path}: {CONFIG_FILE} is not a valid {model_type} config: {_one_line(exc)}"
         ) from None
-
-
-#: dtypes a quantised checkpoint stores its weights (or their packed blocks) in
-_QUANTISED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
-
-
-def refuse_quantized(path: Path, config_dict: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-    """Refuse a checkpoint whose weights are stored quantised (DeepSeek-V3's fp8 blocks, GPT-OSS's
-    MXFP4 experts): the loader has no dequantizer, and without this its error would only name the
-    scale tensors as unexpected. A `quantization_config` over float weights (a dequantised copy
-    that kept it) loads."""
-    quant = config_dict.get("quantization_config")
-    packed = sorted(name for name, tensor in state.items() if tensor.dtype in _QUANTISED_DTYPES)
-    if quant is None or not packed:
-        return
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    raise InputError(f"checkpoint {path}: its weights are quantised ({method}: {len(packed)} tensors such as "
-                     f"{packed[0]!r}) and kvchain's loader has no dequantizer; use the model's 16-bit release "
-                     "or a dequantised copy")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

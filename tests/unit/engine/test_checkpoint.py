@@ -230,22 +230,25 @@ def test_shape_mismatch(llama_dir: Path, tmp_path: Path) -> None:
     _assert_load_error(out, r"'model\.norm\.weight' has shape \(32,\), the model expects \(64,\)")
 
 
-def _fp8_blocks(state: dict[str, torch.Tensor]) -> None:
-    """The layout of DeepSeek-V3's hub release: a projection in fp8 with its block scales."""
+def _int8_packed(state: dict[str, torch.Tensor]) -> None:
+    """A projection packed as int8 with its scales, as weight-only integer releases store it."""
     weight = state["model.layers.0.mlp.down_proj.weight"]
-    state["model.layers.0.mlp.down_proj.weight"] = weight.to(torch.float8_e4m3fn)
-    state["model.layers.0.mlp.down_proj.weight_scale_inv"] = torch.ones(1, 1)
+    state["model.layers.0.mlp.down_proj.weight"] = weight.to(torch.int8)
+    state["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(64, 1)
 
 
-def test_quantised_weights_are_refused_by_name(llama_dir: Path, tmp_path: Path) -> None:
-    """An fp8 checkpoint is refused as quantised, naming a packed tensor, not as one with unexpected
-    scale tensors; the same config over float weights (a dequantised copy that kept it) loads."""
-    out = _rewrite(llama_dir, tmp_path, _fp8_blocks)
+def test_weights_quantised_by_another_method_are_refused_by_name(llama_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint packed by a method the loader does not dequantise (only fp8 blocks and mxfp4,
+    `test_quantized_checkpoint.py`) is refused as quantised, naming the method and a packed tensor,
+    not as one with unexpected scale tensors; the same config over float weights (a dequantised
+    copy that kept it) loads."""
+    out = _rewrite(llama_dir, tmp_path, _int8_packed)
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
     (out / "config.json").write_text(json.dumps(config))
-    _assert_load_error(out, r"weights are quantised \(fp8: 1 tensors such as 'model\.layers\.0\.mlp\.down_proj"
-                            r"\.weight'\) and kvchain's loader has no dequantizer")
+    _assert_load_error(out, r"weights are quantised \(compressed-tensors: 1 tensors such as "
+                            r"'model\.layers\.0\.mlp\.down_proj\.weight'\); kvchain's loader dequantises fp8 "
+                            r"blocks and mxfp4 only")
     floats = _copy(llama_dir, tmp_path / "floats")
     (floats / "config.json").write_text(json.dumps({**json.loads((floats / "config.json").read_text()),
                                                     "quantization_config": config["quantization_config"]}))

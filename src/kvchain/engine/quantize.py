@@ -1,0 +1,112 @@
+"""Rewrite a checkpoint's weights in the quantised layouts of the hub's releases.
+
+The loader dequantises fp8-block and MXFP4 checkpoints (`dequantize.py`); no such checkpoint can be
+downloaded here, so `quantize_checkpoint` makes one from a float checkpoint the way the releases are
+laid out: DeepSeek-V3's (every projection of the decoder layers in fp8 e4m3 with a float32 scale per
+block, norms, routers, embeddings and the output head left in float) and GPT-OSS's (its stacked
+experts as MXFP4 blocks and exponents, everything else in float). The rounding is the formats' own:
+an fp8 block's scale maps its largest magnitude to e4m3's largest finite value, an MXFP4 group's
+exponent puts its largest magnitude in [4, 8) and each value goes to the nearest e2m1 value."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from .dequantize import E2M1, FP8_SCALE, MXFP4_BLOCKS, MXFP4_EXPONENT_BIAS, MXFP4_GROUP, MXFP4_SCALES
+
+METHODS = ("fp8", "mxfp4")
+WEIGHTS_FILE = "model.safetensors"
+#: e4m3's largest finite magnitude
+FP8_MAX = 448.0
+#: e2m1's largest exponent: a group's largest magnitude lands in [4, 8) before rounding
+E2M1_EMAX = 2
+#: the decoder-layer projections an fp8 release quantises: 2-D weights of the layers that are
+#: neither norms nor MoE routers (`mlp.gate`, `router`)
+_FP8_SKIP = re.compile(r"norm|\.mlp\.gate\.weight$|router|\.gate\.weight$")
+#: the stacked experts an MXFP4 release quantises
+_MXFP4_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def quantize_checkpoint(directory: str | Path, method: str, block: int = 128) -> Path:
+    """Rewrite the single-file float checkpoint in `directory` as `method` stores it (fp8 blocks of
+    `block` x `block`, or MXFP4), its config's `quantization_config` set to match."""
+    directory = Path(directory)
+    if method not in METHODS:
+        raise InputError(f"unknown quantisation {method!r}; known: {', '.join(METHODS)}")
+    if block <= 0:
+        raise InputError(f"an fp8 block of {block} rows and columns")
+    from safetensors.torch import load_file, save_file
+
+    file = directory / WEIGHTS_FILE
+    if not file.is_file():
+        raise InputError(f"{directory}: no {WEIGHTS_FILE} to quantise")
+    state = load_file(file)
+    if method == "fp8":
+        state, count = _fp8_state(state, block)
+        config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": [block, block]}
+    else:
+        state, count = _mxfp4_state(state)
+        config = {"quant_method": "mxfp4"}
+    if not count:
+        raise InputError(f"{directory}: no weights that a {method} release quantises")
+    save_file(state, file, metadata={"format": "pt"})
+    config_file = directory / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "quantization_config": config},
+                                      indent=2) + "\n")
+    return directory
+
+
+def _fp8_state(state: dict[str, torch.Tensor], block: int) -> tuple[dict[str, torch.Tensor], int]:
+    out, count = {}, 0
+    for name, tensor in state.items():
+        if ".layers." in name and name.endswith(".weight") and tensor.dim() == 2 and not _FP8_SKIP.search(name):
+            out[name], out[name[: -len("weight")] + "weight" + FP8_SCALE] = fp8_blocks(tensor, block)
+            count += 1
+        else:
+            out[name] = tensor
+    return out, count
+
+
+def fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[rows, cols]` in fp8 e4m3 and its float32 scale per `block` x `block` block (the
+    grid rounded up: a ragged edge block has its own scale)."""
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % block, 0, -rows % block))
+    tiles = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block))  # [R, block, C, block]
+    scale = tiles.abs().amax((1, 3)).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
+    stored = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return stored.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale.contiguous()
+
+
+def _mxfp4_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    out, count = {}, 0
+    for name, tensor in state.items():
+        if _MXFP4_EXPERTS.search(name) and tensor.dim() == 3:
+            # the checkpoint holds the experts [E, in, out]; the release packs each output row's inputs
+            out[name + MXFP4_BLOCKS], out[name + MXFP4_SCALES] = mxfp4_blocks(tensor.transpose(1, 2))
+            count += 1
+        else:
+            out[name] = tensor
+    return out, count
+
+
+def mxfp4_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` `[..., n]` (n a multiple of 32) as MXFP4: blocks `[..., n / 32, 16]` (two e2m1 codes
+    per byte, the low nibble first) and biased exponents `[..., n / 32]`."""
+    if values.shape[-1] % MXFP4_GROUP:
+        raise InputError(f"mxfp4 packs rows of a multiple of {MXFP4_GROUP} values, not {values.shape[-1]}")
+    groups = values.float().unflatten(-1, (-1, MXFP4_GROUP))
+    largest = groups.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -(MXFP4_EXPONENT_BIAS - 1))
+    exponent = (torch.floor(torch.log2(largest)) - E2M1_EMAX).clamp(-MXFP4_EXPONENT_BIAS, MXFP4_EXPONENT_BIAS)
+    scaled = groups / torch.exp2(exponent)
+    magnitudes = torch.tensor(E2M1[:8])
+    code = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    code = code.to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent.squeeze(-1) + MXFP4_EXPONENT_BIAS).to(torch.uint8).contiguous()
