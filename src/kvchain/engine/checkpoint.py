@@ -71,7 +71,8 @@ def load_checkpoint(
     model_from_config(config_dict)  # kvchain's own checks of the fields, before transformers divides by them
     model = _empty_model(path, config, dtype, device)
     state = read_safetensors(path)
-    state = dequantize_state(path, config_dict, state, {name: t.shape for name, t in model.state_dict().items()})
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    state = dequantize_state(path, config_dict, state, shapes, dtype)
     state = to_module_layout(path, model, state)
     _load_weights(path, model, state)
     model.eval()

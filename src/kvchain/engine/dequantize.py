@@ -42,8 +42,9 @@ PACKED_DTYPES = (*_FP8, torch.uint8, torch.int8, torch.int32)
 
 
 def dequantize_state(path: Path, config_dict: dict[str, Any], state: dict[str, torch.Tensor],
-                     shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """`state` with every quantised weight replaced by its float32 value (`shapes`: the model's own
+                     shapes: dict[str, torch.Size], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """`state` with every quantised weight replaced by its value in `dtype` (computed in float32, one
+    tensor at a time, so a release never lies in memory whole in float32; `shapes`: the model's own
     tensor shapes by name, which unpacked MXFP4 tensors must match). A checkpoint
     without `quantization_config`, or whose tensors are all float, is returned as it is."""
     quant = config_dict.get("quantization_config")
@@ -52,15 +53,16 @@ def dequantize_state(path: Path, config_dict: dict[str, Any], state: dict[str, t
         return state
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method == "fp8":
-        return _dequantize_fp8(path, quant, state)
+        return _dequantize_fp8(path, quant, state, dtype)
     if method == "mxfp4":
-        return _dequantize_mxfp4(path, state, shapes)
+        return _dequantize_mxfp4(path, state, shapes, dtype)
     raise InputError(f"checkpoint {path}: its weights are quantised ({method or '?'}: {len(packed)} tensors such "
                      f"as {packed[0]!r}); kvchain's loader dequantises fp8 blocks and mxfp4 only: use the "
                      "model's 16-bit release or a dequantised copy")
 
 
-def _dequantize_fp8(path: Path, quant: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dequantize_fp8(path: Path, quant: dict[str, Any], state: dict[str, torch.Tensor],
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     block = quant.get("weight_block_size")
     if block is not None and not (isinstance(block, list) and len(block) == 2
                                   and all(isinstance(b, int) and b > 0 for b in block)):
@@ -77,7 +79,7 @@ def _dequantize_fp8(path: Path, quant: dict[str, Any], state: dict[str, torch.Te
         scale = state.get(name + FP8_SCALE)
         if scale is None:
             raise InputError(f"checkpoint {path}: fp8 weight {name!r} has no {name + FP8_SCALE!r}")
-        out[name] = fp8_blocks_to_float(tensor, scale, block, f"checkpoint {path}: {name!r}")
+        out[name] = fp8_blocks_to_float(tensor, scale, block, f"checkpoint {path}: {name!r}").to(dtype)
         del out[name + FP8_SCALE]
         stem = name.rsplit(".", 1)[0]
         for extra in FP8_ACTIVATION_SCALES:
@@ -105,8 +107,8 @@ def fp8_blocks_to_float(weight: torch.Tensor, scale: torch.Tensor, block: list[i
     return values * spread
 
 
-def _dequantize_mxfp4(path: Path, state: dict[str, torch.Tensor],
-                      shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+def _dequantize_mxfp4(path: Path, state: dict[str, torch.Tensor], shapes: dict[str, torch.Size],
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out = dict(state)
     for name in state:
         if name.endswith(MXFP4_SCALES) and name[: -len(MXFP4_SCALES)] + MXFP4_BLOCKS not in state:
@@ -125,7 +127,7 @@ def _dequantize_mxfp4(path: Path, state: dict[str, torch.Tensor],
             raise InputError(f"checkpoint {path}: {name!r} unpacks to {list(values.shape)}, the model's "
                              f"{stem!r} is {list(want)}")
         del out[name], out[stem + MXFP4_SCALES]
-        out[stem] = values
+        out[stem] = values.to(dtype)
     return out
 
 

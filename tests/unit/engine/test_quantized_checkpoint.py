@@ -149,3 +149,12 @@ def _broken(source: Path, tmp_path: Path, edit) -> Path:
 def test_a_broken_quantised_file_is_refused_in_one_line(family: str, edit, message: str, tmp_path: Path) -> None:
     with pytest.raises(InputError, match=message):
         load_checkpoint(_broken(_quantised_dir(family), tmp_path, edit))
+
+
+@pytest.mark.parametrize("family", sorted(QUANTISED))
+def test_a_quantised_release_loads_in_the_load_dtype(family: str) -> None:
+    """Loaded in bfloat16, each dequantised weight is its float32 value rounded once to bfloat16."""
+    wide = load_checkpoint(_quantised_dir(family)).model.state_dict()
+    narrow = load_checkpoint(_quantised_dir(family), dtype=torch.bfloat16).model.state_dict()
+    assert all(narrow[name].dtype == torch.bfloat16 for name in narrow if narrow[name].is_floating_point())
+    assert all(torch.equal(narrow[name], wide[name].to(torch.bfloat16)) for name in wide)
