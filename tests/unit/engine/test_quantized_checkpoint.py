@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.support.engine import reference, serve
 
 from kvchain.cli import main
+from kvchain.dist.tp_engine import generate_in_ranks
 from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.dequantize import fp8_blocks_to_float, mxfp4_to_float
 from kvchain.engine.quantize import fp8_blocks, mxfp4_blocks, quantize_checkpoint
+from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.tiny import make_checkpoint
 from kvchain.errors import InputError
+from support.engine import reference, serve, workload
 
 N = 12
 #: the released layouts: GPT-OSS's experts in MXFP4, DeepSeek-V3's projections in fp8 blocks (8 x 8
@@ -162,3 +164,15 @@ def test_a_quantised_release_loads_in_the_load_dtype(family: str) -> None:
     narrow = load_checkpoint(_quantised_dir(family), dtype=torch.bfloat16).model.state_dict()
     assert narrow[QUANTISED_WEIGHT[family]].dtype == torch.bfloat16
     assert all(torch.equal(narrow[name], wide[name].to(narrow[name].dtype)) for name in wide)
+
+
+def test_a_quantised_release_splits_over_two_ranks() -> None:
+    """GPT-OSS's dequantised experts split by rank as float ones do: two ranks sample what one
+    process samples from the same MXFP4 files."""
+    path = str(_quantised_dir("gpt_oss"))
+    config = EngineConfig(budget_bytes=4 * 2**20, page_size=4, max_running=8, max_batched_tokens=64,
+                          context_len=128, ignore_eos=True, overlap=False)
+    with Engine(path, config) as engine:
+        one = engine.generate(workload(4))
+    for run in generate_in_ranks(path, config, workload(4), 2):
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
