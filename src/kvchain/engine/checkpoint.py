@@ -317,6 +317,11 @@ def _load_weights(path: Path, model: torch.nn.Module, state: dict[str, torch.Ten
     _fill_tied(expected, state)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
+    released_unused = unused_by_the_model(model)
+    if released_unused is not None:
+        for name in [n for n in unexpected if released_unused.search(n)]:
+            del state[name]
+        unexpected = [n for n in unexpected if n in state]
     if missing:
         raise InputError(f"checkpoint {path}: missing tensors {_names(missing)}")
     if unexpected:
@@ -329,6 +334,25 @@ def _load_weights(path: Path, model: torch.nn.Module, state: dict[str, torch.Ten
             )
     with torch.no_grad():
         model.load_state_dict(state, strict=True)
+
+
+def unused_by_the_model(model: torch.nn.Module) -> re.Pattern[str] | None:
+    """What a release stores that the model class declares it does not use, as `from_pretrained`
+    leaves it unloaded: the class's `_keys_to_ignore_on_load_unexpected` (multi-token-prediction
+    layers: DeepSeek-V3's `model.layers.61`, Qwen3-Next's `mtp.`, GLM-4.5's layers 46 and 92) and
+    the per-layer rotary `inv_freq` and `position_ids` buffers older releases stored, where the
+    model keeps such buffers itself. Only tensors that map to nothing in the model are dropped by
+    it; anything else unexpected is still refused."""
+    declared = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+    patterns = {p for p in declared if isinstance(p, str)} if isinstance(declared, (list, set, tuple)) else set()
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    if not patterns:
+        return None
+    return re.compile("|".join(f"({p})" for p in sorted(patterns)))
 
 
 def _fill_tied(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:

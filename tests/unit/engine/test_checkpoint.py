@@ -230,6 +230,33 @@ def test_shape_mismatch(llama_dir: Path, tmp_path: Path) -> None:
     _assert_load_error(out, r"'model\.norm\.weight' has shape \(32,\), the model expects \(64,\)")
 
 
+def _with_mtp_and_old_buffers(family: str):
+    """What real releases store beside the model's tensors: DeepSeek-V3's multi-token-prediction
+    layer 61 (experts per matrix, as the hub lays them out), Qwen3-Next's `mtp.` head, and the
+    per-layer rotary `inv_freq` buffers of older releases."""
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        if family == "deepseek_v3":
+            state["model.layers.61.eh_proj.weight"] = torch.ones(64, 128)
+            state["model.layers.61.mlp.experts.0.gate_proj.weight"] = torch.ones(32, 64)
+        if family == "qwen3_next":
+            state["mtp.fc.weight"] = torch.ones(64, 128)
+            state["mtp.layers.0.mlp.experts.0.up_proj.weight"] = torch.ones(32, 64)
+    return edit
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next", "llama"])
+def test_what_a_release_stores_for_other_uses_is_left_unloaded(family: str, tmp_path: Path) -> None:
+    """A release's multi-token-prediction layers and old rotary buffers, which the model class
+    declares it does not use, are left unloaded as `from_pretrained` leaves them: the model is the
+    one the release's own tensors make. Any other unexpected tensor is still refused."""
+    source = make_checkpoint(family, tmp_path / "source", seed=1)
+    out = _rewrite(source, tmp_path, _with_mtp_and_old_buffers(family))
+    assert torch.equal(_logits(load_checkpoint(out).model), _logits(load_checkpoint(source).model))
+    broken = _rewrite(out, tmp_path / "more", lambda s: s.update({"model.layers.0.extra.weight": torch.ones(2)}))
+    _assert_load_error(broken, r"unexpected tensors \[model\.layers\.0\.extra\.weight\]")
+
+
 def _int8_packed(state: dict[str, torch.Tensor]) -> None:
     """A projection packed as int8 with its scales, as weight-only integer releases store it."""
     weight = state["model.layers.0.mlp.down_proj.weight"]
