@@ -74,7 +74,7 @@ def load_checkpoint(
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     state = dequantize_state(path, config_dict, state, shapes, dtype)
     state = to_module_layout(path, model, state)
-    _load_weights(path, model, state)
+    _load_weights(path, model, state, release_only_tensors(config, model))
     model.eval()
     model.requires_grad_(False)
     return LoadedCheckpoint(
@@ -311,17 +311,20 @@ def _empty_model(path: Path, config: Any, dtype: torch.dtype, device: str | torc
     return model
 
 
-def _load_weights(path: Path, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Check `state` against the model's tensors, fill tied aliases, then load strictly."""
+def _load_weights(path: Path, model: torch.nn.Module, state: dict[str, torch.Tensor],
+                  other_parts: frozenset[str] = frozenset()) -> None:
+    """Check `state` against the model's tensors, fill tied aliases, then load strictly; tensors the
+    model class declares unused and those of the release's other parts (`other_parts`) are left
+    unloaded."""
     expected = model.state_dict(keep_vars=True)
     _fill_tied(expected, state)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     released_unused = unused_by_the_model(model)
-    if released_unused is not None:
-        for name in [n for n in unexpected if released_unused.search(n)]:
+    for name in unexpected:
+        if name in other_parts or (released_unused is not None and released_unused.search(name)):
             del state[name]
-        unexpected = [n for n in unexpected if n in state]
+    unexpected = [n for n in unexpected if n in state]
     if missing:
         raise InputError(f"checkpoint {path}: missing tensors {_names(missing)}")
     if unexpected:
@@ -353,6 +356,27 @@ def unused_by_the_model(model: torch.nn.Module) -> re.Pattern[str] | None:
     if not patterns:
         return None
     return re.compile("|".join(f"({p})" for p in sorted(patterns)))
+
+
+def release_only_tensors(config: Any, model: torch.nn.Module) -> frozenset[str]:
+    """The tensors of the release's own architecture (`architectures` in config.json) that the
+    model the engine builds does not hold: a multimodal release whose text model serves causal LM
+    (Llama 4's `Llama4ForConditionalGeneration`, whose `AutoModelForCausalLM` is `Llama4ForCausalLM`)
+    stores its vision tower and projector beside the text weights, which `from_pretrained` leaves
+    unloaded too. The names are that architecture's own, built on the meta device (no memory)."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    names = getattr(config, "architectures", None) or []
+    release = getattr(transformers, names[0], None) if isinstance(names[0] if names else None, str) else None
+    if not isinstance(release, type) or isinstance(model, release) or not hasattr(release, "_from_config"):
+        return frozenset()
+    try:
+        with torch.device("meta"), no_init_weights():
+            other = release._from_config(config)
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError):
+        return frozenset()  # not buildable from this config: nothing is set aside, the load stays strict
+    return frozenset(other.state_dict()) - frozenset(model.state_dict())
 
 
 def _fill_tied(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:

@@ -410,17 +410,22 @@ def tiny_fields(model_type: str, **fields: Any):
     return AutoConfig.for_model(model_type, **{**_COMMON, **fields})
 
 
-def model_for_config(config, *, seed: int = 0) -> torch.nn.Module:
-    """The fp32 causal LM of a (tiny) transformers `config` in eval mode, every matrix drawn from
-    `seed` (`_reinit`), its generation config's special tokens the config's."""
+def model_for_config(config, *, seed: int = 0, cls: type | None = None) -> torch.nn.Module:
+    """The fp32 causal LM of a (tiny) transformers `config` in eval mode (or the model class `cls`:
+    a multimodal release's own architecture), every matrix drawn from `seed` (`_reinit`), its
+    generation config's special tokens the config's."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if cls is None:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = cls._from_config(config, dtype=torch.float32)
     _reinit(model, seed)
-    model.generation_config.bos_token_id = config.bos_token_id
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+    text = config.get_text_config()
+    model.generation_config.bos_token_id = text.bos_token_id
+    model.generation_config.eos_token_id = text.eos_token_id
+    model.generation_config.pad_token_id = text.pad_token_id
     return model.eval()
 
 
