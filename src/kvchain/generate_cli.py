@@ -40,6 +40,8 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                         "and loaded back on a match (default: no host tier)")
     p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="what the model computes and keeps its KV in (default auto: the checkpoint's own)")
     p.add_argument("--pd", action="store_true",
                    help="serve with a prefill process and a decode process on this machine (loopback): the prefill "
                    "hands each request's KV, window rows and state to the decode (docs/pd.md); no prefix cache")
@@ -136,7 +138,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.pd_engine is not None and not args.pd:
         raise InputError("--pd-engine chooses --pd's data plane; --pd is not given")
     parsed = _read_prompts(args)  # before the checkpoint loads: a bad file costs nothing
-    checkpoint = load_checkpoint(args.model_path, device=args.device)
+    checkpoint = load_checkpoint(args.model_path, device=args.device, dtype=args.dtype)
     tokenizer = checkpoint.tokenizer
     if args.prompt and tokenizer is None:
         raise InputError(f"--prompt needs a tokenizer in {args.model_path}; give --prompts with prompt_token_ids")
@@ -154,7 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
-                          host_budget=args.host_budget, **_speculative(args))
+                          host_budget=args.host_budget, dtype=args.dtype, **_speculative(args))
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
     if split and (args.pd or args.host_budget is not None):
         raise InputError("--pd and --host-budget do not combine with --tp/--pp")

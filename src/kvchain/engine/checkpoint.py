@@ -59,14 +59,20 @@ class LoadedCheckpoint:
         return model_from_config(self.config_dict, kv_dtype=dtype_name(chosen))
 
 
+#: the dtypes a checkpoint loads in, by name; "auto" is the checkpoint's own
+LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def load_checkpoint(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
 ) -> LoadedCheckpoint:
-    """Load the checkpoint directory `path` in `dtype` on `device`."""
+    """Load the checkpoint directory `path` in `dtype` (a torch dtype, a name of `LOAD_DTYPES`, or
+    "auto": the dtype its config.json names, as serving engines' `--dtype auto`) on `device`."""
     path = Path(path)
     if not path.is_dir():
         raise InputError(f"checkpoint {path}: no such directory")
     config_dict = read_config(path)
+    dtype = load_dtype(dtype, config_dict)
     config = build_config(path, config_dict)
     model_from_config(config_dict)  # kvchain's own checks of the fields, before transformers divides by them
     model = _empty_model(path, config, dtype, device)
@@ -86,6 +92,25 @@ def load_checkpoint(
         path=path,
         dtype=dtype,
     )
+
+
+def load_dtype(dtype: torch.dtype | str, config_dict: dict[str, Any]) -> torch.dtype:
+    """The torch dtype `dtype` names; "auto": the checkpoint's own (`dtype`, or the older
+    `torch_dtype`, of its config or its text config), float32 where it names none or another."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in LOAD_DTYPES.values():
+            raise InputError(f"a checkpoint loads in {', '.join(LOAD_DTYPES)}, not {dtype}")
+        return dtype
+    if dtype == "auto":
+        text = config_dict.get("text_config")
+        for fields in (config_dict, text if isinstance(text, dict) else {}):
+            stored = fields.get("dtype") or fields.get("torch_dtype")
+            if isinstance(stored, str) and stored in LOAD_DTYPES:
+                return LOAD_DTYPES[stored]
+        return torch.float32
+    if dtype not in LOAD_DTYPES:
+        raise InputError(f"dtype must be auto or one of {', '.join(LOAD_DTYPES)}, not {dtype!r}")
+    return LOAD_DTYPES[dtype]
 
 
 def read_config(path: Path) -> dict[str, Any]:

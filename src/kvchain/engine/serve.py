@@ -27,7 +27,8 @@ from ..device.threads import ThreadDevice
 from ..errors import InputError
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
-from .checkpoint import LoadedCheckpoint, load_checkpoint
+from ..units import dtype_name
+from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, load_checkpoint
 from .model_pool import ModelPool
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
@@ -50,7 +51,9 @@ class EngineConfig:
     instead of on worker-thread streams. On a CPU the forward and the scheduler share one
     interpreter lock, so the worker threads hide no host work and each step pays their wake-ups
     (the schedule worker's upload, then the forward worker); inline runs the same loop and hooks
-    with nothing in flight."""
+    with nothing in flight. `dtype`: what a checkpoint the engine loads from a path computes and keeps
+    its KV in: `auto` (the checkpoint's own, as serving engines' `--dtype auto`), `float32`,
+    `bfloat16` or `float16`."""
 
     budget_bytes: int = 64 * 2**20
     page_size: int = 16
@@ -63,6 +66,7 @@ class EngineConfig:
     checkpoint_interval: int | None = None
     ignore_eos: bool = False
     inline: bool = False
+    dtype: str = "auto"
     war_barrier: bool = True
     keep_logits: bool = False
     #: cpu only: seconds each forward starts late on its stream (tests that show a missing wait)
@@ -86,6 +90,8 @@ class EngineConfig:
         for name in ("context_len", "checkpoint_interval", "host_budget"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.dtype != "auto" and self.dtype not in LOAD_DTYPES:
+            raise InputError(f"dtype must be auto or one of {', '.join(LOAD_DTYPES)}, not {self.dtype!r}")
         n = self.num_speculative_tokens
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
             raise InputError(f"num_speculative_tokens must be a non-negative integer, not {n!r}")
@@ -193,7 +199,10 @@ def open_checkpoint(checkpoint: LoadedCheckpoint | str | Path,
     opening every engine shares, one process or a stage or rank of several."""
     backend, torch_device = _backend(config.device, config.forward_delay, config.inline)
     if not isinstance(checkpoint, LoadedCheckpoint):
-        checkpoint = load_checkpoint(checkpoint, device=torch_device)
+        checkpoint = load_checkpoint(checkpoint, device=torch_device, dtype=config.dtype)
+    elif config.dtype != "auto" and checkpoint.dtype != LOAD_DTYPES[config.dtype]:
+        raise InputError(f"dtype {config.dtype} applies to a checkpoint the engine loads; this one is loaded "
+                         f"in {dtype_name(checkpoint.dtype)} (load it in {config.dtype}, or pass its path)")
     return backend, torch_device, checkpoint
 
 

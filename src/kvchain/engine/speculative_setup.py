@@ -45,7 +45,7 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
     if config.draft_model_path is None or not isinstance(k, int) or k < 1:
         raise InputError("speculative decoding needs both a draft model path and a positive number of "
                          f"speculative tokens (got {config.draft_model_path!r} and {k!r})")
-    draft = load_checkpoint(config.draft_model_path, device=device)
+    draft = load_checkpoint(config.draft_model_path, device=device, dtype=target.dtype)  # the target's precision
     if _vocab(draft.model) != _vocab(target.model):
         raise InputError(f"the draft's vocabulary ({_vocab(draft.model)} ids) is not the target's "
                          f"({_vocab(target.model)} ids): a draft must share the target's tokenizer")
