@@ -163,8 +163,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.tp > 1 and args.draft_model_path is not None:
         raise InputError("--draft-model-path with --tp: speculative decoding on tensor-parallel ranks is not built "
                          "(it runs on one process or on --pp stages)")
-    if args.pd and args.draft_model_path is not None:
-        raise InputError("--pd with --draft-model-path: speculative decoding on PD nodes is not built")
     if args.pd:
         return _run_pd(args, config, requests, tokenizer)
     if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):

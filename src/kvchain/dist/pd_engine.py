@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from ..engine.serve import (
     GenerateResult,
     GenerateStats,
 )
-from ..errors import KVChainError
+from ..errors import InputError, KVChainError
 from .pd import DecodeNode, PrefillNode, Received, Refused, deferred_publication, layout_digest
 from .pd_auth import PDListener
 from .pd_link import PDLink, hello
@@ -89,7 +90,8 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
             "figures": {"forwards": st.forwards, "cached_tokens": st.cached_tokens,
                         "compaction_moves": st.compaction_moves, "checkpoints": st.checkpoints,
                         "window_pages_retired": st.window_pages_retired, "float_relocations": st.float_relocations,
-                        "peak_utilisation": st.peak_utilisation}}
+                        "peak_utilisation": st.peak_utilisation,
+                        **{key: getattr(st, key) for key in SPEC_FIGURES}}}
 
 
 def _decode(port: int, path: str, config: EngineConfig, kind: str, secret: bytes) -> dict:
@@ -169,6 +171,7 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     decoding = _Decoding(engine, node)
     scheduler, pool, storage = decoding.scheduler, engine.pool, engine.storage
     before = (pool.counters.forwards, storage.stats(), dict(pool.stats_counters))
+    assert getattr(pool, "spec", None) is None or pool.spec.rounds == 0  # a fresh engine: its counters are the run's
     refused: list[Refused] = []
     ended = False
     overlapped = 0  # decode steps run before the prefill node's last hand-off
@@ -204,12 +207,14 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     pool.check_idle()
     forwards0, storage0, counters0 = before
     after = storage.stats()
+    spec = getattr(pool, "spec", None)
     figures = {"forwards": pool.counters.forwards - forwards0, "cached_tokens": 0,
                "compaction_moves": after.moves - storage0.moves,
                "checkpoints": pool.stats_counters["checkpoints"] - counters0["checkpoints"],
                "window_pages_retired": pool.stats_counters["window_retired"] - counters0["window_retired"],
                "float_relocations": after.relocations - storage0.relocations,
-               "peak_utilisation": max((h.utilisation for h in scheduler.stats.history), default=0.0)}
+               "peak_utilisation": max((h.utilisation for h in scheduler.stats.history), default=0.0),
+               **{key: 0 if spec is None else getattr(spec, SPEC_COUNTERS[key]) for key in SPEC_FIGURES}}
     return {"outputs": decoding.outputs(), "steps": scheduler.stats.steps, "seconds": time.perf_counter() - t0,
             "peak_running": scheduler.stats.peak_running, "overlapped_steps": overlapped,
             "deferred_publication": node.deferred_publication, "figures": figures}
@@ -222,8 +227,37 @@ def _node(stage: int, n: int, port: int, path: str, config: EngineConfig, reques
     return _decode(port, path, config, kind, secret)
 
 
+#: speculative decoding's figures, summed over the nodes (the prefill node's draft runs over the
+#: prompts, so the decode node's proposals read draft KV that came with the hand-off), and the
+#: `SpecCounters` field of each
+SPEC_COUNTERS = {"spec_rounds": "rounds", "spec_proposed": "proposed", "spec_accepted": "accepted",
+                 "draft_forwards": "draft_forwards", "spec_dropped": "dropped"}
+SPEC_FIGURES = tuple(SPEC_COUNTERS)
+
+
 #: the PD processes by their stage index
 NODE_NAMES = ("prefill", "decode")
+
+
+def check_pd_draft(config: EngineConfig) -> None:
+    """A draft on PD nodes, checked before any node starts: the prefill node runs the draft over the
+    prompts with the target, so its KV (pages of the same fused plan) goes to the decode node with
+    the target's, and the decode node's rounds read it. A draft with recurrent layers steps its
+    state on the prefix cache's checkpoint grid, which PD nodes do not keep: refused in one line."""
+    if config.draft_model_path is None:
+        return
+    from ..engine.checkpoint import read_config
+    from ..models.registry import model_from_config
+    from ..plan import plan_kv_storage
+
+    draft = Path(config.draft_model_path)
+    if not draft.is_dir():
+        raise InputError(f"draft checkpoint {draft}: no such directory")
+    plan = plan_kv_storage(model_from_config(read_config(draft)).decls, page_size=config.page_size)
+    if plan.state is not None:
+        raise InputError(f"a draft with recurrent layers ({draft}) on PD nodes: its state steps on the prefix "
+                         "cache's checkpoint grid, which PD nodes keep no prefix cache for; give an attention-only "
+                         "draft (make-checkpoint --draft-layers) or serve it without --pd")
 
 
 def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequest], kind: str = "nixl",
@@ -235,6 +269,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     node deferred publication (`deferred_publication`)."""
     requests = list(requests)
     deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
+    check_pd_draft(config)
     secret = os.urandom(32)
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     t0 = time.perf_counter()
@@ -261,7 +296,8 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     # both nodes' pools: work summed, the peak the higher of the two; steps are the decode node's
     both = [pre["figures"], dec["figures"]]
     summed = {key: sum(f[key] for f in both) for key in ("forwards", "cached_tokens", "compaction_moves",
-                                                          "checkpoints", "window_pages_retired", "float_relocations")}
+                                                          "checkpoints", "window_pages_retired", "float_relocations",
+                                                          *SPEC_FIGURES)}
     stats = GenerateStats(requests=len(requests), steps=dec["steps"], prompt_tokens=sum(len(r.prompt_token_ids)
                                                                                        for r in requests),
                           output_tokens=sum(len(o.token_ids) for o in outputs), seconds=time.perf_counter() - t0,

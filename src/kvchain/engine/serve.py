@@ -265,13 +265,9 @@ class Engine:
 
     def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.host_budget is not None:  # refused before the checkpoint loads and the arena is taken
-            if config.draft_model_path is not None or config.num_speculative_tokens:
-                raise InputError("a host tier (host_budget; --host-budget on the command line) with a draft model: "
-                                 "the host tier under speculative decoding is not built")
-            if not config.prefix_cache:
-                raise InputError("a host tier backs the prefix cache: host_budget needs prefix caching on (prefix_cache; on the "
-                                 "command line, drop --no-prefix-cache)")
+        if config.host_budget is not None and not config.prefix_cache:  # before the checkpoint loads
+            raise InputError("a host tier backs the prefix cache: host_budget needs prefix caching on (prefix_cache; on the "
+                             "command line, drop --no-prefix-cache)")
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         spec = checkpoint.model_spec()
