@@ -160,9 +160,6 @@ def run_generate(args: argparse.Namespace) -> int:
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
     if split and (args.pd or args.host_budget is not None):
         raise InputError("--pd and --host-budget do not combine with --tp/--pp")
-    if args.tp > 1 and args.draft_model_path is not None:
-        raise InputError("--draft-model-path with --tp: speculative decoding on tensor-parallel ranks is not built "
-                         "(it runs on one process or on --pp stages)")
     if args.pd:
         return _run_pd(args, config, requests, tokenizer)
     if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):

@@ -10,7 +10,9 @@ computes its own heads and writes only their keys, values and state into its own
 for the least budget of any of them and check their layouts agree; after every step each rank
 digests its allocator's decisions and the units it holds, and the ranks compare their digests
 (`tp.rank_agreement`). A rank runs each forward to its end before it
-schedules the next (no collective overlaps another)."""
+schedules the next (no collective overlaps another). A draft splits as the target does: its layers
+are layers of each rank's fused plan, its heads sharded the same way, and every rank verifies and
+accepts the same proposals (the logits are whole on every rank)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
-from ..engine.checkpoint import LoadedCheckpoint
+from ..engine.checkpoint import LoadedCheckpoint, load_checkpoint
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
 from ..engine.serve import (
@@ -32,11 +34,10 @@ from ..engine.serve import (
     pool_options,
     refuse_unbuilt,
 )
+from ..engine.speculative_setup import load_draft, speculative_pool
 from ..errors import InputError
-from ..models.registry import model_from_config
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
-from ..units import dtype_name
 from .pp import failures, run_stage_processes
 from .pp_engine import _as_tensors, _by_value, _stage_error
 from .tp import RankLink, check_rank_agreement, check_same_layout, digest
@@ -45,11 +46,13 @@ from .tp_shard import check_split, shard_model
 
 def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int) -> None:
     """Refuse, in one line and before any rank starts, what the ranks cannot split: the KV and
-    state heads the pool plans per rank, and every layer's heads and inner rows."""
+    state heads the pool plans per rank, and every layer's heads and inner rows, the draft's too."""
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks run on --device cpu (one process per rank over gloo)")
-    spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=n)
-    check_split(checkpoint.model, n, spec.decls)
+    check_split(checkpoint.model, n, checkpoint.model_spec(tp_size=n).decls)
+    if config.draft_model_path is not None:
+        draft = load_checkpoint(config.draft_model_path, dtype=checkpoint.dtype)
+        check_split(draft.model, n, draft.model_spec(tp_size=n).decls)
 
 
 class RankEngine(Engine):
@@ -57,25 +60,36 @@ class RankEngine(Engine):
     KV heads, sized for the group's least budget; its decisions compared after every step."""
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: RankLink) -> None:
-        refuse_unbuilt(config, "tensor-parallel ranks")
+        refuse_unbuilt(config, "tensor-parallel ranks", draft=True)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         self.link = link
-        spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=link.n_ranks)
-        check_split(checkpoint.model, link.n_ranks, spec.decls)
-        shard_model(checkpoint.model, link.rank, link.n_ranks)
+        n = link.n_ranks
+        spec = checkpoint.model_spec(tp_size=n)
+        check_split(checkpoint.model, n, spec.decls)
+        shard_model(checkpoint.model, link.rank, n)
+        draft = None
+        if config.draft_model_path is not None or config.num_speculative_tokens:
+            # the draft's heads split as the target's: its layers are layers of the rank's fused plan
+            draft = load_draft(config, checkpoint, torch_device, tp_size=n)
+            check_split(draft.checkpoint.model, n, draft.decls)
+            shard_model(draft.checkpoint.model, link.rank, n)
         context = engine_context(config.context_len, spec)
         budget = link.min_reduce(config.budget_bytes)
-        self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)
+        self.plan = plan_kv_storage(spec.decls, page_size=config.page_size) if draft is None else draft.plan
         sizing = size_plan(self.plan, budget, context_len=context, max_running_requests=config.max_running)
         self.storage = build_kv_storage(self.plan, sizing, torch_device, backend=backend)
         self.layout = StageGeometry.of_chain(self.storage.allocator, 0)
         check_same_layout(link.all_gather(self.layout.to_dict()))
         self.runner = ModelRunner(checkpoint.model, self.plan)
-        self.pool = ModelPool(self.storage, self.runner,
-                              **pool_options(config, checkpoint, self.plan, overlap=False))
+        options = pool_options(config, checkpoint, self.plan, overlap=False,
+                               interval=None if draft is None else draft.checkpoint_interval)
+        if draft is None:
+            self.pool = ModelPool(self.storage, self.runner, **options)
+        else:
+            self.pool = speculative_pool(self.storage, self.runner, draft, config, options)
         self._rid = 0
         self.storage.allocator.decisions = []
         self.digests: list[str] = []
@@ -128,7 +142,7 @@ def generate_in_ranks(path: str, config: EngineConfig, requests: list[GenerateRe
                       timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[RankRun]:
     """Serve `requests` from the checkpoint at `path` with its heads split over `n_ranks` rank
     processes over gloo on 127.0.0.1; every rank's report, in rank order."""
-    refuse_unbuilt(config, "tensor-parallel ranks")  # in the parent, before any process starts
+    refuse_unbuilt(config, "tensor-parallel ranks", draft=True)  # in the parent, before any process starts
     out = run_stage_processes(generate_rank_process, n_ranks, (path, config, requests), timeout_s=timeout_s,
                               env=env)
     for rank, status, text in failures(out)[:1]:  # the first to fail: the others failed after it

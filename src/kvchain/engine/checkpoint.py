@@ -52,11 +52,12 @@ class LoadedCheckpoint:
     path: Path
     dtype: torch.dtype
 
-    def model_spec(self, kv_dtype: str | torch.dtype | None = None) -> ModelSpec:
-        """The pool declarations of this checkpoint, from the same parser `kvchain plan` uses;
-        the KV dtype defaults to the dtype the weights were loaded in."""
+    def model_spec(self, kv_dtype: str | torch.dtype | None = None, tp_size: int = 1) -> ModelSpec:
+        """The pool declarations of this checkpoint, from the same parser `kvchain plan` uses (a
+        rank's share of the heads over `tp_size` ranks); the KV dtype defaults to the dtype the
+        weights were loaded in."""
         chosen = self.dtype if kv_dtype is None else kv_dtype
-        return model_from_config(self.config_dict, kv_dtype=dtype_name(chosen))
+        return model_from_config(self.config_dict, kv_dtype=dtype_name(chosen), tp_size=tp_size)
 
 
 #: the dtypes a checkpoint loads in, by name; "auto" is the checkpoint's own

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..cache.checkpoints import default_checkpoint_interval
+from ..decl import KVLayerDecl
 from ..errors import InputError, PlanError
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..storage import KVStorage
@@ -33,14 +34,19 @@ class DraftSetup:
     checkpoint: LoadedCheckpoint
     plan: KVStoragePlan
     checkpoint_interval: int | None
+    #: the draft's declarations as its model is numbered once fused (after the target's layers), a
+    #: rank's share under `tp_size`: what the ranks check its split against
+    decls: tuple = ()
 
 
 def _vocab(model: torch.nn.Module) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
-def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.device) -> DraftSetup:
-    """Load `config.draft_model_path` and plan it fused with `target` (refusals: see the module)."""
+def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.device, tp_size: int = 1) -> DraftSetup:
+    """Load `config.draft_model_path` and plan it fused with `target` (refusals: see the module);
+    `tp_size`: the plan of one of that many tensor-parallel ranks, each keeping its share of both
+    models' heads."""
     k = config.num_speculative_tokens
     if config.draft_model_path is None or not isinstance(k, int) or k < 1:
         raise InputError("speculative decoding needs both a draft model path and a positive number of "
@@ -49,21 +55,24 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
     if _vocab(draft.model) != _vocab(target.model):
         raise InputError(f"the draft's vocabulary ({_vocab(draft.model)} ids) is not the target's "
                          f"({_vocab(target.model)} ids): a draft must share the target's tokenizer")
-    decls = target.model_spec().decls
+    decls = target.model_spec(tp_size=tp_size).decls
+    draft_decls = draft.model_spec(tp_size=tp_size).decls
     alone = plan_kv_storage(decls, page_size=config.page_size)
     interval = None
     if alone.state is not None and config.prefix_cache:
         interval = config.checkpoint_interval or default_checkpoint_interval(alone)
     try:
-        plan = plan_with_draft(decls, draft.model_spec().decls, page_size=config.page_size,
+        plan = plan_with_draft(decls, draft_decls, page_size=config.page_size,
                                checkpoint_interval=interval, num_speculative_tokens=k)
     except PlanError:
         if alone.state is None or config.prefix_cache:
             raise
         raise InputError("a draft with recurrent layers steps its state on the prefix cache's checkpoint grid, "
                          "which prefix_cache=False removes (on the command line: drop --no-prefix-cache)") from None
-    fuse_draft_layers(draft.model, draft_layer_offset(decls))
-    return DraftSetup(draft, plan, interval)
+    offset = draft_layer_offset(decls)
+    fuse_draft_layers(draft.model, offset)
+    fused = tuple(KVLayerDecl(d.layer_id + offset, d.parts) for d in draft_decls)
+    return DraftSetup(draft, plan, interval, fused)
 
 
 def speculative_pool(storage: KVStorage, runner: ModelRunner, draft: DraftSetup, config: EngineConfig,

@@ -47,7 +47,7 @@ def test_a_request_the_model_cannot_take_is_refused(request_, needle):
     lambda path, cfg: generate_in_stages(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
 ], ids=["ranks", "grid", "stages"])
 def test_split_engines_refuse_what_they_do_not_build_before_any_process(run):
-    """Ranks and stages have no host tier (and ranks no draft): asked for one, they refuse in the
+    """Ranks and stages have no host tier: asked for one, they refuse in the
     parent, where they used to serve without it."""
     path = str(checkpoint_dir("llama"))
     with pytest.raises(InputError, match="host tier"):
