@@ -38,7 +38,7 @@ from ..engine.serve import (
     pool_options,
     refuse_unbuilt,
 )
-from ..engine.speculative_plan import draft_layer_offset, plan_with_draft
+from ..engine.speculative_plan import plan_with_draft
 from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
 from ..errors import InputError, InvariantError
 from ..plan import KVStoragePlan, plan_stages, stage_layer_ranges
@@ -199,22 +199,14 @@ class StageEngine(Engine):
         if config.draft_model_path is not None or config.num_speculative_tokens:
             draft = load_draft(config, checkpoint, torch_device)
         plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
-                            plan_fn=None if draft is None else stage_draft_planner(spec.decls, draft, config))
+                            plan_fn=None if draft is None else stage_draft_planner(draft, config))
         self.sizing = size_stages(plans, config.budget_bytes, context_len=context,
                                   max_running_requests=config.max_running)
         self.plan = plans[stage]
         self.layers = ranges[stage]
         self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
         self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link, relay=draft is not None)
-        options = pool_options(config, checkpoint, self.plan, overlap=False,
-                               interval=None if draft is None else draft.checkpoint_interval)
-        if draft is None:
-            self.pool = ModelPool(self.storage, self.runner, **options)
-        elif self.runner.relays_logits:  # a stage before the last: its verify commits are relayed (LIFE-15)
-            options["relayed_commit_slots_from_metadata"] = config.relayed_commit_slots_from_metadata
-            self.pool = speculative_pool(self.storage, self.runner, draft, config, options, RelayedSpeculativePool)
-        else:
-            self.pool = speculative_pool(self.storage, self.runner, draft, config, options)
+        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft)
         self._rid = 0
         self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
@@ -238,13 +230,25 @@ class StageEngine(Engine):
         return super().generate(requests, progress=step_done)
 
 
-def stage_draft_planner(decls: Sequence[KVLayerDecl], draft: DraftSetup, config: EngineConfig
-                        ) -> Callable[[list[KVLayerDecl]], KVStoragePlan]:
+def stage_pool(storage, runner: StageRunner, checkpoint: LoadedCheckpoint, config: EngineConfig,
+               draft: DraftSetup | None) -> ModelPool:
+    """A stage's pool: plain, or speculative over the draft fused into its plan, whose verify
+    commits a stage before the last receives by relay (LIFE-15)."""
+    options = pool_options(config, checkpoint, storage.plan, overlap=False,
+                           interval=None if draft is None else draft.checkpoint_interval)
+    if draft is None:
+        return ModelPool(storage, runner, **options)
+    if runner.relays_logits:  # a stage before the last: its verify commits are relayed (LIFE-15)
+        options["relayed_commit_slots_from_metadata"] = config.relayed_commit_slots_from_metadata
+        return speculative_pool(storage, runner, draft, config, options, RelayedSpeculativePool)
+    return speculative_pool(storage, runner, draft, config, options)
+
+
+def stage_draft_planner(draft: DraftSetup, config: EngineConfig) -> Callable[[list[KVLayerDecl]], KVStoragePlan]:
     """Each stage's plan with the whole draft fused into it, numbered after the whole target's
     layers (as `load_draft` numbered the draft model's): every stage runs the draft, so every stage
     holds the same proposals, and every stage's plan has the same sub-pools (PP-5)."""
-    draft_decls = draft.checkpoint.model_spec().decls
-    offset = draft_layer_offset(decls)
+    draft_decls, offset = draft.decls, draft.offset
 
     def plan_stage(local: list[KVLayerDecl]) -> KVStoragePlan:
         return plan_with_draft(local, draft_decls, page_size=config.page_size,
@@ -314,7 +318,7 @@ def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stag
     decls = checkpoint.model_spec().decls
     plan_fn = None
     if config.draft_model_path is not None or config.num_speculative_tokens:
-        plan_fn = stage_draft_planner(decls, load_draft(config, checkpoint, torch.device("cpu")), config)
+        plan_fn = stage_draft_planner(load_draft(config, checkpoint, torch.device("cpu")), config)
     plan_stages(decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition, plan_fn=plan_fn)
     return ranges
 

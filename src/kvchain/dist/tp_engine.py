@@ -74,7 +74,7 @@ class RankEngine(Engine):
         if config.draft_model_path is not None or config.num_speculative_tokens:
             # the draft's heads split as the target's: its layers are layers of the rank's fused plan
             draft = load_draft(config, checkpoint, torch_device, tp_size=n)
-            check_split(draft.checkpoint.model, n, draft.decls)
+            check_split(draft.checkpoint.model, n, draft.fused_decls)
             shard_model(draft.checkpoint.model, link.rank, n)
         context = engine_context(config.context_len, spec)
         budget = link.min_reduce(config.budget_bytes)

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..engine.checkpoint import LoadedCheckpoint
-from ..engine.model_pool import ModelPool
 from ..engine.serve import (
     Engine,
     EngineConfig,
@@ -35,16 +34,22 @@ from ..engine.serve import (
     GenerateResult,
     engine_context,
     open_checkpoint,
-    pool_options,
     refuse_unbuilt,
 )
+from ..engine.speculative_setup import load_draft
 from ..errors import InputError
-from ..models.registry import model_from_config
 from ..plan import plan_stages, stage_layer_ranges
 from ..sizing import size_stages
-from ..units import dtype_name
 from .pp import StageLink, failures, loopback_env, run_stage_processes
-from .pp_engine import StageRunner, _as_tensors, _by_value, _stage_error, check_stage_split
+from .pp_engine import (
+    StageRunner,
+    _as_tensors,
+    _by_value,
+    _stage_error,
+    check_stage_split,
+    stage_draft_planner,
+    stage_pool,
+)
 from .tp import RankLink, check_same_layout
 from .tp_engine import agree_with_ranks, check_tp_split, shard_model
 
@@ -91,7 +96,7 @@ class StageRankEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, ranks: GroupRankLink,
                  stages: StageLink, partition: Sequence[int] | None = None) -> None:
-        refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages")
+        refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -99,11 +104,17 @@ class StageRankEngine(Engine):
         self.ranks, self.link = ranks, stages
         stage, n_stages, n_ranks = stages.stage, stages.n_stages, ranks.n_ranks
         shard_model(checkpoint.model, ranks.rank, n_ranks, group=ranks.group)
-        spec = model_from_config(checkpoint.config_dict, kv_dtype=dtype_name(checkpoint.dtype), tp_size=n_ranks)
+        spec = checkpoint.model_spec(tp_size=n_ranks)
+        draft = None
+        if config.draft_model_path is not None or config.num_speculative_tokens:
+            # every stage runs the whole draft (as on `--pp` stages), each rank its share of its heads
+            draft = load_draft(config, checkpoint, torch_device, tp_size=n_ranks)
+            shard_model(draft.checkpoint.model, ranks.rank, n_ranks, group=ranks.group)
         context = engine_context(config.context_len, spec)
         n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
         ranges = stage_layer_ranges(n_layers, n_stages, partition)
-        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition)
+        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
+                            plan_fn=None if draft is None else stage_draft_planner(draft, config))
         self.sizing = size_stages(plans, ranks.min_reduce(config.budget_bytes), context_len=context,
                                   max_running_requests=config.max_running)
         self.plan = plans[stage]
@@ -111,8 +122,8 @@ class StageRankEngine(Engine):
         self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
         self.layout = StageGeometry.of_chain(self.storage.allocator, stage)
         check_same_layout(ranks.all_gather(self.layout.to_dict()))
-        self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, stages)
-        self.pool = ModelPool(self.storage, self.runner, **pool_options(config, checkpoint, self.plan, overlap=False))
+        self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, stages, relay=draft is not None)
+        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft)
         self._rid = 0
         self.geometries = stages.all_gather(self.layout)
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
@@ -182,7 +193,7 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
                      env: dict[str, str] | None = None) -> list[GridRun]:
     """Serve `requests` from the checkpoint at `path` on `n_stages` stages of `n_ranks` ranks each,
     one process per (stage, rank) over gloo on 127.0.0.1; every process's report, stage-major."""
-    refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages")  # in the parent, before any process starts
+    refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True)  # in the parent, before any process starts
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks and pipeline stages run on --device cpu (one process each over gloo)")
     if n_ranks < 2 or n_stages < 2:

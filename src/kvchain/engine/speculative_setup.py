@@ -34,9 +34,15 @@ class DraftSetup:
     checkpoint: LoadedCheckpoint
     plan: KVStoragePlan
     checkpoint_interval: int | None
-    #: the draft's declarations as its model is numbered once fused (after the target's layers), a
-    #: rank's share under `tp_size`: what the ranks check its split against
+    #: the draft's own declarations (its layers numbered from 0; a rank's share under `tp_size`) and
+    #: where its layers start once fused, after the target's
     decls: tuple = ()
+    offset: int = 0
+
+    @property
+    def fused_decls(self) -> tuple[KVLayerDecl, ...]:
+        """The draft's declarations as its model is numbered once fused: what ranks check its split against."""
+        return tuple(KVLayerDecl(d.layer_id + self.offset, d.parts) for d in self.decls)
 
 
 def _vocab(model: torch.nn.Module) -> int:
@@ -71,8 +77,7 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
                          "which prefix_cache=False removes (on the command line: drop --no-prefix-cache)") from None
     offset = draft_layer_offset(decls)
     fuse_draft_layers(draft.model, offset)
-    fused = tuple(KVLayerDecl(d.layer_id + offset, d.parts) for d in draft_decls)
-    return DraftSetup(draft, plan, interval, fused)
+    return DraftSetup(draft, plan, interval, tuple(draft_decls), offset)
 
 
 def speculative_pool(storage: KVStorage, runner: ModelRunner, draft: DraftSetup, config: EngineConfig,

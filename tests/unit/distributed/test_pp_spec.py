@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
+from kvchain.dist.tp_pp_engine import generate_in_grid
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.engine.speculative_draft import make_draft_checkpoint
 from kvchain.engine.tiny import make_checkpoint
@@ -78,10 +79,19 @@ def test_generate_cli_with_pp_and_a_draft_prints_plain_greedy_output(tmp_path, c
     assert not mp.active_children()
 
 
-def test_a_draft_with_tp_is_one_line_and_exit_2(capsys):
+def test_stages_of_two_ranks_with_a_draft_generate_plain_greedy_output():
+    """`--tp 2 --pp 2` with a draft: every stage runs the whole draft and each rank keeps its share
+    of its heads; all four processes sample what one process samples without a draft, the stages'
+    capacity digests and the ranks' decision digests agree after every step."""
     target, draft = qwen_eight()
-    capsys.readouterr()
-    rc = main(["generate", "--model-path", str(target), "--prompt", "x", "--budget", "8MiB", "--tp", "2",
-               "--draft-model-path", str(draft), "--num-speculative-tokens", "2"])
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "--tp" in err
+    reqs = workload(4)
+    with Engine(str(target), _config(overlap=False)) as engine:
+        plain = engine.generate(reqs)
+    runs = generate_in_grid(str(target), _config(draft_model_path=str(draft), num_speculative_tokens=3), reqs, 2, 2,
+                            (4, 4), env=ENV)
+    for run in runs:
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in plain.outputs]
+        assert run.result.stats.spec_rounds == runs[0].result.stats.spec_rounds > 0
+        assert run.stage_digests == runs[0].stage_digests
+    assert runs[0].rank_digests == runs[1].rank_digests and runs[2].rank_digests == runs[3].rank_digests
+    assert not mp.active_children()
