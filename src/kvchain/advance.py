@@ -21,6 +21,13 @@ def window_keep_from(seq_lens: np.ndarray, window: int, chunked: bool) -> np.nda
     return np.maximum(seq_lens - window, 0)
 
 
+def window_first_page(seq_lens: np.ndarray, window: int, chunked: bool, page_size: int) -> np.ndarray:
+    """The first page a row of each length keeps in a window once `retire_window_rows` ran with no
+    checkpoint: the page of `window_keep_from`, never past the page of its last token."""
+    lo = window_keep_from(seq_lens, window, chunked) // page_size
+    return np.minimum(lo, (seq_lens - 1) // page_size) if chunked else lo
+
+
 def retire_window_rows(table: RequestTable, chain: ChainAllocator, page_size: int, rows: np.ndarray,
                        checkpoints: np.ndarray | None = None) -> int:
     """Free, in every window band, the pages of `rows` wholly before the window. With prefix

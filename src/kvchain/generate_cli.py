@@ -182,8 +182,6 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
 
     if args.device != "cpu":
         raise InputError("--pd runs on --device cpu")
-    if args.host_budget is not None:
-        raise InputError("--host-budget does not apply with --pd (its nodes keep no prefix cache)")
     kind = args.pd_engine or ("nixl" if nixl_available() is None else "gloo")
     if kind == "nixl" and nixl_available() is not None:
         raise InputError(f"--pd-engine nixl: {nixl_available()}")

@@ -26,12 +26,14 @@ import logging
 import struct
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .. import env
+from ..advance import window_first_page
 from ..alloc.demand import DemandPurpose, KVDemand, request_demand
 from ..alloc.signals import NetworkTransfer, ReceiveHold
 from ..device.base import Device, Event, PageAccess, Stream
@@ -107,19 +109,17 @@ def layout_digest(storage: KVStorage) -> str:
 
 
 def request_pages(storage: KVStorage, row: int) -> dict[str, np.ndarray]:
-    """A row's physical pages per sub-pool, read now: its full-attention pages, the rows each window
-    still binds (those past its `window_lo`), its state slot."""
+    """A row's physical pages per sub-pool, read now: its full-attention pages, each window's rows
+    from the first its next token reads (`window_los`), its state slot."""
     table = storage.table
     vpages = table.pages_of(row)
     out: dict[str, np.ndarray] = {}
-    w = 0
+    los = iter(window_los(storage, row))
     for pool in storage.plan.sub_pools:
         if pool.kind is PoolKind.FULL:
             out[pool.name] = storage.physical_pages(pool.name, vpages)
         elif pool.kind is PoolKind.WINDOW:
-            lo = int(table.window_lo[row, w])
-            w += 1
-            out[pool.name] = storage.physical_pages(pool.name, vpages[lo:])
+            out[pool.name] = storage.physical_pages(pool.name, vpages[next(los):])
         else:
             slot = int(table.state_slot[row])
             out[pool.name] = storage.physical_pages(pool.name, np.array([slot])) if slot >= 0 else np.zeros(0, np.int64)
@@ -127,7 +127,13 @@ def request_pages(storage: KVStorage, row: int) -> dict[str, np.ndarray]:
 
 
 def window_los(storage: KVStorage, row: int) -> list[int]:
-    return [int(x) for x in storage.table.window_lo[row]]
+    """Per window, the first page of the row its next token reads: where a fresh row of its length
+    starts its window (`advance` with no checkpoint), which is what the decode node's take keeps.
+    A row whose prefix the tree shares may bind less itself (the tree binds the window rows of the
+    prefix) or keep more (rows behind a checkpoint): the hand-off sends exactly these."""
+    seq = np.array([storage.table.seq_lens[row]])
+    return [int(window_first_page(seq, pool.window, pool.lifetime.chunked, storage.page_size)[0])
+            for pool in storage.plan.sub_pools if pool.kind is PoolKind.WINDOW]
 
 
 def segments_of(storage: KVStorage, pages: dict[str, np.ndarray]) -> Segments:
@@ -207,6 +213,8 @@ class Refused:
     rid: str
     reason: str
     extra: dict = field(default_factory=dict)
+    #: room was coming (the node serves requests that will finish): the prefill node may offer again
+    retry: bool = False
 
 
 class PDNode(ABC):
@@ -532,6 +540,9 @@ class DecodeNode(PDNode):
         self.before_publish = None
         #: offers (and the end) this node took from the current link
         self.offers_taken = 0
+        #: whether room is coming (the node serves requests that will finish): a refusal for want of
+        #: room then tells the prefill node to offer again later, instead of giving the request up
+        self.room_coming: Callable[[], bool] = lambda: False
 
     def offer_waiting(self) -> bool:
         """Whether the prefill node posted an offer (or its end) this node has not taken: `receive`
@@ -579,20 +590,23 @@ class DecodeNode(PDNode):
         output = int(offer.get("extra", {}).get("output_len", 0))
         row = -1
         reason = ""
+        retry = False  # a refusal for want of room, while room is coming: the offer may come again
         if not self.queue.prealloc_fits(seq_len, output):
             reason = "the preallocation does not fit with the work already held back"
+            retry = self.room_coming()
         else:
             try:
                 row, dst = self._take(offer)
             except CapacityError as e:
                 reason = f"no room: {e}"
+                retry = self.room_coming()
         if row >= 0 and ({k: len(v) for k, v in dst.items()} != offer["counts"]
                          or window_los(storage, row) != offer["window_lo"]):
             storage.free_rows(np.array([row]))
             row, reason = -1, f"the offered pages {offer['counts']} do not match this node's take"
         if row < 0:
-            self.link.exchange({"op": "refuse", "rid": rid, "reason": reason})
-            return Refused(rid, reason, dict(offer.get("extra", {})))
+            self.link.exchange({"op": "refuse", "rid": rid, "reason": reason, "retry": retry})
+            return Refused(rid, reason, dict(offer.get("extra", {})), retry)
         hold = storage.hold_receive_rows(rid, dst)
         extra = dict(offer.get("extra", {}))
         if self.queue.deferred:

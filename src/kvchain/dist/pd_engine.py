@@ -8,9 +8,14 @@ rows decode keeps, the state slot, and the first token. The decode process decod
 still arrive: between two of its steps it takes an offer that waits (`DecodeNode.offer_waiting`,
 `receive`) into a row of its own, and the request joins its scheduler as a running decode from
 the token after the first, while the prefill node goes on with the others. Outputs are the single-process
-engine's (tests/unit/distributed/test_pd_engine.py). Both engines run without the prefix cache: a
-received row's windows are retired as a fresh row's are (`advance` with no checkpoint), which is
-how the prefill node's were retired only without a tree."""
+engine's (tests/unit/distributed/test_pd_engine.py).
+
+The prefill node keeps the prefix cache (and a host tier behind it, `host_budget`): a prompt whose
+prefix is cached is prefilled from it, and its hand-off sends the whole row, the tree's pages with
+its own; the window rows sent are those a fresh row of its length keeps (`pd.window_los`), which is
+what the decode node's take keeps (`advance` with no checkpoint). The decode node keeps none. A
+decode node with no room for an offer while it serves requests that will finish says so
+(`Refused.retry`); the prefill node keeps the row and offers again (`offer_until_placed`)."""
 
 from __future__ import annotations
 
@@ -51,7 +56,9 @@ class _DecodeScheduler(Scheduler):
 
 def _prefill(port: int, path: str, config: EngineConfig, requests: list[GenerateRequest], kind: str,
              secret: bytes) -> dict:
-    engine = Engine(path, replace(config, overlap=False, prefix_cache=False))
+    # the prefill node keeps the prefix cache (and the host tier behind it): prompts that share a
+    # prefix are prefilled once; each hand-off sends the whole row, the tree's pages with its own
+    engine = Engine(path, replace(config, overlap=False))
     storage = engine.storage
     data = make_engine(kind, "prefill")
     data.register(storage.arena.data)
@@ -68,7 +75,7 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         i = index[req.rid]
         extra = {"index": i, "first": int(req.output[0]), "max_new": requests[i].max_new_tokens,
                  "output_len": requests[i].max_new_tokens - 1}
-        answer = node.offer(str(req.rid), req.row, extra)
+        answer = offer_until_placed(node, str(req.rid), req.row, extra)
         if answer["op"] == "refuse":
             refused[i] = answer.get("reason", "")
         else:
@@ -86,7 +93,9 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         node.close()
         engine.close()
     st = result.stats
+    figures = {key: getattr(st, key) for key in HOST_FIGURES}
     return {"outputs": [o.to_dict() for o in result.outputs], "refused": refused, "seconds": st.seconds,
+            "host": figures,
             "figures": {"forwards": st.forwards, "cached_tokens": st.cached_tokens,
                         "compaction_moves": st.compaction_moves, "checkpoints": st.checkpoints,
                         "window_pages_retired": st.window_pages_retired, "float_relocations": st.float_relocations,
@@ -94,8 +103,32 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
                         **{key: getattr(st, key) for key in SPEC_FIGURES}}}
 
 
+#: how long a prefill node offers a request again while the decode node, full, serves others (seconds)
+PLACE_TIMEOUT_S = 120.0
+#: the first wait between two offers of one request; it doubles up to `RETRY_MAX_S`
+RETRY_FIRST_S = 0.001
+RETRY_MAX_S = 0.05
+
+
+def offer_until_placed(node: PrefillNode, rid: str, row: int, extra: dict,
+                       timeout_s: float = PLACE_TIMEOUT_S) -> dict:
+    """Offer a finished prefill to the decode node until it takes it: a refusal for want of room
+    while the decode node serves requests that will finish (`retry`) is offered again after a
+    wait, the row kept meanwhile, so a busy decode node holds prefills back instead of losing
+    them. A refusal with no room coming, or past `timeout_s`, is the answer."""
+    deadline = time.monotonic() + timeout_s
+    wait = RETRY_FIRST_S
+    while True:
+        answer = node.offer(rid, row, extra)
+        if answer["op"] != "refuse" or not answer.get("retry") or time.monotonic() > deadline:
+            return answer
+        time.sleep(wait)
+        wait = min(2 * wait, RETRY_MAX_S)
+
+
 def _decode(port: int, path: str, config: EngineConfig, kind: str, secret: bytes) -> dict:
-    engine = Engine(path, replace(config, prefix_cache=False))
+    # the decode node keeps no prefix cache: its rows come whole from the prefill node
+    engine = Engine(path, replace(config, prefix_cache=False, host_budget=None))
     try:
         storage = engine.storage
         data = make_engine(kind, "decode")
@@ -170,6 +203,7 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     Under deferred publication an offer's ids go out in the iteration after its take (PD-13)."""
     decoding = _Decoding(engine, node)
     scheduler, pool, storage = decoding.scheduler, engine.pool, engine.storage
+    node.room_coming = lambda: not scheduler.idle  # its running requests will finish and free room
     before = (pool.counters.forwards, storage.stats(), dict(pool.stats_counters))
     assert getattr(pool, "spec", None) is None or pool.spec.rounds == 0  # a fresh engine: its counters are the run's
     refused: list[Refused] = []
@@ -235,6 +269,10 @@ SPEC_COUNTERS = {"spec_rounds": "rounds", "spec_proposed": "proposed", "spec_acc
 SPEC_FIGURES = tuple(SPEC_COUNTERS)
 
 
+#: the host tier's figures, the prefill node's (the decode node keeps no prefix cache)
+HOST_FIGURES = ("host_hits", "host_backups", "host_loads")
+
+
 #: the PD processes by their stage index
 NODE_NAMES = ("prefill", "decode")
 
@@ -243,7 +281,8 @@ def check_pd_draft(config: EngineConfig) -> None:
     """A draft on PD nodes, checked before any node starts: the prefill node runs the draft over the
     prompts with the target, so its KV (pages of the same fused plan) goes to the decode node with
     the target's, and the decode node's rounds read it. A draft with recurrent layers steps its
-    state on the prefix cache's checkpoint grid, which PD nodes do not keep: refused in one line."""
+    state on the prefix cache's checkpoint grid, which the decode node does not keep: refused in one
+    line."""
     if config.draft_model_path is None:
         return
     from ..engine.checkpoint import read_config
@@ -256,7 +295,7 @@ def check_pd_draft(config: EngineConfig) -> None:
     plan = plan_kv_storage(model_from_config(read_config(draft)).decls, page_size=config.page_size)
     if plan.state is not None:
         raise InputError(f"a draft with recurrent layers ({draft}) on PD nodes: its state steps on the prefix "
-                         "cache's checkpoint grid, which PD nodes keep no prefix cache for; give an attention-only "
+                         "cache's checkpoint grid, which the decode node does not keep; give an attention-only "
                          "draft (make-checkpoint --draft-layers) or serve it without --pd")
 
 
@@ -270,6 +309,9 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     requests = list(requests)
     deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
     check_pd_draft(config)
+    if config.host_budget is not None and not config.prefix_cache:
+        raise InputError("a host tier backs the prefill node's prefix cache: host_budget needs prefix caching on "
+                         "(on the command line, drop --no-prefix-cache)")
     secret = os.urandom(32)
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     t0 = time.perf_counter()
@@ -301,6 +343,6 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     stats = GenerateStats(requests=len(requests), steps=dec["steps"], prompt_tokens=sum(len(r.prompt_token_ids)
                                                                                        for r in requests),
                           output_tokens=sum(len(o.token_ids) for o in outputs), seconds=time.perf_counter() - t0,
-                          peak_running=dec["peak_running"], **summed,
+                          peak_running=dec["peak_running"], **summed, **pre["host"],
                           peak_utilisation=max(f["peak_utilisation"] for f in both))
     return GenerateResult(outputs, stats)

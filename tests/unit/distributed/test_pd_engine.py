@@ -13,8 +13,8 @@ import pytest
 from kvchain.cli import main
 from kvchain.dist.pd_engine import generate_pd
 from kvchain.dist.transfer import nixl_available
-from kvchain.engine.serve import Engine, EngineConfig
-from support.engine import PAGE, checkpoint_dir, workload, write_prompts
+from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
+from support.engine import PAGE, checkpoint_dir, tight_budget, workload, write_prompts
 
 NIXL_MISSING = nixl_available()
 CONFIG = EngineConfig(budget_bytes=8 * 2**20, page_size=PAGE, context_len=128, max_running=8, ignore_eos=True)
@@ -120,4 +120,60 @@ def test_deferred_publication_without_overlap_is_one_line_before_any_node_starts
                  "--no-overlap"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "the overlap scheduler is off" in err, err
+    assert not mp.active_children()
+
+
+def _shared_prefix_requests(n: int) -> list:
+    """`n` prompts on one 24-token prefix: after the first, each the prefill node matches."""
+    shared = list(range(5, 29))
+    return [GenerateRequest([*shared, 40 + i, 60 + i, 80 + i], 12) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+def test_the_prefill_node_reuses_cached_prefixes(family):
+    """The prefill node keeps the prefix cache: a prompt whose prefix an earlier one left in the tree
+    is prefilled from it, and its hand-off sends the whole row, the tree's pages with its own
+    (Gemma 3's window rows of the prefix are the tree's: the offer names the pages a fresh row of
+    its length keeps, which the decode node's take keeps too; naming the row's own, it was refused
+    as not matching). Outputs are the single-process engine's."""
+    requests = _shared_prefix_requests(4)
+    config = replace(CONFIG, max_running=1)  # one at a time: each later prompt finds the prefix cached
+    path = checkpoint_dir(family)
+    with Engine(path, config) as engine:
+        single = engine.generate(requests)
+    pd = generate_pd(path, config, requests, kind="gloo", timeout_s=120)
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert all(o.finish_reason == "length" for o in pd.outputs)
+    assert pd.stats.cached_tokens >= 3 * 20
+    assert not mp.active_children()
+
+
+def test_a_full_decode_node_holds_prefills_back_instead_of_refusing_them():
+    """A decode node with room for two requests, nine handed to it: each offer it has no room for
+    while it serves others is made again once one finishes (the prefill node keeps the row), so
+    every request is served, none rejected."""
+    requests = workload(9, seed=3)
+    config = replace(CONFIG, max_running=2)
+    path = checkpoint_dir("gemma3")
+    with Engine(path, config) as engine:
+        single = engine.generate(requests)
+    pd = generate_pd(path, config, requests, kind="gloo", timeout_s=120)
+    assert [o.finish_reason for o in pd.outputs] == ["length"] * 9
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert not mp.active_children()
+
+
+def test_a_host_tier_behind_the_prefill_node():
+    """`--pd --host-budget`: the prefill node's tree evicts to the host tier and loads back from it
+    (Nemotron-H's state checkpoints with the attention pages); outputs are the single-process
+    engine's."""
+    family = "nemotron_h"
+    requests = workload(9)
+    config = replace(CONFIG, budget_bytes=tight_budget(family, 2), checkpoint_interval=8, max_running=2)
+    path = checkpoint_dir(family)
+    with Engine(path, config) as engine:
+        single = engine.generate(requests)
+    pd = generate_pd(path, replace(config, host_budget=4 * 2**20), requests, kind="gloo", timeout_s=120)
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert pd.stats.host_hits > 0 and pd.stats.host_loads > 0
     assert not mp.active_children()
