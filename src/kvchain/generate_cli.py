@@ -17,8 +17,11 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", action="extend",
                      help="one or more prompts as text (needs a tokenizer in the directory); the flag may repeat")
-    src.add_argument("--prompts", help='a JSONL file: one request a line, {"prompt_token_ids": [...]} or '
-                     '{"prompt": "text"}, each with an optional "max_new_tokens"')
+    src.add_argument("--prompts", help='a JSONL file: one request a line, {"prompt_token_ids": [...]}, '
+                     '{"prompt": "text"} or {"messages": [{"role": ..., "content": ...}, ...]} (a chat), each with '
+                     'an optional "max_new_tokens"')
+    p.add_argument("--chat", action="store_true",
+                   help="send each text prompt as a user message through the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=16,
                    help="new tokens per request where the request names none (default 16)")
     p.add_argument("--budget", type=byte_size, default=64 * 2**20,
@@ -69,8 +72,8 @@ def _layer_counts(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
-def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str | None, int]]:
-    """(token ids or None, text or None, max_new_tokens) per request, in input order."""
+def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str | list[dict] | None, int]]:
+    """(token ids or None, text or a chat's messages or None, max_new_tokens) per request, in input order."""
     if args.prompt:
         return [(None, text, args.max_new_tokens) for text in args.prompt]
     path = Path(args.prompts)
@@ -88,8 +91,9 @@ def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str 
         max_new = obj.get("max_new_tokens", args.max_new_tokens)
         if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
             raise InputError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
-        if "prompt_token_ids" in obj and "prompt" in obj:
-            raise InputError(f'{where}: give "prompt_token_ids" or "prompt", not both')
+        given = [key for key in ("prompt_token_ids", "prompt", "messages") if key in obj]
+        if len(given) > 1:
+            raise InputError(f'{where}: give one of "prompt_token_ids", "prompt" and "messages", not {given}')
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
             if not isinstance(ids, list) or not ids or not all(
@@ -98,11 +102,45 @@ def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str 
             out.append((ids, None, max_new))
         elif isinstance(obj.get("prompt"), str):
             out.append((None, obj["prompt"], max_new))
+        elif "messages" in obj:
+            out.append((None, _messages(obj["messages"], where), max_new))
         else:
-            raise InputError(f'{where}: needs "prompt_token_ids" (a list) or "prompt" (a string)')
+            raise InputError(f'{where}: needs "prompt_token_ids" (a list), "prompt" (a string) or "messages" '
+                             "(a list of chat messages)")
     if not out:
         raise InputError(f"--prompts {path}: no requests in the file")
     return out
+
+
+def _messages(messages: object, where: str) -> list[dict]:
+    """A chat: a non-empty list of {"role": str, "content": str} objects."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise InputError(f'{where}: messages must be a non-empty list of {{"role": "...", "content": "..."}} objects')
+    return messages
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
+    """A text prompt's token ids, or (a chat's messages, or a text under `chat`) the ids of the
+    conversation as the tokenizer's chat template renders it, with the assistant's turn opened;
+    the template writes its own special tokens, so none are added to it."""
+    if isinstance(prompt, str) and not chat:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise InputError(f"the prompt {prompt!r} encodes to no tokens")
+        return ids
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("a chat (--chat, or messages in --prompts) needs a chat template in the checkpoint's "
+                         "tokenizer, which has none")
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:  # the checkpoint's own template
+        raise InputError(f"the tokenizer's chat template failed on {messages!r}: {type(e).__name__}: {e}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _check_requests(args: argparse.Namespace, checkpoint, requests: list) -> None:
@@ -147,9 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
     requests = []
     for ids, text, max_new in parsed:
         if ids is None:
-            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-            if not ids:
-                raise InputError(f"the prompt {text!r} encodes to no tokens")
+            ids = encode_prompt(tokenizer, text, args.chat)
         requests.append(GenerateRequest(ids, max_new))
     _check_requests(args, checkpoint, requests)
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,

@@ -82,7 +82,11 @@ def test_a_repeated_prompt_flag_adds_prompts(tiny, capsys):
     ('{"prompt_token_ids": [100000000000000000000000]}', "token ids must lie in [0, 256)"),
     # at the model's own maximum, no larger --context is offered (the flag would be refused)
     ('{"prompt_token_ids": [' + ", ".join(["1"] * 600) + "]}", "(the model maximum); give a shorter prompt"),
-    ('{"prompt_token_ids": [1], "prompt": "hi"}', 'not both'),
+    ('{"prompt_token_ids": [1], "prompt": "hi"}', 'give one of "prompt_token_ids", "prompt" and "messages"'),
+    ('{"messages": "hi"}', "messages must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', "messages must be a non-empty list"),
+    # the tiny checkpoint's tokenizer has no chat template
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "needs a chat template in the checkpoint's tokenizer"),
     ("[1, 2]", "a request is a JSON object"),
     ('{"prompt_token_ids": []}', "non-empty list"),
     ('{"prompt_token_ids": [1, 999]}', "token ids must lie in [0, 256)"),
@@ -95,6 +99,51 @@ def test_bad_prompts_are_one_line_and_exit_2(tiny, tmp_path, capsys, line, messa
     assert main(["generate", "--model-path", str(tiny), "--prompts", str(prompts), "--budget", "4MiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+#: a chat template of the usual shape: each turn tagged with its role, the assistant's turn opened
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tiny(tiny, tmp_path_factory):
+    """The tiny checkpoint with a chat template in its tokenizer, as instruct releases ship one."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("chat") / "gpt_oss"
+    shutil.copytree(tiny, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_chat_goes_through_the_tokenizer_s_template(chat_tiny, tmp_path, capsys):
+    """`--chat` sends each text as a user message, a prompts line may hold the messages of a chat;
+    either is served as the template's rendering, the assistant's turn opened (no special token
+    added beside the template's own)."""
+    rendered = list(b"<|user|>hi there\n<|assistant|>")
+    chat = list(b"<|system|>be brief\n<|user|>hi there\n<|assistant|>")
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "hi there"}]}) + "\n")
+    base = ["generate", "--model-path", str(chat_tiny), "--max-new-tokens", "4", "--budget", "4MiB", "--json"]
+    capsys.readouterr()
+    assert main([*base, "--prompt", "hi there", "--chat"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == _greedy(chat_tiny, rendered, 4)
+    assert main([*base, "--prompts", str(prompts)]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == _greedy(chat_tiny, chat, 4)
+    assert main([*base, "--prompt", "hi there"]) == 0  # without --chat: the text as it is
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == _greedy(chat_tiny, list(b"hi there"), 4)
+
+
+def test_chat_without_a_template_is_one_line_and_exit_2(tiny, capsys):
+    assert main(["generate", "--model-path", str(tiny), "--prompt", "hi", "--chat", "--budget", "4MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs a chat template" in err
 
 
 def test_bad_bytes_flags_and_budgets_exit_2(tiny, tmp_path, capsys):
