@@ -54,6 +54,7 @@ from .engine.model_pool import ModelPool
 from .engine.pool import KVChainPool
 from .engine.quantize import quantize_checkpoint
 from .engine.runner import ModelRunner
+from .engine.sampling import SamplingParams
 from .engine.scheduler import Scheduler
 from .engine.serve import Engine, EngineConfig, GenerateOutput, GenerateRequest, GenerateResult, GenerateStats
 from .engine.speculative import SpeculativePool, plan_with_draft, truncate_rows
@@ -177,6 +178,7 @@ __all__ = [
     "Refused",
     "RowsAndTakes",
     "RunnerIds",
+    "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
     "SpeculativePool",

@@ -22,6 +22,14 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                      'an optional "max_new_tokens"')
     p.add_argument("--chat", action="store_true",
                    help="send each text prompt as a user message through the tokenizer's chat template")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy); a prompts line's \"temperature\" overrides it")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities sum to p (default 1: all)")
+    p.add_argument("--seed", type=seed_int, default=None,
+                   help="seed of the sampling: request i is seeded SEED + i (default: drawn at random); a "
+                        "prompts line's \"seed\" overrides it")
     p.add_argument("--max-new-tokens", type=positive_int, default=16,
                    help="new tokens per request where the request names none (default 16)")
     p.add_argument("--budget", type=byte_size, default=64 * 2**20,
@@ -72,10 +80,15 @@ def _layer_counts(text: str) -> tuple[int, ...]:
     return tuple(positive_int(part) for part in text.split(","))
 
 
-def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str | list[dict] | None, int]]:
-    """(token ids or None, text or a chat's messages or None, max_new_tokens) per request, in input order."""
+#: a prompts line's sampling fields, which override the flags of the same names
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+
+
+def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str | list[dict] | None, int, dict]]:
+    """(token ids or None, text or a chat's messages or None, max_new_tokens, the line's sampling
+    fields) per request, in input order."""
     if args.prompt:
-        return [(None, text, args.max_new_tokens) for text in args.prompt]
+        return [(None, text, args.max_new_tokens, {}) for text in args.prompt]
     path = Path(args.prompts)
     if not args.prompts:
         raise InputError("--prompts: an empty path")
@@ -99,17 +112,39 @@ def _read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str 
             if not isinstance(ids, list) or not ids or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise InputError(f"{where}: prompt_token_ids must be a non-empty list of integers")
-            out.append((ids, None, max_new))
+            out.append((ids, None, max_new, _sampling_fields(obj, where)))
         elif isinstance(obj.get("prompt"), str):
-            out.append((None, obj["prompt"], max_new))
+            out.append((None, obj["prompt"], max_new, _sampling_fields(obj, where)))
         elif "messages" in obj:
-            out.append((None, _messages(obj["messages"], where), max_new))
+            out.append((None, _messages(obj["messages"], where), max_new, _sampling_fields(obj, where)))
         else:
             raise InputError(f'{where}: needs "prompt_token_ids" (a list), "prompt" (a string) or "messages" '
                              "(a list of chat messages)")
     if not out:
         raise InputError(f"--prompts {path}: no requests in the file")
     return out
+
+
+def _sampling_fields(obj: dict, where: str) -> dict:
+    """A prompts line's own sampling fields, checked as a whole `SamplingParams` would check them."""
+    from .engine.sampling import SamplingParams
+
+    fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+    try:
+        SamplingParams(**{"temperature": 1.0, **fields})
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+    return fields
+
+
+def _sampling(args: argparse.Namespace, i: int, fields: dict):
+    """Request `i`'s sampling: the flags, a prompts line's fields over them; `--seed` seeds request
+    i with SEED + i, so that identical prompts sample independently."""
+    from .engine.sampling import SEED_LIMIT, SamplingParams
+
+    seed = None if args.seed is None else (args.seed + i) % SEED_LIMIT
+    return SamplingParams(**{"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                             "seed": seed, **fields})
 
 
 def _messages(messages: object, where: str) -> list[dict]:
@@ -176,17 +211,18 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.pd_engine is not None and not args.pd:
         raise InputError("--pd-engine chooses --pd's data plane; --pd is not given")
     parsed = _read_prompts(args)  # before the checkpoint loads: a bad file costs nothing
+    _sampling(args, 0, {})  # the flags too
     checkpoint = load_checkpoint(args.model_path, device=args.device, dtype=args.dtype)
     tokenizer = checkpoint.tokenizer
     if args.prompt and tokenizer is None:
         raise InputError(f"--prompt needs a tokenizer in {args.model_path}; give --prompts with prompt_token_ids")
-    if tokenizer is None and any(ids is None for ids, _t, _m in parsed):
+    if tokenizer is None and any(ids is None for ids, _t, _m, _s in parsed):
         raise InputError(f"--prompts {args.prompts}: text prompts need a tokenizer in {args.model_path}")
     requests = []
-    for ids, text, max_new in parsed:
+    for i, (ids, text, max_new, fields) in enumerate(parsed):
         if ids is None:
             ids = encode_prompt(tokenizer, text, args.chat)
-        requests.append(GenerateRequest(ids, max_new))
+        requests.append(GenerateRequest(ids, max_new, _sampling(args, i, fields)))
     _check_requests(args, checkpoint, requests)
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.request import Phase, ScheduledRequest
+from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Scheduler
 from ..engine.serve import (
     Engine,
@@ -36,6 +37,7 @@ from ..engine.serve import (
     GenerateRequest,
     GenerateResult,
     GenerateStats,
+    sampled_requests,
 )
 from ..errors import InputError, KVChainError
 from .pd import DecodeNode, PrefillNode, Received, Refused, deferred_publication, layout_digest
@@ -74,7 +76,8 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
     def finish(req: ScheduledRequest) -> None:
         i = index[req.rid]
         extra = {"index": i, "first": int(req.output[0]), "max_new": requests[i].max_new_tokens,
-                 "output_len": requests[i].max_new_tokens - 1}
+                 "output_len": requests[i].max_new_tokens - 1,
+                 "sampling": None if req.sampling is None else req.sampling.to_dict()}
         answer = offer_until_placed(node, str(req.rid), req.row, extra)
         if answer["op"] == "refuse":
             refused[i] = answer.get("reason", "")
@@ -83,7 +86,7 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         base_finish(req)
 
     pool.finish = finish
-    first = [GenerateRequest(r.prompt_token_ids, 1) for r in requests]
+    first = [GenerateRequest(r.prompt_token_ids, 1, r.sampling) for r in requests]
     rid0 = engine._rid
     index.update({rid0 + i: i for i in range(len(first))})
     try:
@@ -167,6 +170,8 @@ class _Decoding:
         req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(prompt_len, np.int64), max_new=max_new,
                                output_len=max_new, output=np.zeros(max_new, dtype=np.int64))
         req.output[0] = first
+        sampling = got.extra.get("sampling")
+        req.sampling = None if sampling is None else SamplingParams(**sampling)  # draws seeded as the prefill node's
         req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
         req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": prompt_len}
         pool._known[rid] = 1  # its first output came with it: the next forward reads it from the host
@@ -306,7 +311,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     each node measured: `prefill_seconds`, `decode_seconds`, `decode_steps`, `overlapped_steps`
     (decode steps run while the prefill node still had hand-offs to make) and whether the decode
     node deferred publication (`deferred_publication`)."""
-    requests = list(requests)
+    requests = sampled_requests(config, requests)  # seeded once, here: both nodes sample alike
     deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
     check_pd_draft(config)
     if config.host_budget is not None and not config.prefix_cache:

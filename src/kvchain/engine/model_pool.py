@@ -32,6 +32,7 @@ from .metadata import MetadataBuffers, StepMetadata
 from .pool import KVChainPool
 from .request import ScheduledRequest
 from .runner import ModelRunner
+from .sampling import sample_rows
 from .steps import Forward, Launched, MetadataUpload, StepSequence
 
 
@@ -152,6 +153,9 @@ class ModelPool(KVChainPool):
                 sample_at.append(bounds[i + 1] - 1)
         device = self.runner.device
         outputs = StepOutputs(sample_reqs, sample_index)
+        # rows sampled rather than argmaxed: (row, sampling, output index), which seeds the draw
+        draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs)
+                 if req.sampling is not None and not req.sampling.greedy]
         for k, req in enumerate(sample_reqs):
             self._future[req.rid] = (outputs, sample_index[k], k)
         meta, views, written = self._step_metadata(rows, counts, positions, ids, starts, sample_at)
@@ -167,7 +171,7 @@ class ModelPool(KVChainPool):
             for src, dst, idx in fed:  # forwards run in order on this stream: `src` has run
                 tokens[dst] = src.tokens[idx]
             logits = runner.logits(batch, tokens, views.positions, views.sample_at)
-            outputs.tokens = logits.argmax(-1)
+            outputs.tokens = sample_rows(logits, draws) if draws else logits.argmax(-1)
             if keep:
                 outputs.logits = logits
 

@@ -46,6 +46,8 @@ class ScheduledRequest:
     lost_tokens: int = 0  # KV computed before its latest retraction, to compute again
     chunk_cap: int | None = None  # the prefill chunk its admission fitted it at (`Admission.chunk_cap`)
     pool_state: dict = field(default_factory=dict)
+    #: how the engine samples its outputs (`engine.sampling.SamplingParams`; None: greedy)
+    sampling: object = None
 
     def __post_init__(self) -> None:
         self.prompt = np.asarray(self.prompt, dtype=np.int32)

@@ -4,7 +4,7 @@ The checkpoint's config is parsed by the same `models/` parsers `kvchain plan` u
 sized into one arena under a byte budget, and served by the scheduler of `scheduler.py` (continuous
 batching, chunked prefill on the checkpoint grid, prefix reuse through the radix tree, exact
 admission through `ChainPrefillBudget`) with the model's forward running on the device's forward
-stream, overlapped with scheduling (`ModelPool`). Greedy decoding."""
+stream, overlapped with scheduling (`ModelPool`). Greedy decoding, or sampling (`sampling.py`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, load_checkpoint
 from .model_pool import ModelPool
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
+from .sampling import SamplingParams, with_seeds
 from .scheduler import Scheduler, check_token_budget
 from .speculative_setup import load_draft, speculative_pool
 
@@ -113,9 +114,29 @@ def refuse_unbuilt(config: EngineConfig, where: str, *, draft: bool = False, hos
 
 @dataclass(frozen=True)
 class GenerateRequest:
+    """One request: its prompt's token ids, at most `max_new_tokens` new tokens, sampled greedily
+    or as `sampling` says (`engine.sampling.SamplingParams`: temperature, top-k, top-p, seed)."""
+
     prompt_token_ids: Sequence[int]
     max_new_tokens: int = 16
+    sampling: SamplingParams | None = None
 
+
+def sampled_requests(config: EngineConfig, requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+    """`requests` with a seed for each sampled one that has none (`sampling.with_seeds`): what a
+    process hands to others, so that all of them sample alike. Speculative decoding accepts
+    greedily: a sampled request with a draft is refused, not served greedily."""
+    for i, r in enumerate(requests):
+        if r.sampling is not None and not isinstance(r.sampling, SamplingParams):
+            raise InputError(f"request {i}: sampling must be a SamplingParams, not {type(r.sampling).__name__}")
+    if config.draft_model_path is not None or config.num_speculative_tokens:
+        sampled = [i for i, r in enumerate(requests) if r.sampling is not None and not r.sampling.greedy]
+        if sampled:
+            raise InputError(f"requests {sampled[:8]} sample (temperature > 0) and a draft model is set: "
+                             "speculative decoding accepts greedily here; serve them without the draft")
+    params = with_seeds([r.sampling for r in requests])
+    return [r if p is r.sampling or (p.greedy and r.sampling is None) else dataclasses.replace(r, sampling=p)
+            for r, p in zip(requests, params)]
 
 @dataclass
 class GenerateOutput:
@@ -298,6 +319,7 @@ class Engine:
         is called after each step. The pool is checked idle at the end (no leak, no page pending)."""
         cfg = self.config
         vocab = int(self.checkpoint.model.get_input_embeddings().num_embeddings)
+        requests = sampled_requests(cfg, requests)
         reqs = []
         context = self.storage.table.context_len
         asked = []
@@ -309,7 +331,7 @@ class Engine:
             rid = self._rid
             self._rid += 1
             reqs.append(ScheduledRequest(rid=rid, arrival=0, prompt=prompt, max_new=max_new, output_len=max_new,
-                                         output=np.zeros(max_new, dtype=np.int64)))
+                                         output=np.zeros(max_new, dtype=np.int64), sampling=r.sampling))
         scheduler = Scheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens, max_running=cfg.max_running)
         scheduler.add(reqs)
         before = dict(self.pool.stats_counters)
