@@ -15,7 +15,8 @@ from pathlib import Path
 from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.dist.tp_pp_engine import generate_in_grid
-from kvchain.engine.serve import Engine, EngineConfig
+from kvchain.engine.sampling import SamplingParams
+from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
 from kvchain.engine.speculative_draft import make_draft_checkpoint
 from kvchain.engine.tiny import make_checkpoint
 from support.engine import workload, write_prompts
@@ -94,4 +95,17 @@ def test_stages_of_two_ranks_with_a_draft_generate_plain_greedy_output():
         assert run.result.stats.spec_rounds == runs[0].result.stats.spec_rounds > 0
         assert run.stage_digests == runs[0].stage_digests
     assert runs[0].rank_digests == runs[1].rank_digests and runs[2].rank_digests == runs[3].rank_digests
+    assert not mp.active_children()
+
+
+def test_stages_sample_what_one_process_samples():
+    """Sampled requests (seeded) on two stages: every stage draws output j with the generator its
+    request's seed and j give, from the same relayed logits, so both print one process's outputs."""
+    target, _draft = qwen_eight()
+    reqs = [GenerateRequest(r.prompt_token_ids, r.max_new_tokens, SamplingParams(0.9, 30, 0.9, seed=5 + i))
+            for i, r in enumerate(workload(4))]
+    with Engine(str(target), _config(overlap=False)) as engine:
+        one = [o.token_ids for o in engine.generate(reqs).outputs]
+    for run in generate_in_stages(str(target), _config(), reqs, 2, (4, 4)):
+        assert [o.token_ids for o in run.result.outputs] == one
     assert not mp.active_children()
