@@ -311,7 +311,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     each node measured: `prefill_seconds`, `decode_seconds`, `decode_steps`, `overlapped_steps`
     (decode steps run while the prefill node still had hand-offs to make) and whether the decode
     node deferred publication (`deferred_publication`)."""
-    requests = sampled_requests(config, requests)  # seeded once, here: both nodes sample alike
+    requests = sampled_requests(requests)  # seeded once, here: both nodes sample alike
     deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
     check_pd_draft(config)
     if config.host_budget is not None and not config.prefix_cache:

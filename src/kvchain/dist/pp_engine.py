@@ -331,7 +331,7 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
     gloo on 127.0.0.1; every stage's report, in stage order. A stage that failed raises its error
     (the first stage's to fail) as one line."""
     refuse_unbuilt(config, "pipeline stages", draft=True)  # in the parent, before any process starts
-    requests = sampled_requests(config, requests)  # seeded once, here: every process samples alike
+    requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
     out = run_stage_processes(generate_stage_process, n_stages, (path, config, requests, partition),

@@ -195,7 +195,7 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
     """Serve `requests` from the checkpoint at `path` on `n_stages` stages of `n_ranks` ranks each,
     one process per (stage, rank) over gloo on 127.0.0.1; every process's report, stage-major."""
     refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True)  # in the parent, before any process starts
-    requests = sampled_requests(config, requests)  # seeded once, here: every process samples alike
+    requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks and pipeline stages run on --device cpu (one process each over gloo)")
     if n_ranks < 2 or n_stages < 2:

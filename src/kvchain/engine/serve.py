@@ -122,18 +122,12 @@ class GenerateRequest:
     sampling: SamplingParams | None = None
 
 
-def sampled_requests(config: EngineConfig, requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
     """`requests` with a seed for each sampled one that has none (`sampling.with_seeds`): what a
-    process hands to others, so that all of them sample alike. Speculative decoding accepts
-    greedily: a sampled request with a draft is refused, not served greedily."""
+    process hands to others, so that all of them sample alike."""
     for i, r in enumerate(requests):
         if r.sampling is not None and not isinstance(r.sampling, SamplingParams):
             raise InputError(f"request {i}: sampling must be a SamplingParams, not {type(r.sampling).__name__}")
-    if config.draft_model_path is not None or config.num_speculative_tokens:
-        sampled = [i for i, r in enumerate(requests) if r.sampling is not None and not r.sampling.greedy]
-        if sampled:
-            raise InputError(f"requests {sampled[:8]} sample (temperature > 0) and a draft model is set: "
-                             "speculative decoding accepts greedily here; serve them without the draft")
     params = with_seeds([r.sampling for r in requests])
     return [r if p is r.sampling or (p.greedy and r.sampling is None) else dataclasses.replace(r, sampling=p)
             for r, p in zip(requests, params)]
@@ -319,7 +313,7 @@ class Engine:
         is called after each step. The pool is checked idle at the end (no leak, no page pending)."""
         cfg = self.config
         vocab = int(self.checkpoint.model.get_input_embeddings().num_embeddings)
-        requests = sampled_requests(cfg, requests)
+        requests = sampled_requests(requests)
         reqs = []
         context = self.storage.table.context_len
         asked = []

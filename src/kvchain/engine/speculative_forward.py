@@ -18,6 +18,7 @@ from .batch import ForwardBatch
 from .metadata import MetadataBuffers
 from .model_pool import ModelPool, StepOutputs, _group_futures
 from .request import ScheduledRequest
+from .sampling import sample_rows
 from .speculative_draft_steps import DraftStep, draft_steps
 from .speculative_round import Acceptance, Round, SpecOutputs, SpecPayload, accept, chain_slots, host_tensor
 from .speculative_state import ForwardStateSlots, StepChain, commit_states_after_verify
@@ -75,10 +76,16 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     n_plain = len(sample_at)
     kmax = int(ks.max()) if len(spec_idx) else 0
     gidx = np.zeros((len(rounds), kmax + 1), np.int64)
+    # the logits rows drawn rather than argmaxed: a sampled plain row, and each verify position of a
+    # sampled round, whose output index seeds its draw as plain decoding's would
+    draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs) if _sampled(req)]
     for r, b in enumerate(spec_idx):
         at = len(sample_at)
         sample_at.extend(range(int(q_starts[b]), int(q_starts[b + 1])))
         gidx[r] = at + np.minimum(np.arange(kmax + 1), ks[b])
+        rd = rounds[r]
+        if _sampled(rd.req):
+            draws.extend((at + i, rd.req.sampling, rd.out_index + i) for i in range(int(ks[b]) + 1))
     outputs = StepOutputs(sample_reqs, sample_index)
     for k_, req in enumerate(sample_reqs):
         pool._future[req.rid] = (outputs, sample_index[k_], k_)
@@ -105,10 +112,11 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     drafts = draft_steps(storage, pool.draft.layer_pool, views, q_starts, starts, counts, ks, spec_idx, slots, device)
     spec = SpecOutputs(rounds)
     valid = host_tensor(np.arange(kmax)[None, :] < ks[spec_idx][:, None], device, torch.bool)
-    how = Acceptance(len(sample_at), n_plain, kmax, valid, host_tensor(gidx, device), rows[spec_idx])
+    how = Acceptance(len(sample_at), n_plain, kmax, valid, host_tensor(gidx, device), rows[spec_idx], tuple(draws))
     payload = SpecPayload(outputs, spec, slots, how=how)
     relayed = pool.runner.relays_logits
-    run = _verify_run(pool, batch, views, drafts, _group_futures(futures, device), payload)
+    draft_draws = _draft_draws(rounds, ks[spec_idx], kmax)
+    run = _verify_run(pool, batch, views, drafts, _group_futures(futures, device), payload, draft_draws)
     # a stage whose acceptance is relayed commits when the relay comes (`dist/pp_spec.py`, LIFE-15)
     commit = None if relayed or slots is None else _commit(pool, slots, spec, rows[spec_idx], device)
     device_ = storage.device
@@ -127,7 +135,25 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     return Forward(launch, launch_commit if commit is not None else None, ids_written, upload), payload
 
 
-def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftStep], fed, payload: SpecPayload):
+def _sampled(req: ScheduledRequest) -> bool:
+    return req.sampling is not None and not req.sampling.greedy
+
+
+def _draft_draws(rounds: list[Round], ks: np.ndarray, kmax: int) -> list[list[tuple]]:
+    """Per draft step, the rows of its logits a sampled round draws its proposal from: step i's rows
+    are the rounds with at least i proposals (all of them at step 0), and its proposal is for output
+    `out_index + i`, drawn with the seed the target's draw of that output takes (similar
+    distributions then draw alike, and the target keeps the proposals it would have drawn)."""
+    out = []
+    for i in range(kmax + 1):
+        live = range(len(rounds)) if i == 0 else np.flatnonzero(ks >= i).tolist()
+        out.append([(row, rounds[r].req.sampling, rounds[r].out_index + i)
+                    for row, r in enumerate(live) if _sampled(rounds[r].req)])
+    return out
+
+
+def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftStep], fed, payload: SpecPayload,
+                draft_draws: list[list[tuple]]):
     """The forward's kernels, on the forward stream: the draft's steps, the target's verify, greedy
     acceptance (`spec.accepted[r]`: the proposals up to the first the target would not have chosen).
     A runner that relays its logits (a pipeline stage before the last) returns none: the proposals
@@ -149,7 +175,7 @@ def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftS
                 tokens[rows_in] = inputs
             dlogits = draft.logits(dbatch, inputs, views.positions[rows_in], sample)
             nxt = torch.zeros(n_rounds, dtype=torch.long, device=tokens.device)
-            nxt[live] = dlogits.argmax(-1)
+            nxt[live] = sample_rows(dlogits, draft_draws[step]) if draft_draws[step] else dlogits.argmax(-1)
             proposals.append(nxt)
         logits = runner.logits(batch, tokens, views.positions, views.sample_at)
         proposed = torch.stack(proposals[:kmax], dim=1) if kmax else None

@@ -18,6 +18,7 @@ from ..storage import KVStorage
 from ..storage_roles import boundary
 from .model_pool import StepOutputs
 from .request import ScheduledRequest
+from .sampling import sample_rows
 from .speculative_state import ForwardStateSlots
 
 
@@ -63,9 +64,10 @@ class SpecOutputs:
 
 @dataclass(frozen=True)
 class Acceptance:
-    """What greedy acceptance needs beside the logits: `n_plain` plain samples first, then each
-    round's `kmax + 1` verify positions (`g_index[r]`, indices into the logits), `valid[r, i]`
-    whether proposal i is one of round r's, and the rounds' rows (`rows`, batch order)."""
+    """What acceptance needs beside the logits: `n_plain` plain samples first, then each round's
+    `kmax + 1` verify positions (`g_index[r]`, indices into the logits), `valid[r, i]` whether
+    proposal i is one of round r's, the rounds' rows (`rows`, batch order), and the logits rows
+    sampled rather than argmaxed (`draws`: row, sampling, output index; `sampling.sample_rows`)."""
 
     n_sample: int
     n_plain: int
@@ -73,14 +75,16 @@ class Acceptance:
     valid: torch.Tensor
     g_index: torch.Tensor
     rows: np.ndarray
+    draws: tuple = ()
 
 
 def accept(logits: torch.Tensor, proposed: torch.Tensor | None, outputs: StepOutputs, spec: SpecOutputs,
            how: Acceptance, keep: bool) -> None:
-    """Greedy sampling and acceptance from a forward's logits: the plain samples' tokens, and per
-    round the target's greedy token after each round token and how many proposals it kept (the
-    proposals up to the first the target would not have chosen)."""
-    greedy = logits.argmax(-1)
+    """The target's tokens and acceptance from a forward's logits: the plain samples' tokens, and
+    per round the target's token after each round token (greedy, or drawn as plain decoding draws
+    that output: the same seeded draw) and how many proposals it kept (the proposals up to the
+    first the target did not choose), so the outputs are plain decoding's."""
+    greedy = sample_rows(logits, how.draws) if how.draws else logits.argmax(-1)
     outputs.tokens = greedy[: how.n_plain]
     if keep:
         outputs.logits = logits[: how.n_plain]

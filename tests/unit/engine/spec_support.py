@@ -30,9 +30,10 @@ def fused_budget(family: str, at_once: int, whole: bool = False, tree_slots: int
 
 
 def serve_spec(family: str, n: int, *, k: int = 3, at_once: int = 4, whole: bool = False, poison: bool = True,
-               **overrides) -> GenerateResult:
+               requests=None, **overrides) -> GenerateResult:
     """`support.engine.serve` with the family's draft proposing `k` tokens per round, from a pool
-    whose tree has room for six state checkpoints per request (so the requests find prefix hits)."""
+    whose tree has room for six state checkpoints per request (so the requests find prefix hits);
+    `requests` in place of `workload(n)`."""
     cfg = dict(budget_bytes=fused_budget(family, at_once, whole, tree_slots=6), page_size=PAGE, max_running=8,
                max_batched_tokens=48, context_len=128, checkpoint_interval=INTERVAL, ignore_eos=True,
                keep_logits=True, overlap=True, draft_model_path=str(draft_dir(family, whole)),
@@ -41,4 +42,4 @@ def serve_spec(family: str, n: int, *, k: int = 3, at_once: int = 4, whole: bool
     with Engine(load_checkpoint(checkpoint_dir(family)), EngineConfig(**cfg)) as engine:
         if poison:
             engine.storage.arena.data.fill_(0xFF)
-        return engine.generate(workload(n))
+        return engine.generate(workload(n) if requests is None else requests)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from spec_support import serve_spec
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from kvchain.cli import main
@@ -18,7 +19,7 @@ from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.sampling import SamplingParams, draw_seed, sample_rows, warp
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
 from kvchain.errors import InputError
-from support.engine import checkpoint_dir, draft_dir, tight_budget, workload, write_prompts
+from support.engine import checkpoint_dir, tight_budget, workload, write_prompts
 
 N = 12
 PARAMS = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
@@ -143,13 +144,21 @@ def test_bad_sampling_is_refused(bad: dict) -> None:
         SamplingParams(**bad)
 
 
-def test_sampling_with_a_draft_is_refused() -> None:
-    """Speculative decoding accepts greedily: a sampled request with a draft is refused, not served
-    greedily."""
-    config = EngineConfig(budget_bytes=8 * 2**20, page_size=4, context_len=128, checkpoint_interval=8,
-                          draft_model_path=str(draft_dir("gemma3")), num_speculative_tokens=2)
-    with Engine(str(checkpoint_dir("gemma3")), config) as engine, pytest.raises(InputError, match="accepts greedily"):
-        engine.generate(_sampled(2))
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "nemotron_h"])
+def test_speculative_sampling_is_plain_sampling(family: str) -> None:
+    """With a draft, the target draws each verify position's token with the seed plain decoding
+    draws that output with, and keeps the proposals it drew: the outputs are plain sampling's. A
+    draft that is the target draws alike (the same distribution, the same seed) and has every
+    proposal accepted."""
+    requests = _sampled(N, SamplingParams(temperature=0.8), seed0=50)
+    plain = _serve(family, requests, budget_bytes=8 * 2**20)
+    spec = serve_spec(family, N, requests=requests)
+    assert [o.token_ids for o in spec.outputs] == plain
+    assert spec.stats.spec_rounds > 0 and spec.stats.spec_accepted > 0
+    if family == "gemma3":
+        same = serve_spec(family, N, requests=requests, whole=True)
+        assert [o.token_ids for o in same.outputs] == plain
+        assert same.stats.spec_accepted == same.stats.spec_proposed > 0
 
 
 def test_generate_samples_from_the_command_line(tmp_path, capsys) -> None:
