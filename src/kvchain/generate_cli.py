@@ -469,7 +469,8 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
         _write_checkpoint(args, out)
     except OSError as e:
         raise InputError(f"cannot write {out}: {e.strerror or e}") from None
-    print(f"wrote a tiny {args.family} checkpoint to {out}")
+    stored = "" if args.quantize is None else f", its weights stored {args.quantize},"
+    print(f"wrote a tiny {args.family} checkpoint{stored} to {out}")
     if draft is not None:
         from .engine.speculative_draft import make_draft_checkpoint
 
