@@ -394,9 +394,10 @@ def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:
                    help="also write a matching draft for speculative decoding: the model's own first layers")
     p.add_argument("--draft-layers", default=None, metavar="I,J,...",
                    help="the layers the draft keeps (default: the first and the first full-attention layer)")
-    p.add_argument("--quantize", choices=("fp8", "mxfp4"), default=None,
-                   help="store the weights as a quantised release does: fp8 blocks (DeepSeek-V3's layout) or "
-                        "MXFP4 experts (GPT-OSS's); the loader dequantises them")
+    p.add_argument("--quantize", choices=("fp8", "mxfp4", "compressed-fp8", "compressed-int8"), default=None,
+                   help="store the weights as a quantised release does: fp8 blocks (DeepSeek-V3's layout), "
+                        "MXFP4 experts (GPT-OSS's) or compressed-tensors per-channel fp8 or int8 (llm-compressor's "
+                        "FP8-dynamic and W8A8); the loader dequantises them")
     p.add_argument("--fp8-block", type=positive_int, default=None,
                    help="rows and columns of an fp8 block (default 128; with --quantize fp8)")
 

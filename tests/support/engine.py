@@ -152,19 +152,22 @@ def _indexer_keys_rounded(family: str) -> Iterator[None]:
 
 
 @functools.cache
-def reference(family: str, n: int, path: Path | None = None,
-              from_pretrained: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
+def reference(family: str, n: int, path: Path | None = None, from_pretrained: bool = False,
+              decompressed: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
     """transformers' greedy `generate` on each prompt alone: the new tokens and their logits. For the
     models with recurrent state it runs without its cache (each step one whole forward): its cached
     decode path (the plain-torch fallbacks of its Mamba2 and DeltaNet kernels) drifts from its own
     uncached forward, by up to 2e-3 in Nemotron-H's logits within 8 tokens, enough to flip a
     near-tied greedy choice, while kvchain's engine matches the uncached forward within 3e-6. `path`:
     another checkpoint of the family than its tiny one, loaded by kvchain's loader or (`from_pretrained`)
-    by transformers' own, which dequantises a quantised checkpoint its own way."""
+    by transformers' own, which dequantises a quantised checkpoint its own way (`decompressed`: a
+    compressed-tensors one into float weights computed in float, not with 8-bit activations)."""
     if from_pretrained:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-        model = AutoModelForCausalLM.from_pretrained(path or checkpoint_dir(family), dtype=torch.float32).eval()
+        extra = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if decompressed else {}
+        model = AutoModelForCausalLM.from_pretrained(path or checkpoint_dir(family), dtype=torch.float32,
+                                                     **extra).eval()
     else:
         model = load_checkpoint(path or checkpoint_dir(family)).model
     tokens, logits = [], []

@@ -14,6 +14,8 @@ transformers does on a machine without the formats' kernels, so the loader dequa
   biased by 127 for each 32 values). The values form `[..., rows, 32 G]`, each row one output's
   inputs; stacked experts `[E, out, in]` are turned to `[E, in, out]`, as GPT-OSS's experts hold them.
 
+- **compressed-tensors** 8-bit layouts (`dequantize_compressed.py`).
+
 Every other method that stores packed tensors is refused with its name. Problems (a packed tensor
 without its scale, a scale grid that does not tile the weight) are one `InputError` line."""
 
@@ -56,9 +58,13 @@ def dequantize_state(path: Path, config_dict: dict[str, Any], state: dict[str, t
         return _dequantize_fp8(path, quant, state, dtype)
     if method == "mxfp4":
         return _dequantize_mxfp4(path, state, shapes, dtype)
+    if method == "compressed-tensors":
+        from .dequantize_compressed import dequantize_compressed  # it builds on this module's fp8 blocks
+
+        return dequantize_compressed(path, quant, state, dtype)
     raise InputError(f"checkpoint {path}: its weights are quantised ({method or '?'}: {len(packed)} tensors such "
-                     f"as {packed[0]!r}); kvchain's loader dequantises fp8 blocks and mxfp4 only: use the "
-                     "model's 16-bit release or a dequantised copy")
+                     f"as {packed[0]!r}); kvchain's loader dequantises fp8 blocks, mxfp4 and 8-bit "
+                     "compressed-tensors only: use the model's 16-bit release or a dequantised copy")
 
 
 def _dequantize_fp8(path: Path, quant: dict[str, Any], state: dict[str, torch.Tensor],

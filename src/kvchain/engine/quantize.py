@@ -3,8 +3,9 @@
 The loader dequantises fp8-block and MXFP4 checkpoints (`dequantize.py`); no such checkpoint can be
 downloaded here, so `quantize_checkpoint` makes one from a float checkpoint the way the releases are
 laid out: DeepSeek-V3's (every projection of the decoder layers in fp8 e4m3 with a float32 scale per
-block, norms, routers, embeddings and the output head left in float) and GPT-OSS's (its stacked
-experts as MXFP4 blocks and exponents, everything else in float). The rounding is the formats' own:
+block, norms, routers, embeddings and the output head left in float), GPT-OSS's (its stacked
+experts as MXFP4 blocks and exponents, everything else in float), and llm-compressor's
+compressed-tensors per-channel 8-bit layouts (`-FP8-dynamic`: fp8; `-W8A8`: int8). The rounding is the formats' own:
 an fp8 block's scale maps its largest magnitude to e4m3's largest finite value, an MXFP4 group's
 exponent puts its largest magnitude in [4, 8) and each value goes to the nearest e2m1 value."""
 
@@ -19,7 +20,7 @@ import torch
 from ..errors import InputError
 from .dequantize import E2M1, FP8_SCALE, MXFP4_BLOCKS, MXFP4_EXPONENT_BIAS, MXFP4_GROUP, MXFP4_SCALES
 
-METHODS = ("fp8", "mxfp4")
+METHODS = ("fp8", "mxfp4", "compressed-fp8", "compressed-int8")
 WEIGHTS_FILE = "model.safetensors"
 #: e4m3's largest finite magnitude
 FP8_MAX = 448.0
@@ -50,9 +51,12 @@ def quantize_checkpoint(directory: str | Path, method: str, block: int = 128) ->
         state, count = _fp8_state(state, block)
         config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "weight_block_size": [block, block]}
-    else:
+    elif method == "mxfp4":
         state, count = _mxfp4_state(state)
         config = {"quant_method": "mxfp4"}
+    else:
+        state, count = _compressed_state(state, method == "compressed-fp8")
+        config = compressed_config(method == "compressed-fp8")
     if not count:
         raise InputError(f"{directory}: no weights that a {method} release quantises")
     save_file(state, file, metadata={"format": "pt"})
@@ -82,6 +86,40 @@ def fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     scale = tiles.abs().amax((1, 3)).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
     stored = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
     return stored.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale.contiguous()
+
+
+def _compressed_state(state: dict[str, torch.Tensor], fp8: bool) -> tuple[dict[str, torch.Tensor], int]:
+    out, count = {}, 0
+    for name, tensor in state.items():
+        if ".layers." in name and name.endswith(".weight") and tensor.dim() == 2 and not _FP8_SKIP.search(name):
+            out[name], out[name + "_scale"] = per_channel(tensor, fp8)
+            count += 1
+        else:
+            out[name] = tensor
+    return out, count
+
+
+def per_channel(weight: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[rows, cols]` with one float32 scale per output row: in fp8 e4m3 (its largest
+    magnitude at 448) or symmetric int8 (at 127, rounded to the nearest)."""
+    top = FP8_MAX if fp8 else 127.0
+    scale = weight.float().abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
+    scaled = weight.float() / scale
+    stored = scaled.to(torch.float8_e4m3fn) if fp8 else scaled.round().clamp(-128, 127).to(torch.int8)
+    return stored.contiguous(), scale.contiguous()
+
+
+def compressed_config(fp8: bool) -> dict:
+    """The quantization_config llm-compressor writes for per-channel 8-bit weights with dynamic
+    per-token activations (`-FP8-dynamic`, `-W8A8`)."""
+    kind = "float" if fp8 else "int"
+    return {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}},
+            "ignore": ["lm_head"]}
 
 
 def _mxfp4_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:

@@ -257,25 +257,25 @@ def test_what_a_release_stores_for_other_uses_is_left_unloaded(family: str, tmp_
     _assert_load_error(broken, r"unexpected tensors \[model\.layers\.0\.extra\.weight\]")
 
 
-def _int8_packed(state: dict[str, torch.Tensor]) -> None:
-    """A projection packed as int8 with its scales, as weight-only integer releases store it."""
-    weight = state["model.layers.0.mlp.down_proj.weight"]
-    state["model.layers.0.mlp.down_proj.weight"] = weight.to(torch.int8)
-    state["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(64, 1)
+def _int4_packed(state: dict[str, torch.Tensor]) -> None:
+    """A projection packed as AWQ packs it: eight 4-bit values per int32, with scales and zeros."""
+    state.pop("model.layers.0.mlp.down_proj.weight")
+    state["model.layers.0.mlp.down_proj.qweight"] = torch.zeros(128, 8, dtype=torch.int32)
+    state["model.layers.0.mlp.down_proj.scales"] = torch.ones(1, 64)
 
 
 def test_weights_quantised_by_another_method_are_refused_by_name(llama_dir: Path, tmp_path: Path) -> None:
-    """A checkpoint packed by a method the loader does not dequantise (only fp8 blocks and mxfp4,
-    `test_quantized_checkpoint.py`) is refused as quantised, naming the method and a packed tensor,
-    not as one with unexpected scale tensors; the same config over float weights (a dequantised
-    copy that kept it) loads."""
-    out = _rewrite(llama_dir, tmp_path, _int8_packed)
+    """A checkpoint packed by a method the loader does not dequantise (fp8 blocks, mxfp4 and 8-bit
+    compressed-tensors only, `test_quantized_checkpoint.py`) is refused as quantised, naming the
+    method and a packed tensor, not as one with missing and unexpected tensors; the same config over
+    float weights (a dequantised copy that kept it) loads."""
+    out = _rewrite(llama_dir, tmp_path, _int4_packed)
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (out / "config.json").write_text(json.dumps(config))
-    _assert_load_error(out, r"weights are quantised \(compressed-tensors: 1 tensors such as "
-                            r"'model\.layers\.0\.mlp\.down_proj\.weight'\); kvchain's loader dequantises fp8 "
-                            r"blocks and mxfp4 only")
+    _assert_load_error(out, r"weights are quantised \(awq: 1 tensors such as "
+                            r"'model\.layers\.0\.mlp\.down_proj\.qweight'\); kvchain's loader dequantises fp8 "
+                            r"blocks, mxfp4 and 8-bit compressed-tensors only")
     floats = _copy(llama_dir, tmp_path / "floats")
     (floats / "config.json").write_text(json.dumps({**json.loads((floats / "config.json").read_text()),
                                                     "quantization_config": config["quantization_config"]}))
