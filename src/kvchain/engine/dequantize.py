@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from .block_scales import fp8_blocks_to_float
+from .dequantize_compressed import dequantize_compressed
 
 FP8_SCALE = "_scale_inv"
 #: what an fp8 weight may carry beside its scale: activation scales, unused once dequantised
@@ -59,8 +61,6 @@ def dequantize_state(path: Path, config_dict: dict[str, Any], state: dict[str, t
     if method == "mxfp4":
         return _dequantize_mxfp4(path, state, shapes, dtype)
     if method == "compressed-tensors":
-        from .dequantize_compressed import dequantize_compressed  # it builds on this module's fp8 blocks
-
         return dequantize_compressed(path, quant, state, dtype)
     raise InputError(f"checkpoint {path}: its weights are quantised ({method or '?'}: {len(packed)} tensors such "
                      f"as {packed[0]!r}); kvchain's loader dequantises fp8 blocks, mxfp4 and 8-bit "
@@ -91,26 +91,6 @@ def _dequantize_fp8(path: Path, quant: dict[str, Any], state: dict[str, torch.Te
         for extra in FP8_ACTIVATION_SCALES:
             out.pop(f"{stem}.{extra}", None)
     return out
-
-
-def fp8_blocks_to_float(weight: torch.Tensor, scale: torch.Tensor, block: list[int] | None,
-                        where: str = "fp8 weight") -> torch.Tensor:
-    """The float32 value of an fp8 `weight` `[rows, cols]` and its scales: one per `block` (rows x
-    cols, the grid rounded up at ragged edges), or a single one for the whole tensor."""
-    values = weight.to(torch.float32)
-    scale = scale.to(torch.float32)
-    if scale.numel() == 1:
-        return values * scale.reshape(())
-    if weight.dim() != 2 or block is None:
-        raise InputError(f"{where}: {scale.numel()} scales for a {list(weight.shape)} weight and no "
-                         "2-D weight_block_size to lay them out by")
-    rows, cols = weight.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape) != grid:
-        raise InputError(f"{where}: its scales are {list(scale.shape)}, a {[rows, cols]} weight in "
-                         f"{block[0]}x{block[1]} blocks needs {list(grid)}")
-    spread = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return values * spread
 
 
 def _dequantize_mxfp4(path: Path, state: dict[str, torch.Tensor], shapes: dict[str, torch.Size],

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from .dequantize import fp8_blocks_to_float
+from .block_scales import fp8_blocks_to_float
 
 #: the formats whose weights are stored one value per element
 ELEMENT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from kvchain.cli import main
 from kvchain.dist.tp_engine import generate_in_ranks
+from kvchain.engine.block_scales import fp8_blocks_to_float
 from kvchain.engine.checkpoint import load_checkpoint
-from kvchain.engine.dequantize import fp8_blocks_to_float, mxfp4_to_float
+from kvchain.engine.dequantize import mxfp4_to_float
 from kvchain.engine.dequantize_compressed import element_weights_to_float
 from kvchain.engine.quantize import fp8_blocks, mxfp4_blocks, quantize_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig
