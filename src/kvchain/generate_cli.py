@@ -52,7 +52,10 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="what the model computes and keeps its KV in (default auto: the checkpoint's own)")
+                   help="what the model computes in (default auto: the checkpoint's own)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"],
+                   help="what the pool keeps K/V in (default auto: --dtype's; fp8: e4m3, saturating, no scale)")
     p.add_argument("--pd", action="store_true",
                    help="serve with a prefill process and a decode process on this machine (loopback): the prefill "
                    "hands each request's KV, window rows and state to the decode (docs/pd.md); no prefix cache")
@@ -228,7 +231,8 @@ def run_generate(args: argparse.Namespace) -> int:
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                           overlap=args.overlap, device=args.device, prefix_cache=args.prefix_cache,
                           checkpoint_interval=args.checkpoint_interval, ignore_eos=args.ignore_eos,
-                          host_budget=args.host_budget, dtype=args.dtype, **_speculative(args))
+                          host_budget=args.host_budget, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          **_speculative(args))
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
     if split and (args.pd or args.host_budget is not None):
         raise InputError("--pd and --host-budget do not combine with --tp/--pp")

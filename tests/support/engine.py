@@ -151,6 +151,33 @@ def _indexer_keys_rounded(family: str) -> Iterator[None]:
         DynamicIndexedLayer.update_indexer = real
 
 
+@contextlib.contextmanager
+def kv_stored_as(dtype: torch.dtype | None) -> Iterator[None]:
+    """transformers' K/V cache holding what a pool of `dtype` holds (None: as it is): every key and
+    value (an MLA layer's latent and rope key) rounded through `dtype` as the cache takes it, the
+    cast saturating as the pool's does. The reference for an engine with `kv_cache_dtype` set."""
+    if dtype is None:
+        yield
+        return
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    real = {cls: cls.update for cls in (DynamicLayer, DynamicSlidingWindowLayer)}
+
+    def rounding(update):
+        def rounded(self, key_states, value_states, *args, **kwargs):
+            return update(self, key_states.to(dtype).to(key_states.dtype), value_states.to(dtype).to(value_states.dtype),
+                          *args, **kwargs)
+        return rounded
+
+    for cls, update in real.items():
+        cls.update = rounding(update)
+    try:
+        yield
+    finally:
+        for cls, update in real.items():
+            cls.update = update
+
+
 @functools.cache
 def reference(family: str, n: int, path: Path | None = None, from_pretrained: bool = False,
               decompressed: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -184,10 +211,11 @@ def reference(family: str, n: int, path: Path | None = None, from_pretrained: bo
     return tokens, logits
 
 
-def tight_budget(family: str, at_once: int) -> int:
+def tight_budget(family: str, at_once: int, kv_dtype: str | None = None) -> int:
     """A budget whose chain holds about `at_once` of the longest requests: the fixed allocations
-    (request table, scratch) plus their pages in every token sub-pool and three state slots each."""
-    spec = load_checkpoint(checkpoint_dir(family)).model_spec()
+    (request table, scratch) plus their pages in every token sub-pool (K/V in `kv_dtype`, None: the
+    model's) and three state slots each."""
+    spec = load_checkpoint(checkpoint_dir(family)).model_spec(kv_dtype)
     plan = plan_kv_storage(spec.decls, page_size=PAGE)
     fixed = size_plan(plan, 2**30, context_len=128, max_running_requests=8).fixed.total
     token_pages = sum(p.page_bytes for p in plan.sub_pools if p.kind is not PoolKind.STATE)

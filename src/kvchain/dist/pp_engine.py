@@ -25,7 +25,7 @@ from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
 from ..decl import KVLayerDecl
 from ..engine.batch import ForwardBatch
-from ..engine.checkpoint import LoadedCheckpoint
+from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
 from ..engine.serve import (
@@ -192,7 +192,7 @@ class StageEngine(Engine):
         self.checkpoint = checkpoint
         self.link = link
         stage, n_stages = link.stage, link.n_stages
-        spec = checkpoint.model_spec()
+        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype))
         context = engine_context(config.context_len, spec)
         n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
         ranges = stage_layer_ranges(n_layers, n_stages, partition)
@@ -316,7 +316,7 @@ def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stag
     n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
     ranges = stage_layer_ranges(n_layers, n_stages, partition)
     check_stage_blocks(checkpoint.model, ranges)
-    decls = checkpoint.model_spec().decls
+    decls = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype)).decls
     plan_fn = None
     if config.draft_model_path is not None or config.num_speculative_tokens:
         plan_fn = stage_draft_planner(load_draft(config, checkpoint, torch.device("cpu")), config)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
-from ..engine.checkpoint import LoadedCheckpoint, load_checkpoint
+from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype, load_checkpoint
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
 from ..engine.serve import (
@@ -68,7 +68,7 @@ class RankEngine(Engine):
         self.checkpoint = checkpoint
         self.link = link
         n = link.n_ranks
-        spec = checkpoint.model_spec(tp_size=n)
+        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=n)
         check_split(checkpoint.model, n, spec.decls)
         shard_model(checkpoint.model, link.rank, n)
         draft = None

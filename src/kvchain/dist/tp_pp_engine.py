@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
-from ..engine.checkpoint import LoadedCheckpoint
+from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype
 from ..engine.serve import (
     Engine,
     EngineConfig,
@@ -105,7 +105,7 @@ class StageRankEngine(Engine):
         self.ranks, self.link = ranks, stages
         stage, n_stages, n_ranks = stages.stage, stages.n_stages, ranks.n_ranks
         shard_model(checkpoint.model, ranks.rank, n_ranks, group=ranks.group)
-        spec = checkpoint.model_spec(tp_size=n_ranks)
+        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=n_ranks)
         draft = None
         if config.draft_model_path is not None or config.num_speculative_tokens:
             # every stage runs the whole draft (as on `--pp` stages), each rank its share of its heads

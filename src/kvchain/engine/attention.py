@@ -209,10 +209,10 @@ def write_tokens(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tens
 def _gather(cache: torch.Tensor, g: _Group, dtype: torch.dtype) -> torch.Tensor:
     """The group's pages of one layer's K or V as `[b, KVH, C*page_size, D]`, a sink column zeroed."""
     pages = cache.index_select(0, g.pages)  # [b*C, page_size, KVH, D], a copy
+    if pages.dtype != dtype:  # an 8-bit KV is widened first: fp8 has no index_fill on every device
+        pages = pages.to(dtype)
     if g.zero is not None:
         pages.index_fill_(0, g.zero, 0.0)
-    if pages.dtype != dtype:
-        pages = pages.to(dtype)
     return pages.view(g.b, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 

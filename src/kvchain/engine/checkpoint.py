@@ -95,6 +95,25 @@ def load_checkpoint(
     )
 
 
+#: what attention reads K/V back from: float types (an int8 KV would need scales the engine does not keep)
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def kv_cache_dtype(asked: str | torch.dtype) -> str | None:
+    """The pool's KV dtype name for an engine's `kv_cache_dtype`; None for `auto` (the dtype the
+    model computes in). `fp8` is e4m3: the cast saturates at 448, with no scale."""
+    if isinstance(asked, str) and asked == "auto":
+        return None
+    try:
+        name = dtype_name(asked)
+    except InputError:
+        name = None
+    if name not in KV_CACHE_DTYPES:
+        raise InputError(f"kv_cache_dtype must be auto, fp8, fp8_e5m2 or one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"not {asked!r}")
+    return name
+
+
 def load_dtype(dtype: torch.dtype | str, config_dict: dict[str, Any]) -> torch.dtype:
     """The torch dtype `dtype` names; "auto": the checkpoint's own (`dtype`, or the older
     `torch_dtype`, of its config or its text config), float32 where it names none or another."""

@@ -28,7 +28,7 @@ from ..errors import InputError
 from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from ..units import dtype_name
-from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, load_checkpoint
+from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, kv_cache_dtype, load_checkpoint
 from .model_pool import ModelPool
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
@@ -68,6 +68,9 @@ class EngineConfig:
     ignore_eos: bool = False
     inline: bool = False
     dtype: str = "auto"
+    #: what the pool keeps attention K/V (and MLA latents) in: `auto` (the dtype the model computes
+    #: in), or a name `units.dtype_name` takes (`fp8`: e4m3, the cast saturating, no scale)
+    kv_cache_dtype: str = "auto"
     war_barrier: bool = True
     keep_logits: bool = False
     #: cpu only: seconds each forward starts late on its stream (tests that show a missing wait)
@@ -93,6 +96,7 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if self.dtype != "auto" and self.dtype not in LOAD_DTYPES:
             raise InputError(f"dtype must be auto or one of {', '.join(LOAD_DTYPES)}, not {self.dtype!r}")
+        kv_cache_dtype(self.kv_cache_dtype)  # refused here, where the config is made
         n = self.num_speculative_tokens
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
             raise InputError(f"num_speculative_tokens must be a non-negative integer, not {n!r}")
@@ -285,7 +289,7 @@ class Engine:
                              "command line, drop --no-prefix-cache)")
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
-        spec = checkpoint.model_spec()
+        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype))
         context = engine_context(config.context_len, spec)
         draft = None
         if config.draft_model_path is not None or config.num_speculative_tokens:

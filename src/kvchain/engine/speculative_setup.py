@@ -17,7 +17,7 @@ from ..decl import KVLayerDecl
 from ..errors import InputError, PlanError
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..storage import KVStorage
-from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .checkpoint import LoadedCheckpoint, kv_cache_dtype, load_checkpoint
 from .runner import ModelRunner
 from .speculative import SpeculativePool
 from .speculative_plan import draft_layer_offset, fuse_draft_layers, plan_with_draft
@@ -61,8 +61,9 @@ def load_draft(config: EngineConfig, target: LoadedCheckpoint, device: torch.dev
     if _vocab(draft.model) != _vocab(target.model):
         raise InputError(f"the draft's vocabulary ({_vocab(draft.model)} ids) is not the target's "
                          f"({_vocab(target.model)} ids): a draft must share the target's tokenizer")
-    decls = target.model_spec(tp_size=tp_size).decls
-    draft_decls = draft.model_spec(tp_size=tp_size).decls
+    kv = kv_cache_dtype(config.kv_cache_dtype)
+    decls = target.model_spec(kv, tp_size=tp_size).decls
+    draft_decls = draft.model_spec(kv, tp_size=tp_size).decls
     alone = plan_kv_storage(decls, page_size=config.page_size)
     interval = None
     if alone.state is not None and config.prefix_cache:
