@@ -5,12 +5,15 @@ cache rounded through the same dtype, token for token."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from kvchain.cli import main
+from kvchain.dist.pd_engine import generate_pd
+from kvchain.dist.tp_engine import generate_in_ranks
 from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import InputError
@@ -84,3 +87,17 @@ def test_generate_takes_a_kv_cache_dtype(capsys) -> None:
     capsys.readouterr()
     assert main([*argv, "--kv-cache-dtype", "fp8"]) == 0
     assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 3
+
+
+def test_fp8_kv_on_ranks_and_pd_nodes() -> None:
+    """Each rank keeps its heads' K/V in fp8, and a hand-off moves fp8 pages: two ranks and a prefill
+    and a decode node print one process's tokens."""
+    path, requests = str(checkpoint_dir("gemma3")), workload(6)
+    config = EngineConfig(budget_bytes=8 * 2**20, page_size=4, max_running=8, context_len=128, ignore_eos=True,
+                          overlap=False, kv_cache_dtype="fp8")
+    with Engine(path, config) as engine:
+        one = [o.token_ids for o in engine.generate(requests).outputs]
+    for run in generate_in_ranks(path, config, requests, 2):
+        assert [o.token_ids for o in run.result.outputs] == one
+    assert [o.token_ids for o in generate_pd(path, config, requests, kind="gloo", timeout_s=120).outputs] == one
+    assert not mp.active_children()
