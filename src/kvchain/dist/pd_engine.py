@@ -210,7 +210,6 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
     scheduler, pool, storage = decoding.scheduler, engine.pool, engine.storage
     node.room_coming = lambda: not scheduler.idle  # its running requests will finish and free room
     before = (pool.counters.forwards, storage.stats(), dict(pool.stats_counters))
-    assert getattr(pool, "spec", None) is None or pool.spec.rounds == 0  # a fresh engine: its counters are the run's
     refused: list[Refused] = []
     ended = False
     overlapped = 0  # decode steps run before the prefill node's last hand-off
@@ -253,6 +252,7 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
                "window_pages_retired": pool.stats_counters["window_retired"] - counters0["window_retired"],
                "float_relocations": after.relocations - storage0.relocations,
                "peak_utilisation": max((h.utilisation for h in scheduler.stats.history), default=0.0),
+               # a fresh engine's counters: the run's own
                **{key: 0 if spec is None else getattr(spec, SPEC_COUNTERS[key]) for key in SPEC_FIGURES}}
     return {"outputs": decoding.outputs(), "steps": scheduler.stats.steps, "seconds": time.perf_counter() - t0,
             "peak_running": scheduler.stats.peak_running, "overlapped_steps": overlapped,

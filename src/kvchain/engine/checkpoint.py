@@ -8,7 +8,8 @@ missing tensors, dropping unexpected ones) would hide a checkpoint that does not
 The names and layouts do follow `from_pretrained`: transformers' own conversion mapping for the
 family (`get_model_conversion_mapping`) turns the hub layout into the modules' tensors, and its
 operations run here, with the checks it leaves to its loading report made errors. Weights stored
-quantised (fp8 blocks, MXFP4 experts) are dequantised as they are read (`dequantize.py`).
+quantised (fp8 blocks, MXFP4 experts, compressed-tensors 8-bit) are dequantised as they are read
+(`dequantize.py`).
 Every problem is one `InputError` line naming the path and what is wrong."""
 
 from __future__ import annotations
@@ -413,7 +414,7 @@ def release_only_tensors(config: Any, model: torch.nn.Module) -> frozenset[str]:
     from transformers.initialization import no_init_weights
 
     names = getattr(config, "architectures", None) or []
-    release = getattr(transformers, names[0], None) if isinstance(names[0] if names else None, str) else None
+    release = getattr(transformers, names[0], None) if names and isinstance(names[0], str) else None
     if not isinstance(release, type) or isinstance(model, release) or not hasattr(release, "_from_config"):
         return frozenset()
     try:

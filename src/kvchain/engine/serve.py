@@ -52,9 +52,9 @@ class EngineConfig:
     instead of on worker-thread streams. On a CPU the forward and the scheduler share one
     interpreter lock, so the worker threads hide no host work and each step pays their wake-ups
     (the schedule worker's upload, then the forward worker); inline runs the same loop and hooks
-    with nothing in flight. `dtype`: what a checkpoint the engine loads from a path computes and keeps
-    its KV in: `auto` (the checkpoint's own, as serving engines' `--dtype auto`), `float32`,
-    `bfloat16` or `float16`."""
+    with nothing in flight. `dtype`: what a checkpoint the engine loads from a path computes in (and
+    keeps its KV in, unless `kv_cache_dtype` says otherwise): `auto` (the checkpoint's own, as
+    serving engines' `--dtype auto`), `float32`, `bfloat16` or `float16`."""
 
     budget_bytes: int = 64 * 2**20
     page_size: int = 16
