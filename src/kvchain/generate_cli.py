@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .cli_common import byte_size, dump_json, output_console, positive_int, progress, say, seed_int
 from .errors import InputError
-from .generate_prompts import encode_prompt, read_prompts, request_sampling
+from .generate_prompts import encode_prompt, read_prompts, request_sampling, request_stops
 
 
 def configure_generate(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,9 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                         "and loaded back on a match (default: no host tier)")
     p.add_argument("--ignore-eos", action="store_true", help="run every request to its max_new_tokens")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and the pool live")
+    p.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="ID,ID,...",
+                   help="token ids that end a request besides the model's end of sequence (--ignore-eos leaves "
+                        "them on); a prompts line's \"stop_token_ids\" overrides them")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="what the model computes in (default auto: the checkpoint's own)")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -127,7 +130,7 @@ def run_generate(args: argparse.Namespace) -> int:
     for i, (ids, text, max_new, fields) in enumerate(parsed):
         if ids is None:
             ids = encode_prompt(tokenizer, text, args.chat)
-        requests.append(GenerateRequest(ids, max_new, request_sampling(args, i, fields)))
+        requests.append(GenerateRequest(ids, max_new, request_sampling(args, i, fields), request_stops(args, fields)))
     _check_requests(args, checkpoint, requests)
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
@@ -287,6 +290,16 @@ def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None)
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids like 2,7, not {text!r}") from None
+    if any(t < 0 for t in ids):
+        raise argparse.ArgumentTypeError(f"token ids are non-negative, not {text!r}")
+    return ids
 
 
 def configure_make_checkpoint(p: argparse.ArgumentParser) -> None:

@@ -56,7 +56,8 @@ def read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str |
 
 
 def _sampling_fields(obj: dict, where: str) -> dict:
-    """A prompts line's own sampling fields, checked as a whole `SamplingParams` would check them."""
+    """A prompts line's own sampling fields, checked as a whole `SamplingParams` would check them,
+    and its `stop_token_ids` (a list of integers; the vocabulary checks them once the model loads)."""
     from .engine.sampling import SamplingParams
 
     fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
@@ -64,7 +65,17 @@ def _sampling_fields(obj: dict, where: str) -> dict:
         SamplingParams(**{"temperature": 1.0, **fields})
     except InputError as e:
         raise InputError(f"{where}: {e}") from None
+    if "stop_token_ids" in obj:
+        stop = obj["stop_token_ids"]
+        if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+            raise InputError(f"{where}: stop_token_ids must be a list of integers, got {stop!r}")
+        fields["stop_token_ids"] = stop
     return fields
+
+
+def request_stops(args: argparse.Namespace, fields: dict) -> list[int]:
+    """A request's own stop token ids: its prompts line's, else `--stop-token-ids`."""
+    return fields.get("stop_token_ids", args.stop_token_ids)
 
 
 def request_sampling(args: argparse.Namespace, i: int, fields: dict):
@@ -73,8 +84,9 @@ def request_sampling(args: argparse.Namespace, i: int, fields: dict):
     from .engine.sampling import SEED_LIMIT, SamplingParams
 
     seed = None if args.seed is None else (args.seed + i) % SEED_LIMIT
+    own = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
     return SamplingParams(**{"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                             "seed": seed, **fields})
+                             "seed": seed, **own})
 
 
 def _messages(messages: object, where: str) -> list[dict]:

@@ -224,16 +224,17 @@ def tight_budget(family: str, at_once: int, kv_dtype: str | None = None) -> int:
 
 
 def serve(family: str, n: int, *, at_once: int = 4, poison: bool = False, path: Path | None = None,
-          **overrides) -> GenerateResult:
+          requests: list[GenerateRequest] | None = None, **overrides) -> GenerateResult:
     """Serve `workload(n)` under the overlap loop on ThreadDevice; `poison` fills the arena with NaN
-    bytes before the first step (memory as a device may hand it over)."""
+    bytes before the first step (memory as a device may hand it over); `requests` in place of
+    `workload(n)`."""
     cfg = dict(budget_bytes=tight_budget(family, at_once), page_size=PAGE, max_running=8, max_batched_tokens=48,
                context_len=128, checkpoint_interval=INTERVAL, ignore_eos=True, keep_logits=True, overlap=True)
     cfg.update(overrides)
     with Engine(load_checkpoint(path or checkpoint_dir(family)), EngineConfig(**cfg)) as engine:
         if poison:
             engine.storage.arena.data.fill_(0xFF)  # every float32 lane reads NaN
-        return engine.generate(workload(n))
+        return engine.generate(workload(n) if requests is None else requests)
 
 
 def mismatches(result: GenerateResult, family: str, n: int, path: Path | None = None) -> list[int]:

@@ -37,6 +37,7 @@ from ..engine.serve import (
     GenerateRequest,
     GenerateResult,
     GenerateStats,
+    finish_reason,
     sampled_requests,
 )
 from ..errors import InputError, KVChainError
@@ -77,7 +78,8 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         i = index[req.rid]
         extra = {"index": i, "first": int(req.output[0]), "max_new": requests[i].max_new_tokens,
                  "output_len": requests[i].max_new_tokens - 1,
-                 "sampling": None if req.sampling is None else req.sampling.to_dict()}
+                 "sampling": None if req.sampling is None else req.sampling.to_dict(),
+                 "stop": sorted(req.stop)}
         answer = offer_until_placed(node, str(req.rid), req.row, extra)
         if answer["op"] == "refuse":
             refused[i] = answer.get("reason", "")
@@ -86,7 +88,7 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         base_finish(req)
 
     pool.finish = finish
-    first = [GenerateRequest(r.prompt_token_ids, 1, r.sampling) for r in requests]
+    first = [GenerateRequest(r.prompt_token_ids, 1, r.sampling, r.stop_token_ids) for r in requests]
     rid0 = engine._rid
     index.update({rid0 + i: i for i in range(len(first))})
     try:
@@ -159,10 +161,10 @@ class _Decoding:
     def admit(self, got: Received) -> None:
         engine, pool = self.engine, self.pool
         i, first, max_new = int(got.extra["index"]), int(got.extra["first"]), int(got.extra["max_new"])
-        eos = pool._eos_set
-        if max_new == 1 or first in eos:
+        stop = frozenset(int(t) for t in got.extra.get("stop", ()))
+        if max_new == 1 or first in pool._eos_set or first in stop:
             self.node.finish(got)
-            self.out[i] = {"token_ids": [first], "finish_reason": "eos" if first in eos and max_new > 1 else "length"}
+            self.out[i] = {"token_ids": [first], "finish_reason": finish_reason([first], max_new, stop)}
             return
         rid = engine._rid
         engine._rid += 1
@@ -170,6 +172,7 @@ class _Decoding:
         req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(prompt_len, np.int64), max_new=max_new,
                                output_len=max_new, output=np.zeros(max_new, dtype=np.int64))
         req.output[0] = first
+        req.stop = stop
         sampling = got.extra.get("sampling")
         req.sampling = None if sampling is None else SamplingParams(**sampling)  # draws seeded as the prefill node's
         req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
@@ -183,7 +186,7 @@ class _Decoding:
         for i, req in self.reqs:
             n = min(req.generated, req.output_len)
             self.out[i] = {"token_ids": [int(t) for t in req.output[:n]],
-                           "finish_reason": "eos" if req.output_len < req.max_new else "length"}
+                           "finish_reason": finish_reason(req.output[:n], req.max_new, req.stop)}
         return self.out
 
 

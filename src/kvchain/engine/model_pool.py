@@ -224,8 +224,13 @@ class ModelPool(KVChainPool):
                 del future[rid]
             if keep:
                 self.counters.logits[(rid, j)] = outputs.logits[k].cpu()
-            if token in eos and j + 1 < req.output_len:
+            if stops(req, token, eos) and j + 1 < req.output_len:
                 req.output_len = j + 1  # the scheduler finishes it after this step
+
+
+def stops(req: ScheduledRequest, token: int, eos: frozenset) -> bool:
+    """Whether `token` ends `req`: an end-of-sequence id of the pool, or one of the request's own."""
+    return token in eos or token in req.stop
 
 
 def _group_futures(futures: list[tuple[int, StepOutputs, int]], device: torch.device

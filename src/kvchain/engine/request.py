@@ -48,6 +48,8 @@ class ScheduledRequest:
     pool_state: dict = field(default_factory=dict)
     #: how the engine samples its outputs (`engine.sampling.SamplingParams`; None: greedy)
     sampling: object = None
+    #: token ids that end it besides the pool's end-of-sequence ids (which `ignore_eos` drops, not these)
+    stop: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         self.prompt = np.asarray(self.prompt, dtype=np.int32)

@@ -124,6 +124,8 @@ class GenerateRequest:
     prompt_token_ids: Sequence[int]
     max_new_tokens: int = 16
     sampling: SamplingParams | None = None
+    #: token ids that end it besides the model's end-of-sequence ids (`ignore_eos` leaves these on)
+    stop_token_ids: Sequence[int] = ()
 
 
 def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
@@ -270,7 +272,19 @@ def checked_prompt(i: int, request: GenerateRequest, vocab: int) -> np.ndarray:
     n = request.max_new_tokens
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {n!r}")
+    stop = request.stop_token_ids
+    if isinstance(stop, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in stop):
+        raise InputError(f"request {i}: stop_token_ids must be integers in [0, {vocab}), not {stop!r}")
     return prompt
+
+
+def finish_reason(output: Sequence[int], max_new: int, stop: frozenset) -> str:
+    """Why a finished request's `output` ended: `stop` on one of its own stop ids, `eos` on the
+    model's end of sequence, `length` at `max_new` tokens."""
+    if len(output) >= max_new:
+        return "length"
+    return "stop" if len(output) and int(output[-1]) in stop else "eos"
 
 
 def engine_context(context_len: int | None, spec) -> int:
@@ -329,7 +343,8 @@ class Engine:
             rid = self._rid
             self._rid += 1
             reqs.append(ScheduledRequest(rid=rid, arrival=0, prompt=prompt, max_new=max_new, output_len=max_new,
-                                         output=np.zeros(max_new, dtype=np.int64), sampling=r.sampling))
+                                         output=np.zeros(max_new, dtype=np.int64), sampling=r.sampling,
+                                         stop=frozenset(int(t) for t in r.stop_token_ids)))
         scheduler = Scheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens, max_running=cfg.max_running)
         scheduler.add(reqs)
         before = dict(self.pool.stats_counters)
@@ -360,10 +375,8 @@ class Engine:
             n = min(n, req.output_len)
             if req.phase is not Phase.FINISHED:
                 reason = req.phase.value
-            elif req.output_len < req.max_new:
-                reason = "eos"
             else:
-                reason = "length"
+                reason = finish_reason(req.output[:n], req.max_new, req.stop)
             clipped = req.phase is Phase.FINISHED and req.max_new < asked[i]
             by = "the context length" if req.input_len + asked[i] > context else "memory"
             outputs.append(GenerateOutput(i, [int(t) for t in req.output[:n]], reason, int(req.cached),

@@ -30,7 +30,7 @@ from ..alloc.demand import KVDemand
 from ..errors import CapacityError, InputError
 from ..plan import PoolKind
 from ..storage import KVStorage
-from .model_pool import ModelPool
+from .model_pool import ModelPool, stops
 from .pool import PoolFull
 from .request import ScheduledRequest
 from .runner import ModelRunner
@@ -223,7 +223,7 @@ class SpeculativePool(ModelPool):
                 emitted += 1
                 if keep:
                     self.counters.logits[(req.rid, j)] = spec.logits[r, i].cpu()
-                if token in self._eos_set:
+                if stops(req, token, self._eos_set):
                     req.output_len = j + 1
                     break
             self._known[req.rid] = max(self._known.get(req.rid, 0), rd.out_index + emitted)
