@@ -141,7 +141,8 @@ def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateReques
 @dataclass
 class GenerateOutput:
     """One request's new tokens (only those: the prompt is not repeated), and why it stopped:
-    `length` (max_new_tokens, or the memory clip when `clipped`), `eos`, or `rejected`/`aborted`
+    `length` (max_new_tokens, or the memory clip when `clipped`), `eos`, `stop` (one of its
+    `stop_token_ids`), or `rejected`/`aborted`
     with the reason."""
 
     index: int
