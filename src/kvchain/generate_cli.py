@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .cli_common import byte_size, dump_json, output_console, positive_int, progress, say, seed_int
 from .errors import InputError
-from .generate_prompts import encode_prompt, read_prompts, request_sampling, request_stops
+from .generate_prompts import encode_prompt, read_prompts, request_logprobs, request_sampling, request_stops
 
 
 def configure_generate(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,9 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", type=_token_ids, default=[], metavar="ID,ID,...",
                    help="token ids that end a request besides the model's end of sequence (--ignore-eos leaves "
                         "them on); a prompts line's \"stop_token_ids\" overrides them")
+    p.add_argument("--logprobs", type=_logprobs, default=None,
+                   metavar="N", help="report each output token's log-probability and its N likeliest alternatives "
+                                     "(in --json); a prompts line's \"logprobs\" overrides it")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="what the model computes in (default auto: the checkpoint's own)")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -130,7 +133,8 @@ def run_generate(args: argparse.Namespace) -> int:
     for i, (ids, text, max_new, fields) in enumerate(parsed):
         if ids is None:
             ids = encode_prompt(tokenizer, text, args.chat)
-        requests.append(GenerateRequest(ids, max_new, request_sampling(args, i, fields), request_stops(args, fields)))
+        requests.append(GenerateRequest(ids, max_new, request_sampling(args, i, fields), request_stops(args, fields),
+                                        request_logprobs(args, fields)))
     _check_requests(args, checkpoint, requests)
     config = EngineConfig(budget_bytes=args.budget, page_size=args.page_size, context_len=args.context,
                           max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
@@ -290,6 +294,18 @@ def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None)
     for label, value in rows:
         table.add_row(label, value)
     console.print(table)
+
+
+def _logprobs(text: str) -> int:
+    from .engine.logprobs import MAX_LOGPROBS
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer, not {text!r}") from None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"alternatives per token lie in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _token_ids(text: str) -> list[int]:

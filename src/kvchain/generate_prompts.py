@@ -65,6 +65,11 @@ def _sampling_fields(obj: dict, where: str) -> dict:
         SamplingParams(**{"temperature": 1.0, **fields})
     except InputError as e:
         raise InputError(f"{where}: {e}") from None
+    if "logprobs" in obj:
+        lp = obj["logprobs"]
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
+            raise InputError(f"{where}: logprobs must be a non-negative integer or null, got {lp!r}")
+        fields["logprobs"] = lp
     if "stop_token_ids" in obj:
         stop = obj["stop_token_ids"]
         if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
@@ -76,6 +81,12 @@ def _sampling_fields(obj: dict, where: str) -> dict:
 def request_stops(args: argparse.Namespace, fields: dict) -> list[int]:
     """A request's own stop token ids: its prompts line's, else `--stop-token-ids`."""
     return fields.get("stop_token_ids", args.stop_token_ids)
+
+
+def request_logprobs(args: argparse.Namespace, fields: dict) -> int | None:
+    """How many alternatives a request reports with each token's log-probability: its prompts
+    line's `logprobs`, else `--logprobs` (None: no log-probabilities)."""
+    return fields.get("logprobs", args.logprobs)
 
 
 def request_sampling(args: argparse.Namespace, i: int, fields: dict):

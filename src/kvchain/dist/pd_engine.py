@@ -79,7 +79,8 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         extra = {"index": i, "first": int(req.output[0]), "max_new": requests[i].max_new_tokens,
                  "output_len": requests[i].max_new_tokens - 1,
                  "sampling": None if req.sampling is None else req.sampling.to_dict(),
-                 "stop": sorted(req.stop)}
+                 "stop": sorted(req.stop), "logprobs": req.logprobs,
+                 "first_logprobs": pool.counters.logprobs.get((req.rid, 0))}
         answer = offer_until_placed(node, str(req.rid), req.row, extra)
         if answer["op"] == "refuse":
             refused[i] = answer.get("reason", "")
@@ -88,7 +89,7 @@ def _prefill(port: int, path: str, config: EngineConfig, requests: list[Generate
         base_finish(req)
 
     pool.finish = finish
-    first = [GenerateRequest(r.prompt_token_ids, 1, r.sampling, r.stop_token_ids) for r in requests]
+    first = [GenerateRequest(r.prompt_token_ids, 1, r.sampling, r.stop_token_ids, r.logprobs) for r in requests]
     rid0 = engine._rid
     index.update({rid0 + i: i for i in range(len(first))})
     try:
@@ -162,9 +163,11 @@ class _Decoding:
         engine, pool = self.engine, self.pool
         i, first, max_new = int(got.extra["index"]), int(got.extra["first"]), int(got.extra["max_new"])
         stop = frozenset(int(t) for t in got.extra.get("stop", ()))
+        first_logprobs = got.extra.get("first_logprobs")
         if max_new == 1 or first in pool._eos_set or first in stop:
             self.node.finish(got)
-            self.out[i] = {"token_ids": [first], "finish_reason": finish_reason([first], max_new, stop)}
+            self.out[i] = {"token_ids": [first], "finish_reason": finish_reason([first], max_new, stop),
+                           "logprobs": None if first_logprobs is None else [first_logprobs]}
             return
         rid = engine._rid
         engine._rid += 1
@@ -173,6 +176,9 @@ class _Decoding:
                                output_len=max_new, output=np.zeros(max_new, dtype=np.int64))
         req.output[0] = first
         req.stop = stop
+        req.logprobs = got.extra.get("logprobs")
+        if req.logprobs is not None:  # the first output's, computed on the prefill node
+            pool.counters.logprobs[(rid, 0)] = first_logprobs
         sampling = got.extra.get("sampling")
         req.sampling = None if sampling is None else SamplingParams(**sampling)  # draws seeded as the prefill node's
         req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
@@ -185,8 +191,13 @@ class _Decoding:
     def outputs(self) -> dict[int, dict]:
         for i, req in self.reqs:
             n = min(req.generated, req.output_len)
+            logprobs = None
+            if req.logprobs is not None:
+                counters = self.pool.counters.logprobs
+                logprobs = [counters.pop((req.rid, j)) for j in range(n)]
             self.out[i] = {"token_ids": [int(t) for t in req.output[:n]],
-                           "finish_reason": finish_reason(req.output[:n], req.max_new, req.stop)}
+                           "finish_reason": finish_reason(req.output[:n], req.max_new, req.stop),
+                           "logprobs": logprobs}
         return self.out
 
 
@@ -337,7 +348,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
         first = GenerateOutput(**{k: v for k, v in pre["outputs"][i].items()})
         if i in dec["outputs"]:
             o = dec["outputs"][i]
-            outputs.append(GenerateOutput(i, o["token_ids"], o["finish_reason"]))
+            outputs.append(GenerateOutput(i, o["token_ids"], o["finish_reason"], logprobs=o.get("logprobs")))
         elif str(i) in pre["refused"] or i in pre["refused"]:
             reason = pre["refused"].get(i, pre["refused"].get(str(i), ""))
             outputs.append(GenerateOutput(i, [], "rejected", reason=f"the decode node refused it: {reason}"))

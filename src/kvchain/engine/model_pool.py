@@ -28,6 +28,7 @@ from ..errors import InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 from .batch import ForwardBatch
+from .logprobs import log_softmax_rows, token_logprobs
 from .metadata import MetadataBuffers, StepMetadata
 from .pool import KVChainPool
 from .request import ScheduledRequest
@@ -46,6 +47,9 @@ class StepOutputs:
     index: list[int]
     tokens: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    #: the log-probabilities of the rows whose requests ask for them (`lp_rows`, in that order)
+    logprobs: torch.Tensor | None = None
+    lp_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,6 +57,8 @@ class EngineCounters:
     forwards: int = 0
     #: logits of every sampled token, (request id, output index) -> [vocab], when kept
     logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    #: (request id, output index) -> that output's log-probabilities, for requests that ask
+    logprobs: dict[tuple[int, int], dict] = field(default_factory=dict)
 
 
 class ModelPool(KVChainPool):
@@ -152,7 +158,7 @@ class ModelPool(KVChainPool):
                 sample_index.append(req.generated - 1)
                 sample_at.append(bounds[i + 1] - 1)
         device = self.runner.device
-        outputs = StepOutputs(sample_reqs, sample_index)
+        outputs = StepOutputs(sample_reqs, sample_index, lp_rows=wants_logprobs(sample_reqs))
         # rows sampled rather than argmaxed: (row, sampling, output index), which seeds the draw
         draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs)
                  if req.sampling is not None and not req.sampling.greedy]
@@ -172,6 +178,7 @@ class ModelPool(KVChainPool):
                 tokens[dst] = src.tokens[idx]
             logits = runner.logits(batch, tokens, views.positions, views.sample_at)
             outputs.tokens = sample_rows(logits, draws) if draws else logits.argmax(-1)
+            outputs.logprobs = log_softmax_rows(logits, outputs.lp_rows)
             if keep:
                 outputs.logits = logits
 
@@ -212,6 +219,7 @@ class ModelPool(KVChainPool):
         tokens = sampled.tolist()
         known, future, eos = self._known, self._future, self._eos_set
         keep = self.keep_logits and outputs.logits is not None
+        lp_at = {k: i for i, k in enumerate(outputs.lp_rows)}
         for k, req in enumerate(outputs.reqs):
             j = outputs.index[k]
             if j >= req.output_len:  # sampled past an end-of-sequence found since: dropped
@@ -224,8 +232,15 @@ class ModelPool(KVChainPool):
                 del future[rid]
             if keep:
                 self.counters.logits[(rid, j)] = outputs.logits[k].cpu()
+            if req.logprobs is not None:
+                self.counters.logprobs[(rid, j)] = token_logprobs(outputs.logprobs[lp_at[k]], token, req.logprobs)
             if stops(req, token, eos) and j + 1 < req.output_len:
                 req.output_len = j + 1  # the scheduler finishes it after this step
+
+
+def wants_logprobs(reqs: list[ScheduledRequest]) -> list[int]:
+    """The positions among `reqs` of the requests that ask for log-probabilities."""
+    return [k for k, req in enumerate(reqs) if req.logprobs is not None]
 
 
 def stops(req: ScheduledRequest, token: int, eos: frozenset) -> bool:

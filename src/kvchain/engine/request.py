@@ -50,6 +50,8 @@ class ScheduledRequest:
     sampling: object = None
     #: token ids that end it besides the pool's end-of-sequence ids (which `ignore_eos` drops, not these)
     stop: frozenset = frozenset()
+    #: how many alternatives to report with each output token's log-probability (None: none reported)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt = np.asarray(self.prompt, dtype=np.int32)

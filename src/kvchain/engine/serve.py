@@ -29,6 +29,7 @@ from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from ..units import dtype_name
 from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, kv_cache_dtype, load_checkpoint
+from .logprobs import MAX_LOGPROBS
 from .model_pool import ModelPool
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
@@ -126,6 +127,8 @@ class GenerateRequest:
     sampling: SamplingParams | None = None
     #: token ids that end it besides the model's end-of-sequence ids (`ignore_eos` leaves these on)
     stop_token_ids: Sequence[int] = ()
+    #: report each output token's log-probability with this many likeliest alternatives (None: none)
+    logprobs: int | None = None
 
 
 def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
@@ -150,10 +153,13 @@ class GenerateOutput:
     finish_reason: str
     cached_tokens: int = 0
     reason: str = ""
+    #: per output token, when the request asked: {"token_id", "logprob", "top": [[id, logprob], ...]}
+    logprobs: list[dict] | None = None
 
     def to_dict(self) -> dict:
         return {"index": self.index, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "cached_tokens": self.cached_tokens, **({"reason": self.reason} if self.reason else {})}
+                "cached_tokens": self.cached_tokens, **({"reason": self.reason} if self.reason else {}),
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
 
 
 @dataclass
@@ -277,6 +283,9 @@ def checked_prompt(i: int, request: GenerateRequest, vocab: int) -> np.ndarray:
     if isinstance(stop, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                 for t in stop):
         raise InputError(f"request {i}: stop_token_ids must be integers in [0, {vocab}), not {stop!r}")
+    lp = request.logprobs
+    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+        raise InputError(f"request {i}: logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, not {lp!r}")
     return prompt
 
 
@@ -345,7 +354,7 @@ class Engine:
             self._rid += 1
             reqs.append(ScheduledRequest(rid=rid, arrival=0, prompt=prompt, max_new=max_new, output_len=max_new,
                                          output=np.zeros(max_new, dtype=np.int64), sampling=r.sampling,
-                                         stop=frozenset(int(t) for t in r.stop_token_ids)))
+                                         stop=frozenset(int(t) for t in r.stop_token_ids), logprobs=r.logprobs))
         scheduler = Scheduler(self.pool, max_batched_tokens=cfg.max_batched_tokens, max_running=cfg.max_running)
         scheduler.add(reqs)
         before = dict(self.pool.stats_counters)
@@ -380,9 +389,12 @@ class Engine:
                 reason = finish_reason(req.output[:n], req.max_new, req.stop)
             clipped = req.phase is Phase.FINISHED and req.max_new < asked[i]
             by = "the context length" if req.input_len + asked[i] > context else "memory"
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = [self.pool.counters.logprobs.pop((req.rid, j)) for j in range(n)]
             outputs.append(GenerateOutput(i, [int(t) for t in req.output[:n]], reason, int(req.cached),
                                           f"max_new_tokens clipped to {req.max_new} by {by}" if clipped
-                                          else req.reason))
+                                          else req.reason, logprobs))
         stats = GenerateStats(
             requests=len(reqs), steps=scheduler.stats.steps, forwards=counters.forwards - forwards0,
             prompt_tokens=sum(r.prompt_len for r in reqs), output_tokens=sum(len(o.token_ids) for o in outputs),

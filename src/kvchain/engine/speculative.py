@@ -30,6 +30,7 @@ from ..alloc.demand import KVDemand
 from ..errors import CapacityError, InputError
 from ..plan import PoolKind
 from ..storage import KVStorage
+from .logprobs import token_logprobs
 from .model_pool import ModelPool, stops
 from .pool import PoolFull
 from .request import ScheduledRequest
@@ -223,6 +224,8 @@ class SpeculativePool(ModelPool):
                 emitted += 1
                 if keep:
                     self.counters.logits[(req.rid, j)] = spec.logits[r, i].cpu()
+                if req.logprobs is not None:
+                    self.counters.logprobs[(req.rid, j)] = token_logprobs(spec.logprobs[r, i], token, req.logprobs)
                 if stops(req, token, self._eos_set):
                     req.output_len = j + 1
                     break

@@ -16,7 +16,7 @@ import torch
 from ..errors import InputError
 from .batch import ForwardBatch
 from .metadata import MetadataBuffers
-from .model_pool import ModelPool, StepOutputs, _group_futures
+from .model_pool import ModelPool, StepOutputs, _group_futures, wants_logprobs
 from .request import ScheduledRequest
 from .sampling import sample_rows
 from .speculative_draft_steps import DraftStep, draft_steps
@@ -86,7 +86,7 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
         rd = rounds[r]
         if _sampled(rd.req):
             draws.extend((at + i, rd.req.sampling, rd.out_index + i) for i in range(int(ks[b]) + 1))
-    outputs = StepOutputs(sample_reqs, sample_index)
+    outputs = StepOutputs(sample_reqs, sample_index, lp_rows=wants_logprobs(sample_reqs))
     for k_, req in enumerate(sample_reqs):
         pool._future[req.rid] = (outputs, sample_index[k_], k_)
     round_no = pool.counters.forwards
@@ -112,7 +112,8 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     drafts = draft_steps(storage, pool.draft.layer_pool, views, q_starts, starts, counts, ks, spec_idx, slots, device)
     spec = SpecOutputs(rounds)
     valid = host_tensor(np.arange(kmax)[None, :] < ks[spec_idx][:, None], device, torch.bool)
-    how = Acceptance(len(sample_at), n_plain, kmax, valid, host_tensor(gidx, device), rows[spec_idx], tuple(draws))
+    how = Acceptance(len(sample_at), n_plain, kmax, valid, host_tensor(gidx, device), rows[spec_idx], tuple(draws),
+                     any(rd.req.logprobs is not None for rd in rounds))
     payload = SpecPayload(outputs, spec, slots, how=how)
     relayed = pool.runner.relays_logits
     draft_draws = _draft_draws(rounds, ks[spec_idx], kmax)

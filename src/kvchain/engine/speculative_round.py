@@ -16,6 +16,7 @@ import torch
 from ..errors import InputError
 from ..storage import KVStorage
 from ..storage_roles import boundary
+from .logprobs import log_softmax_rows
 from .model_pool import StepOutputs
 from .request import ScheduledRequest
 from .sampling import sample_rows
@@ -60,6 +61,8 @@ class SpecOutputs:
     accepted: torch.Tensor | None = None
     proposed: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    #: `[R, K+1, V]` log-probabilities of every verify position, when a round's request asks
+    logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class Acceptance:
     g_index: torch.Tensor
     rows: np.ndarray
     draws: tuple = ()
+    #: whether a round's request asks for log-probabilities (every verify position's are then kept)
+    round_logprobs: bool = False
 
 
 def accept(logits: torch.Tensor, proposed: torch.Tensor | None, outputs: StepOutputs, spec: SpecOutputs,
@@ -86,6 +91,7 @@ def accept(logits: torch.Tensor, proposed: torch.Tensor | None, outputs: StepOut
     first the target did not choose), so the outputs are plain decoding's."""
     greedy = sample_rows(logits, how.draws) if how.draws else logits.argmax(-1)
     outputs.tokens = greedy[: how.n_plain]
+    outputs.logprobs = log_softmax_rows(logits, outputs.lp_rows)
     if keep:
         outputs.logits = logits[: how.n_plain]
     if not spec.rounds:
@@ -97,6 +103,8 @@ def accept(logits: torch.Tensor, proposed: torch.Tensor | None, outputs: StepOut
     spec.accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
     spec.proposed = proposed
     spec.tokens = target
+    if how.round_logprobs:
+        spec.logprobs = logits[how.g_index].float().log_softmax(-1)
     if keep:
         spec.logits = logits[how.g_index]
 
