@@ -193,6 +193,10 @@ class HiCacheController:
         self.records: dict[bytes, HostRecord] = {}
         self.queue: list[PendingLoad] = []
         self.jobs: list[CopyJob] = []
+        #: end every copy whenever copies are collected, waiting on the host for the ones still
+        #: running: what is pending then never depends on when a copy ran, so processes that must
+        #: decide alike (tensor-parallel ranks, `tp_engine`) do
+        self.lockstep = False
         self._clock = itertools.count(1)
         self._names = itertools.count(1)
         self.stats = {"backups": 0, "backup_pages": 0, "backup_states": 0, "backup_skips": 0, "loads": 0,
@@ -237,6 +241,7 @@ class HiCacheController:
         next writers would queue; no capacity decision reads it."""
         device = self.storage.device
         done = 0
+        wait = wait or self.lockstep
         for job in list(self.jobs):
             if wait:
                 device.host_wait(job.done)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from kvchain.dist.pp_engine import generate_in_stages
-from kvchain.dist.tp_engine import generate_in_ranks
 from kvchain.dist.tp_pp_engine import generate_in_grid
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
 from kvchain.errors import InputError
@@ -42,12 +41,11 @@ def test_a_request_the_model_cannot_take_is_refused(request_, needle):
 
 
 @pytest.mark.parametrize("run", [
-    lambda path, cfg: generate_in_ranks(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
     lambda path, cfg: generate_in_grid(path, cfg, [GenerateRequest([1, 2], 2)], 2, 2, timeout_s=5),
     lambda path, cfg: generate_in_stages(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
-], ids=["ranks", "grid", "stages"])
+], ids=["grid", "stages"])
 def test_split_engines_refuse_what_they_do_not_build_before_any_process(run):
-    """Ranks and stages have no host tier: asked for one, they refuse in the
+    """Stages have no host tier (ranks have, `test_tp_host_tier.py`): asked for one, they refuse in the
     parent, where they used to serve without it."""
     path = str(checkpoint_dir("llama"))
     with pytest.raises(InputError, match="host tier"):
