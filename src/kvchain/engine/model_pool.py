@@ -33,7 +33,7 @@ from .metadata import MetadataBuffers, StepMetadata
 from .pool import KVChainPool
 from .request import ScheduledRequest
 from .runner import ModelRunner
-from .sampling import sample_rows
+from .sampling import drawn, sample_rows
 from .steps import Forward, Launched, MetadataUpload, StepSequence
 
 
@@ -160,8 +160,7 @@ class ModelPool(KVChainPool):
         device = self.runner.device
         outputs = StepOutputs(sample_reqs, sample_index, lp_rows=wants_logprobs(sample_reqs))
         # rows sampled rather than argmaxed: (row, sampling, output index), which seeds the draw
-        draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs)
-                 if req.sampling is not None and not req.sampling.greedy]
+        draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs) if drawn(req.sampling)]
         for k, req in enumerate(sample_reqs):
             self._future[req.rid] = (outputs, sample_index[k], k)
         meta, views, written = self._step_metadata(rows, counts, positions, ids, starts, sample_at)

@@ -67,6 +67,11 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def drawn(params: SamplingParams | None) -> bool:
+    """Whether a request with sampling `params` (None: greedy) draws its tokens."""
+    return params is not None and not params.greedy
+
+
 def with_seeds(params: Sequence[SamplingParams | None]) -> list[SamplingParams]:
     """Each request's sampling, a sampled one without a seed given a fresh one (greedy stays)."""
     out = []

@@ -18,7 +18,7 @@ from .batch import ForwardBatch
 from .metadata import MetadataBuffers
 from .model_pool import ModelPool, StepOutputs, _group_futures, wants_logprobs
 from .request import ScheduledRequest
-from .sampling import sample_rows
+from .sampling import drawn, sample_rows
 from .speculative_draft_steps import DraftStep, draft_steps
 from .speculative_round import Acceptance, Round, SpecOutputs, SpecPayload, accept, chain_slots, host_tensor
 from .speculative_state import ForwardStateSlots, StepChain, commit_states_after_verify
@@ -78,13 +78,13 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     gidx = np.zeros((len(rounds), kmax + 1), np.int64)
     # the logits rows drawn rather than argmaxed: a sampled plain row, and each verify position of a
     # sampled round, whose output index seeds its draw as plain decoding's would
-    draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs) if _sampled(req)]
+    draws = [(k, req.sampling, sample_index[k]) for k, req in enumerate(sample_reqs) if drawn(req.sampling)]
     for r, b in enumerate(spec_idx):
         at = len(sample_at)
         sample_at.extend(range(int(q_starts[b]), int(q_starts[b + 1])))
         gidx[r] = at + np.minimum(np.arange(kmax + 1), ks[b])
         rd = rounds[r]
-        if _sampled(rd.req):
+        if drawn(rd.req.sampling):
             draws.extend((at + i, rd.req.sampling, rd.out_index + i) for i in range(int(ks[b]) + 1))
     outputs = StepOutputs(sample_reqs, sample_index, lp_rows=wants_logprobs(sample_reqs))
     for k_, req in enumerate(sample_reqs):
@@ -136,10 +136,6 @@ def prepare_speculative_forward(pool: ModelPool, reqs: list[ScheduledRequest]) -
     return Forward(launch, launch_commit if commit is not None else None, ids_written, upload), payload
 
 
-def _sampled(req: ScheduledRequest) -> bool:
-    return req.sampling is not None and not req.sampling.greedy
-
-
 def _draft_draws(rounds: list[Round], ks: np.ndarray, kmax: int) -> list[list[tuple]]:
     """Per draft step, the rows of its logits a sampled round draws its proposal from: step i's rows
     are the rounds with at least i proposals (all of them at step 0), and its proposal is for output
@@ -149,14 +145,15 @@ def _draft_draws(rounds: list[Round], ks: np.ndarray, kmax: int) -> list[list[tu
     for i in range(kmax + 1):
         live = range(len(rounds)) if i == 0 else np.flatnonzero(ks >= i).tolist()
         out.append([(row, rounds[r].req.sampling, rounds[r].out_index + i)
-                    for row, r in enumerate(live) if _sampled(rounds[r].req)])
+                    for row, r in enumerate(live) if drawn(rounds[r].req.sampling)])
     return out
 
 
 def _verify_run(pool: ModelPool, batch: ForwardBatch, views, drafts: list[DraftStep], fed, payload: SpecPayload,
                 draft_draws: list[list[tuple]]):
-    """The forward's kernels, on the forward stream: the draft's steps, the target's verify, greedy
-    acceptance (`spec.accepted[r]`: the proposals up to the first the target would not have chosen).
+    """The forward's kernels, on the forward stream: the draft's steps, the target's verify, and
+    acceptance (`spec.accepted[r]`: the proposals up to the first the target did not choose, greedily
+    or by its seeded draw).
     A runner that relays its logits (a pipeline stage before the last) returns none: the proposals
     wait in the payload for the relay."""
     runner, draft, keep, n_rounds = pool.runner, pool.draft, pool.keep_logits, len(payload.spec.rounds)
