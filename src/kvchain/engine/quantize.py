@@ -1,6 +1,6 @@
 """Rewrite a checkpoint's weights in the quantised layouts of the hub's releases.
 
-The loader dequantises fp8-block and MXFP4 checkpoints (`dequantize.py`); no such checkpoint can be
+The loader dequantises fp8-block, MXFP4 and compressed-tensors checkpoints (`dequantize.py`); none can be
 downloaded here, so `quantize_checkpoint` makes one from a float checkpoint the way the releases are
 laid out: DeepSeek-V3's (every projection of the decoder layers in fp8 e4m3 with a float32 scale per
 block, norms, routers, embeddings and the output head left in float), GPT-OSS's (its stacked
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,14 +29,15 @@ FP8_MAX = 448.0
 E2M1_EMAX = 2
 #: the decoder-layer projections an fp8 release quantises: 2-D weights of the layers that are
 #: neither norms nor MoE routers (`mlp.gate`, `router`)
-_FP8_SKIP = re.compile(r"norm|\.mlp\.gate\.weight$|router|\.gate\.weight$")
+_FP8_SKIP = re.compile(r"norm|router|\.gate\.weight$")
 #: the stacked experts an MXFP4 release quantises
 _MXFP4_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
 def quantize_checkpoint(directory: str | Path, method: str, block: int = 128) -> Path:
     """Rewrite the single-file float checkpoint in `directory` as `method` stores it (fp8 blocks of
-    `block` x `block`, or MXFP4), its config's `quantization_config` set to match."""
+    `block` x `block`, MXFP4 experts, or compressed-tensors per-channel fp8 or int8), its config's
+    `quantization_config` set to match."""
     directory = Path(directory)
     if method not in METHODS:
         raise InputError(f"unknown quantisation {method!r}; known: {', '.join(METHODS)}")
@@ -48,14 +50,15 @@ def quantize_checkpoint(directory: str | Path, method: str, block: int = 128) ->
         raise InputError(f"{directory}: no {WEIGHTS_FILE} to quantise")
     state = load_file(file)
     if method == "fp8":
-        state, count = _fp8_state(state, block)
+        state, count = _projections(state, lambda w: fp8_blocks(w, block), FP8_SCALE)
         config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                   "weight_block_size": [block, block]}
     elif method == "mxfp4":
         state, count = _mxfp4_state(state)
         config = {"quant_method": "mxfp4"}
     else:
-        state, count = _compressed_state(state, method == "compressed-fp8")
+        fp8 = method == "compressed-fp8"
+        state, count = _projections(state, lambda w: per_channel(w, fp8), "_scale")
         config = compressed_config(method == "compressed-fp8")
     if not count:
         raise InputError(f"{directory}: no weights that a {method} release quantises")
@@ -66,11 +69,15 @@ def quantize_checkpoint(directory: str | Path, method: str, block: int = 128) ->
     return directory
 
 
-def _fp8_state(state: dict[str, torch.Tensor], block: int) -> tuple[dict[str, torch.Tensor], int]:
+def _projections(state: dict[str, torch.Tensor], encode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                 scale_suffix: str) -> tuple[dict[str, torch.Tensor], int]:
+    """`state` with each decoder-layer projection (a 2-D weight that is neither a norm nor a MoE
+    router) stored as `encode` stores it, its scale beside it under `name + scale_suffix`; and how
+    many were."""
     out, count = {}, 0
     for name, tensor in state.items():
         if ".layers." in name and name.endswith(".weight") and tensor.dim() == 2 and not _FP8_SKIP.search(name):
-            out[name], out[name[: -len("weight")] + "weight" + FP8_SCALE] = fp8_blocks(tensor, block)
+            out[name], out[name + scale_suffix] = encode(tensor)
             count += 1
         else:
             out[name] = tensor
@@ -86,17 +93,6 @@ def fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     scale = tiles.abs().amax((1, 3)).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
     stored = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
     return stored.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale.contiguous()
-
-
-def _compressed_state(state: dict[str, torch.Tensor], fp8: bool) -> tuple[dict[str, torch.Tensor], int]:
-    out, count = {}, 0
-    for name, tensor in state.items():
-        if ".layers." in name and name.endswith(".weight") and tensor.dim() == 2 and not _FP8_SKIP.search(name):
-            out[name], out[name + "_scale"] = per_channel(tensor, fp8)
-            count += 1
-        else:
-            out[name] = tensor
-    return out, count
 
 
 def per_channel(weight: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
