@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvchain.alloc.stage_capacity import shared_counts
 from kvchain.errors import CapacityError, InputError
 from kvchain.storage_roles import HostTier
 from support.contracts import assert_unchanged
@@ -27,6 +28,24 @@ def test_a_load_is_fixed_until_its_reservation_ends():
     assert owner.fixed_mask[pages].all()  # nothing moved them
     storage.end_load_reservations("full", reservation)
     assert not owner.fixed_mask.any() and owner.n_fixed == 0
+
+
+def test_a_loads_pages_count_once_in_pricing_and_in_the_stages_shared_counts():
+    """A load's pages are live pages held in place: every snapshot counts each once (as fixed), so
+    the rest of the band is still offered. Counted twice (live and fixed), half a band reserved for a
+    load refused the take of the other half, and pipeline stages, whose simulated snapshots read the
+    shared counts, refused the next sub-pool's take inside a load-back's own take scope."""
+    storage, _ = modeled_storage(chain_kib=16)
+    chain, owner = storage.allocator, storage.allocator.owner
+    half = owner.grid.n_grid // 2
+    pages, reservation = storage.alloc_load("full", half)
+    snap = owner.snapshot()
+    assert (snap.live, snap.fixed) == (0, half) and owner.n_live == half
+    assert shared_counts(chain).held[owner.index] == half
+    rest = [0] * len(chain.bands)
+    rest[owner.index] = owner.grid.n_grid - half - owner.grid.first_id
+    assert chain.units_fit(rest) and chain.ensure_capacity(rest)
+    storage.end_load_reservations("full", reservation)
 
 
 def test_a_page_two_reservations_cover_stays_fixed_until_both_end():

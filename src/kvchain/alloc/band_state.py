@@ -170,7 +170,8 @@ class BandState:
         (under HOLD_NETWORK) network-held rows count as immovable; only their farthest position
         from the band's base matters, for how far a compaction can pack it."""
         parked = self.parked
-        live, fixed, pending = self.n_live, self.n_fixed, self.n_pending
+        # a fixed page is a live one held in place (`Band.fix`): counted once, as fixed
+        live, fixed, pending = self.n_live - self.n_fixed, self.n_fixed, self.n_pending
         fixed_far = 0
         if self.n_vacated:
             if mode is SnapshotMode.EVERY_BYTE:

@@ -99,7 +99,7 @@ class StageGeometry:
 
 @dataclass(frozen=True)
 class SharedCounts:
-    """The logical counts every stage shares: pages each band holds (live or fixed), owner virtual
+    """The logical counts every stage shares: pages each band holds (live, fixed ones included), owner virtual
     pages and state slots bound, and whether a free now would pend behind a forward in flight."""
 
     held: tuple[int, ...]
@@ -109,7 +109,7 @@ class SharedCounts:
 
 
 def shared_counts(chain: ChainAllocator) -> SharedCounts:
-    held = tuple(b.n_live + b.n_fixed for b in chain.bands)
+    held = tuple(b.n_live for b in chain.bands)  # a fixed page is a live one held in place
     slots = chain.state_band.grid.n_grid - len(chain.slot_free) if chain.state_band is not None else 0
     return SharedCounts(held, chain.n_virtual - 1 - len(chain.virtual_free), slots,
                         chain.forward_steps.newest_unprocessed() is not None)
