@@ -76,6 +76,16 @@ LOGIT_TOL = {"llama": 1e-4, "gemma3": 1e-4, "gpt_oss": 1e-4, "qwen3_next": 5e-3,
 
 
 @functools.cache
+def gemma_six() -> Path:
+    """Gemma 3's interleave over six layers, two window layers before each full one: split 4/2 into
+    pipeline stages, the stages hold 3 and 1 window layers (other bytes per token each)."""
+    root = Path(tempfile.mkdtemp(prefix="kvchain-gemma-six-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return make_checkpoint("gemma3", root / "gemma3", seed=1, num_hidden_layers=6,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+
+
+@functools.cache
 def checkpoint_dir(family: str) -> Path:
     """The family's tiny checkpoint, written once per test process (removed when it exits)."""
     root = Path(tempfile.mkdtemp(prefix=f"kvchain-{family}-"))

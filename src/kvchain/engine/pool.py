@@ -358,7 +358,10 @@ class KVChainPool:
             if shared > cached:  # the tree holds more of the prompt than it could match: revive it
                 state["revive"] = shared
         self.relieve()  # the lock just taken (if any) replaces the one the request held while waiting
-        if cached:  # what the match just locked is no longer reclaimable
+        if cached or self.hicache is not None:
+            # what the match just locked is no longer reclaimable; and a host-tier match changes
+            # the tree even when it finds nothing (its load-back evicts to make room, and what it
+            # loads is the tree's), so the pass's figure from before it is stale either way
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
         if match is not None and match.branch:
             if self.exact_checkpoints:  # the first chunk ends where the branch leaves the tree

@@ -6,6 +6,7 @@ DeepSeek-V3), and transformers'."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from kvchain.cli import main
 from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import InputError
-from support.engine import LOGIT_TOL, checkpoint_dir, mismatches, serve, tight_budget
+from support.engine import LOGIT_TOL, checkpoint_dir, gemma_six, mismatches, serve, tight_budget, workload
 
 N = 9
 HOST = 4 * 2**20
@@ -29,6 +30,25 @@ def test_prefixes_evicted_to_host_and_loaded_back_give_the_same_outputs(family):
     assert max(float((with_host.logits[k] - without.logits[k]).abs().max()) for k in without.logits) < LOGIT_TOL[family]
     if family != "nemotron_h":  # transformers' reference is cheap with its cache
         assert mismatches(with_host, family, N) == []
+
+
+@pytest.mark.parametrize(("budget", "seed"), [(324_000, 0), (340_000, 2)])
+def test_a_host_tier_aborts_no_request_the_run_without_one_serves(budget, seed):
+    """ADM-11 with a host tier: a match's load-back evicts to make room and adds what it loads to
+    the tree, even when the match then finds nothing, so the pass re-reads what the cache could
+    evict. Read from before the match, it priced the request against a tree that was gone and
+    aborted it as unschedulable (1 to 7 of 12 requests at these budgets), where the pool served it."""
+    config = EngineConfig(budget_bytes=budget, page_size=4, max_running=8, max_batched_tokens=64, context_len=128,
+                          ignore_eos=True)
+    requests = workload(12, seed)
+    with Engine(str(gemma_six()), config) as engine:
+        without = engine.generate(requests)
+    with Engine(str(gemma_six()), replace(config, host_budget=2**20)) as engine:
+        with_host = engine.generate(requests)
+    assert [o.finish_reason for o in with_host.outputs] == [o.finish_reason for o in without.outputs]
+    assert "aborted" not in {o.finish_reason for o in without.outputs}
+    assert [o.token_ids for o in with_host.outputs] == [o.token_ids for o in without.outputs]
+    assert with_host.stats.host_hits > 0
 
 
 def test_a_host_tier_needs_the_prefix_cache_and_a_budget_that_holds_a_page():

@@ -3,34 +3,18 @@ layers and pool, the hidden states passed stage to stage, the outputs identical 
 
 from __future__ import annotations
 
-import functools
 import json
 import multiprocessing as mp
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.engine.serve import Engine, EngineConfig
-from kvchain.engine.tiny import make_checkpoint
 from kvchain.errors import KVChainError
-from support.engine import checkpoint_dir, workload, write_prompts
+from support.engine import checkpoint_dir, gemma_six, workload, write_prompts
 
-#: Gemma 3's interleave over six layers: split 4/2, the stages hold 3 and 1 window layers
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 CHECKS = {"KVCHAIN_INVARIANT_CHECK": "1"}
-
-
-@functools.cache
-def gemma_six() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="kvchain-pp-"))
-    import atexit
-
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return make_checkpoint("gemma3", root / "gemma3", seed=1, num_hidden_layers=6, layer_types=LAYER_TYPES)
 
 
 def _config(**kw) -> EngineConfig:

@@ -4,32 +4,16 @@ identical to one process."""
 
 from __future__ import annotations
 
-import functools
 import json
 import multiprocessing as mp
-import shutil
-import tempfile
-from pathlib import Path
 
 from kvchain.alloc.stage_capacity import StageGeometry
 from kvchain.cli import main
 from kvchain.dist.tp_pp_engine import generate_in_grid
 from kvchain.engine.serve import Engine, EngineConfig
-from kvchain.engine.tiny import make_checkpoint
-from support.engine import checkpoint_dir, workload, write_prompts
+from support.engine import checkpoint_dir, gemma_six, workload, write_prompts
 
 CHECKS = {"KVCHAIN_INVARIANT_CHECK": "1"}
-
-
-@functools.cache
-def gemma_six() -> Path:
-    """Gemma 3's interleave over six layers (split 4/2: the stages hold 3 and 1 window layers)."""
-    root = Path(tempfile.mkdtemp(prefix="kvchain-grid-"))
-    import atexit
-
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return make_checkpoint("gemma3", root / "gemma3", seed=1, num_hidden_layers=6,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
 
 
 def _config(**kw) -> EngineConfig:
