@@ -143,9 +143,8 @@ def run_generate(args: argparse.Namespace) -> int:
                           host_budget=args.host_budget, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           **_speculative(args))
     split = args.tp > 1 or args.pp > 1 or args.pp_partition is not None
-    staged = args.pp > 1 or args.pp_partition is not None
-    if (split and args.pd) or (staged and args.host_budget is not None):
-        raise InputError("--pd does not combine with --tp/--pp, nor --host-budget with --pp")
+    if split and args.pd:
+        raise InputError("--pd does not combine with --tp/--pp")
     if args.pd:
         return _run_pd(args, config, requests, tokenizer)
     if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):

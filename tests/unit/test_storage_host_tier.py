@@ -38,7 +38,7 @@ def test_a_loads_pages_count_once_in_pricing_and_in_the_stages_shared_counts():
     storage, _ = modeled_storage(chain_kib=16)
     chain, owner = storage.allocator, storage.allocator.owner
     half = owner.grid.n_grid // 2
-    pages, reservation = storage.alloc_load("full", half)
+    _pages, reservation = storage.alloc_load("full", half)
     snap = owner.snapshot()
     assert (snap.live, snap.fixed) == (0, half) and owner.n_live == half
     assert shared_counts(chain).held[owner.index] == half

@@ -23,6 +23,7 @@ import torch
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
+from ..cache.hicache import host_pages_per_state
 from ..decl import KVLayerDecl
 from ..engine.batch import ForwardBatch
 from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype
@@ -42,6 +43,7 @@ from ..engine.serve import (
 from ..engine.speculative_plan import plan_with_draft
 from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
 from ..errors import InputError, InvariantError
+from ..memory.host import stage_host_groups
 from ..plan import KVStoragePlan, plan_stages, stage_layer_ranges
 from ..sizing import size_stages
 from .pp import StageLink, failures, run_stage_processes
@@ -185,7 +187,7 @@ class StageEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: StageLink,
                  partition: Sequence[int] | None = None) -> None:
-        refuse_unbuilt(config, "pipeline stages", draft=True)
+        refuse_unbuilt(config, "pipeline stages", draft=True, host_tier=True)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -211,6 +213,8 @@ class StageEngine(Engine):
         self._rid = 0
         self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
+        if config.host_budget is not None:
+            enable_stage_host_tier(self.pool, plans, config.host_budget)
         self.digests: list[str] = []
 
     def generate(self, requests: Sequence[GenerateRequest],
@@ -229,6 +233,16 @@ class StageEngine(Engine):
                 progress(done, total)
 
         return super().generate(requests, progress=step_done)
+
+
+def enable_stage_host_tier(pool: ModelPool, plans: Sequence[KVStoragePlan], host_budget: int) -> None:
+    """A stage's host tier: its own layers' pages backed up to its own host pools, as many pages per
+    sub-pool on every stage (`stage_host_groups`: what the least stage's budget holds), and every
+    copy collected in lockstep (`HiCacheController.lockstep`), so what is on the host and what is
+    pending are logical state, the same on every stage, and the stages take the same decisions."""
+    per_state = host_pages_per_state(pool.storage, pool.checkpoint_interval)
+    pool.enable_host_tier(host_budget, max_groups=stage_host_groups(list(plans), host_budget, per_state))
+    pool.hicache.lockstep = True
 
 
 def stage_pool(storage, runner: StageRunner, checkpoint: LoadedCheckpoint, config: EngineConfig,
@@ -330,7 +344,7 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
     """Serve `requests` from the checkpoint at `path` split into `n_stages` stage processes over
     gloo on 127.0.0.1; every stage's report, in stage order. A stage that failed raises its error
     (the first stage's to fail) as one line."""
-    refuse_unbuilt(config, "pipeline stages", draft=True)  # in the parent, before any process starts
+    refuse_unbuilt(config, "pipeline stages", draft=True, host_tier=True)  # in the parent, before any process starts
     requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")

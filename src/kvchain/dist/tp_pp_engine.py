@@ -48,6 +48,7 @@ from .pp_engine import (
     _by_value,
     _stage_error,
     check_stage_split,
+    enable_stage_host_tier,
     stage_draft_planner,
     stage_pool,
 )
@@ -97,7 +98,7 @@ class StageRankEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, ranks: GroupRankLink,
                  stages: StageLink, partition: Sequence[int] | None = None) -> None:
-        refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True)
+        refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True, host_tier=True)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -128,6 +129,8 @@ class StageRankEngine(Engine):
         self._rid = 0
         self.geometries = stages.all_gather(self.layout)
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
+        if config.host_budget is not None:  # as on `--pp` stages; the ranks' shards are alike
+            enable_stage_host_tier(self.pool, plans, config.host_budget)
         self.storage.allocator.decisions = []
         self.stage_digests: list[str] = []
         self.rank_digests: list[str] = []
@@ -194,7 +197,7 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
                      env: dict[str, str] | None = None) -> list[GridRun]:
     """Serve `requests` from the checkpoint at `path` on `n_stages` stages of `n_ranks` ranks each,
     one process per (stage, rank) over gloo on 127.0.0.1; every process's report, stage-major."""
-    refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True)  # in the parent, before any process starts
+    refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True, host_tier=True)  # in the parent, before any process starts
     requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks and pipeline stages run on --device cpu (one process each over gloo)")

@@ -96,16 +96,18 @@ class KVChainPool:
 
     # -- the host tier -------------------------------------------------------------------------------
 
-    def enable_host_tier(self, budget_bytes: int, policy: WritePolicy = WritePolicy.WRITE_BACK) -> None:
+    def enable_host_tier(self, budget_bytes: int, policy: WritePolicy = WritePolicy.WRITE_BACK,
+                         max_groups: int | None = None) -> None:
         """Back the prefix tree with host pools of `budget_bytes` (the host tier): a node the tree
         evicts is copied to the host first, and a match loads back what the host holds past the
-        device tree, state included. Only before anything is cached."""
+        device tree, state included. Only before anything is cached. `max_groups` caps the host
+        groups (`memory.host.stage_host_groups`: pipeline stages hold as many pages each)."""
         if self.tree is None:
             raise InputError("a host tier backs the prefix cache: it needs prefix caching on")
         if self.tree.root.children:
             raise InputError("a host tier is set up before anything is cached")
-        host = HostPools(self.plan, budget_bytes, pages_per_state=host_pages_per_state(self.storage,
-                                                                                       self.checkpoint_interval))
+        host = HostPools(self.plan, budget_bytes, max_groups=max_groups,
+                         pages_per_state=host_pages_per_state(self.storage, self.checkpoint_interval))
         self.tree = HiRadixCache(self.storage, host, self.strategy, self.checkpoint_interval, policy)
 
     @property

@@ -19,7 +19,8 @@ from ..ids import id_array
 from ..layout.entry import HostLayout
 from ..plan import KVStoragePlan, PoolKind, SubPool, page_envelope_pair
 
-__all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair"]
+__all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair",
+           "stage_host_groups"]
 
 
 
@@ -137,9 +138,11 @@ def _token_page_bytes(plan: KVStoragePlan) -> int:
     return total
 
 
-def host_sizing(plan: KVStoragePlan, budget_bytes: int, pages_per_state: int = 1) -> HostSizing:
+def host_sizing(plan: KVStoragePlan, budget_bytes: int, pages_per_state: int = 1,
+                max_groups: int | None = None) -> HostSizing:
     """Split `budget_bytes` of host memory into whole groups of `pages_per_state` token pages of every
-    sub-pool plus one state slot. Raises InputError for a budget under one group."""
+    sub-pool plus one state slot, at most `max_groups` of them (`stage_host_groups`). Raises
+    InputError for a budget under one group."""
     if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
         raise InputError(f"a host budget is a number of bytes >= 0, got {budget_bytes!r}")
     if not isinstance(pages_per_state, int) or pages_per_state < 1:
@@ -152,7 +155,19 @@ def host_sizing(plan: KVStoragePlan, budget_bytes: int, pages_per_state: int = 1
         raise InputError(f"a host budget of {budget_bytes} bytes holds no host page: one group of {k} "
                          f"page(s) of every sub-pool{' and a state slot' if state is not None else ''} "
                          f"needs {group} bytes")
+    if max_groups is not None:
+        groups = min(groups, max_groups)
     return HostSizing(groups * k, groups if state is not None else 0, k, group)
+
+
+def stage_host_groups(plans: list[KVStoragePlan], budget_bytes: int, pages_per_state: int = 1) -> int:
+    """The host groups every pipeline stage's `budget_bytes` holds: the least over the stages' plans.
+    Stages keep other layers, so one budget buys each a different count of its own pages; sized to
+    the least, every stage's host pools hold as many pages per sub-pool, and the host tier's
+    decisions (what fits on the host, which record is freed for a backup) are the same on every
+    stage, as the chain's are (PP-7)."""
+    sizings = [host_sizing(plan, budget_bytes, pages_per_state) for plan in plans]
+    return min(s.token_pages // s.pages_per_state for s in sizings)
 
 
 class HostPools:
@@ -160,9 +175,9 @@ class HostPools:
     share one backing when `page_envelope_pair` pairs them (HIC-11), a float never shares (HIC-12)."""
 
     def __init__(self, plan: KVStoragePlan, budget_bytes: int, *, pages_per_state: int = 1,
-                 pin: bool | None = None) -> None:
+                 pin: bool | None = None, max_groups: int | None = None) -> None:
         self.plan = plan
-        self.sizing = host_sizing(plan, budget_bytes, pages_per_state)
+        self.sizing = host_sizing(plan, budget_bytes, pages_per_state, max_groups)
         self.budget_bytes = budget_bytes
         pair = page_envelope_pair(plan)
         self._of: dict[str, HostPool] = {}

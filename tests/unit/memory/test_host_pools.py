@@ -9,9 +9,10 @@ import torch
 
 from kvchain.errors import CapacityError, InputError
 from kvchain.layout.views import SubPoolView
-from kvchain.memory.host import HostPools, host_sizing
-from kvchain.plan import PoolKind
+from kvchain.memory.host import HostPools, host_sizing, stage_host_groups
+from kvchain.plan import PoolKind, plan_stages
 from support.chains import small_storage
+from support.stages import PARTITION, gemma_like
 
 
 def _fill_device(storage) -> None:
@@ -107,3 +108,20 @@ def test_host_pages_are_freed_and_taken_again():
     pool.free(ids[:3])
     assert sorted(pool.alloc(3).tolist()) == sorted(ids[:3].tolist())
 
+
+
+def test_pipeline_stages_host_pools_hold_as_many_pages_each():
+    """Stages split 7/5 keep other layers, so one host budget buys each stage another count of its
+    own groups; `stage_host_groups` is the least, and pools capped at it hold as many pages per
+    sub-pool on every stage (the host tier's decisions are then alike), each within the budget."""
+    plans = plan_stages(gemma_like(), 2, page_size=4, partition=PARTITION)
+    budget = 64 * 1024
+    own = [host_sizing(p, budget).token_pages for p in plans]
+    assert own[0] != own[1]
+    groups = stage_host_groups(plans, budget)
+    assert groups == min(own)
+    pools = [HostPools(p, budget, pin=False, max_groups=groups) for p in plans]
+    for pool in plans[0].sub_pools:
+        assert len({hp.pool(pool.name).n_pages for hp in pools}) == 1
+    assert all(hp.nbytes <= budget for hp in pools)
+    assert HostPools(plans[0], budget, pin=False, max_groups=10**6).sizing == host_sizing(plans[0], budget)
