@@ -67,6 +67,12 @@ def band_problems(band: Band) -> list[str]:
         inside = st[band.lo : band.hi]
         if (inside == OUT).any() or (inside == SINK).any():
             out.append(f"{band.name}: span [{band.lo}, {band.hi}) has pages outside the band")
+        # pricing counts every page of the span once (CAP-9: its yes and no are exact only then)
+        snap = band.snapshot()
+        priced = snap.live + snap.holes + snap.pending + snap.fixed
+        if priced != band.hi - band.lo:
+            out.append(f"{band.name}: its pricing snapshot counts {priced} pages (live {snap.live}, holes "
+                       f"{snap.holes}, pending {snap.pending}, fixed {snap.fixed}) in a span of {band.hi - band.lo}")
     live = np.flatnonzero(st == LIVE)
     if len(live) and ((band.ids.p2v[live] < 0).any() or (band.ids.v2p[band.ids.p2v[live]] != live).any()):
         out.append(f"{band.name}: a live page is unbound or its virtual id maps elsewhere")

@@ -10,6 +10,7 @@ import pytest
 from kvchain.alloc import band as band_module
 from kvchain.alloc import invariants
 from kvchain.alloc.band import HOLE
+from kvchain.alloc.band_state import BandState, SnapshotMode
 from kvchain.env import InvariantCheckLevel, invariant_level
 from kvchain.errors import InvariantError
 from support.chains import small_storage
@@ -177,4 +178,25 @@ def test_byte_accounting_catches_a_stale_snapshot(strict):
     owner.__dict__["n_holes"] += 1
     owner.state[owner.lo - 1] = HOLE
     with pytest.raises(InvariantError, match="stale pricing snapshot"):
+        chain.verify_byte_accounting()
+
+
+def test_byte_accounting_catches_a_snapshot_that_counts_a_page_twice(strict, monkeypatch):
+    """CAP-9, CHK-15: pricing's counts cover each band's span once. A load's reserved pages are
+    live pages held in place; a snapshot that counted them as live and as fixed priced a fuller
+    band than there was, and the accounting says so."""
+    storage = small_storage()
+    chain = storage.allocator
+    pages, _reservation = storage.alloc_load(chain.owner.name, 3)
+    storage.bind_loaded(chain.owner.name, pages)  # bound, and fixed until the reservation ends
+    assert chain.owner.n_fixed == 3
+    chain.verify_byte_accounting()
+    real = BandState.snapshot
+
+    def twice(band, mode=SnapshotMode.TAKE):
+        snap = real(band, mode)
+        return snap._replace(live=snap.live + band.n_fixed)
+
+    monkeypatch.setattr(BandState, "snapshot", twice)
+    with pytest.raises(InvariantError, match="its pricing snapshot counts"):
         chain.verify_byte_accounting()
