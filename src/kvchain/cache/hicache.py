@@ -396,24 +396,43 @@ class HiCacheController:
             if rec is None or self.owner not in rec.pages:
                 break
             run.append(rec)
-        end = d + len(run)
+        ends = list(range(d + 1, d + len(run) + 1))
         if self.state is not None:
             ends = [d + i + 1 for i, r in enumerate(run) if r.state >= 0]
-            if ends:
-                end = ends[-1]
-            else:
+            if not ends:
                 return self._load_state_only(tokens, path, digests)
-        if end <= d:
+        servable = self._servable_end(path, run, d, ends)
+        if servable is None:
+            self.stats["load_skips"] += 1
             return None
-        run = run[: end - d]
-        lows = []
-        for pool in self.windows:
-            need_from = int(window_keep_from(np.array([end * ps]), pool.window, pool.lifetime.chunked)[0]) // ps
-            lo = end
-            while lo > d and pool.name in run[lo - 1 - d].pages:
-                lo -= 1
-            lows.append(max(lo, need_from, d))
-        return self._take_and_bind(tokens, path, d, end, run, lows)
+        end, lows = servable
+        return self._take_and_bind(tokens, path, d, end, run[: end - d], lows)
+
+    def _servable_end(self, path, run: list[HostRecord], d: int, ends: list[int]) -> tuple[int, list[int]] | None:
+        """The deepest of `ends` (page counts past which the host `run`, from page `d` on, could be
+        loaded) that a match can reach, with each window's first loaded row: a match there reads
+        each window's rows of its last window of tokens, from the host past `d` and from the device
+        tree's `path` below it, so together they must hold them back to there. A run whose window
+        rows were lost (retired on the device before the backup, or evicted from the tree since) is
+        loaded only as far as a match can use it; loaded further, its pages came back and no match
+        read them. None when no end serves."""
+        ps = self.ps
+        bound = []
+        for w, pool in enumerate(self.windows):
+            device = [np.arange(k) >= node.window_lo[w] for node, k in path]
+            host = np.array([pool.name in r.pages for r in run], dtype=bool)
+            bound.append(np.concatenate([*device, host]) if device else host)
+        for end in sorted(ends, reverse=True):
+            lows = []
+            for pool, rows in zip(self.windows, bound):
+                need_from = int(window_keep_from(np.array([end * ps]), pool.window, pool.lifetime.chunked)[0]) // ps
+                missing = np.flatnonzero(~rows[:end])
+                if len(missing) and int(missing[-1]) >= need_from:
+                    break  # a row the match at `end` reads is on neither side
+                lows.append(max(int(missing[-1]) + 1 if len(missing) else 0, need_from, d))
+            else:
+                return end, lows
+        return None
 
     def _load_state_only(self, tokens: np.ndarray, path, digests: list[bytes]) -> PendingLoad | None:
         """A host state at the end of a device node that lost its own (a `state` eviction)."""
