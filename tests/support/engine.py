@@ -86,6 +86,17 @@ def gemma_six() -> Path:
 
 
 @functools.cache
+def qwen_eight() -> tuple[Path, Path]:
+    """Qwen3-Next's interleave over eight layers (three DeltaNet layers, then a full one, twice: split
+    4/4 each stage holds one of each run, split 6/2 the second only one DeltaNet layer), and a draft."""
+    root = Path(tempfile.mkdtemp(prefix="kvchain-qwen-eight-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    target = make_checkpoint("qwen3_next", root / "target", seed=1, num_hidden_layers=8, layer_types=layer_types)
+    return target, make_draft_checkpoint(target, root / "draft", None)
+
+
+@functools.cache
 def checkpoint_dir(family: str) -> Path:
     """The family's tiny checkpoint, written once per test process (removed when it exits)."""
     root = Path(tempfile.mkdtemp(prefix=f"kvchain-{family}-"))

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from dataclasses import replace
 
 import pytest
 
 from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.dist.tp_pp_engine import generate_in_grid
-from kvchain.engine.serve import EngineConfig
+from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import KVChainError
-from support.engine import gemma_six, workload, write_prompts
+from support.engine import gemma_six, qwen_eight, workload, write_prompts
 
 CHECKS = {"KVCHAIN_INVARIANT_CHECK": "1"}
 N = 12
@@ -43,6 +44,27 @@ def test_two_stages_with_a_host_tier_agree_and_print_what_they_print_without_it(
     assert first.result.stats.cached_tokens > without[0].result.stats.cached_tokens
     for run in runs:
         assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in without[0].result.outputs]
+    assert not mp.active_children()
+
+
+@pytest.mark.parametrize(("budget", "partition", "draft"), [(2_100_000, (6, 2), False), (2_600_000, (4, 4), True)])
+def test_recurrent_state_on_stages_with_a_host_tier_prints_what_one_process_prints(budget, partition, draft):
+    """Qwen3-Next's DeltaNet state and full attention split 6/2 (three and one state layers: other
+    state bytes per stage), and 4/4 with a draft on every stage: each stage's host records carry its
+    own layers' state at their checkpoints, a host hit restores it on every stage, and the tokens
+    are one process's greedy tokens."""
+    target, draft_dir = qwen_eight()
+    requests = workload(N)
+    config = replace(_config(budget, 2**20), checkpoint_interval=8)
+    if draft:
+        config = replace(config, draft_model_path=str(draft_dir), num_speculative_tokens=2)
+    with Engine(str(target), replace(_config(8 << 20, None), checkpoint_interval=8)) as engine:
+        one = engine.generate(requests)
+    runs = generate_in_stages(str(target), config, requests, 2, partition, env=CHECKS)
+    assert runs[0].digests == runs[1].digests
+    assert runs[0].result.stats.host_hits == runs[1].result.stats.host_hits > 0
+    for run in runs:
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
     assert not mp.active_children()
 
 

@@ -5,36 +5,18 @@ decoding's in one process."""
 
 from __future__ import annotations
 
-import functools
 import json
 import multiprocessing as mp
-import shutil
-import tempfile
-from pathlib import Path
 
 from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.dist.tp_pp_engine import generate_in_grid
 from kvchain.engine.sampling import SamplingParams
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
-from kvchain.engine.speculative_draft import make_draft_checkpoint
-from kvchain.engine.tiny import make_checkpoint
-from support.engine import workload, write_prompts
+from support.engine import qwen_eight, workload, write_prompts
 
-#: Qwen3-Next's interleave over eight layers: split 4/4, each stage three DeltaNet layers and one full
-LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2
 #: every flush compacts, so state pages move between a stage's forward and its relayed commit
 ENV = {"KVCHAIN_INVARIANT_CHECK": "1", "KVCHAIN_LAZY_COMPACTION_GAP_FRACTION": "1.0"}
-
-
-@functools.cache
-def qwen_eight() -> tuple[Path, Path]:
-    root = Path(tempfile.mkdtemp(prefix="kvchain-pp-spec-"))
-    import atexit
-
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    target = make_checkpoint("qwen3_next", root / "target", seed=1, num_hidden_layers=8, layer_types=LAYER_TYPES)
-    return target, make_draft_checkpoint(target, root / "draft", None)
 
 
 def _config(**kw) -> EngineConfig:
