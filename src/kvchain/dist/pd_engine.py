@@ -158,6 +158,9 @@ class _Decoding:
                                           max_running=cfg.max_running)
         self.out: dict[int, dict] = {}
         self.reqs: list[tuple[int, ScheduledRequest]] = []
+        #: the prefill node's id of each received request still served here, by its id here: its
+        #: growth still to come is held back from later offers until it finishes (`settle`)
+        self.offered: dict[int, str] = {}
 
     def admit(self, got: Received) -> None:
         engine, pool = self.engine, self.pool
@@ -187,6 +190,23 @@ class _Decoding:
         self.scheduler.max_running = max(self.scheduler.max_running, len(self.scheduler.running) + 1)
         self.scheduler.inject(req)
         self.reqs.append((i, req))
+        self.offered[rid] = got.rid
+
+    def settle(self) -> None:
+        """After a step: each received request's growth still to come, held back from later offers
+        (`DecodePreallocQueue.held_back`), is what it has left to write; a finished one holds none.
+        Kept at what they held on arrival, finished requests held back their whole outputs for
+        good: the node refused ever more offers and at last every one, with nothing running."""
+        queue, table = self.node.queue, self.pool.storage.table
+        running = {req.rid: req for req in self.scheduler.running}
+        waiting = {req.rid for req in self.scheduler.waiting}
+        for rid, offered in list(self.offered.items()):
+            req = running.get(rid)
+            if req is not None:
+                queue.grew(offered, int(table.seq_lens[req.row]), max(req.output_len - req.generated, 0))
+            elif rid not in waiting:
+                queue.done(offered)
+                del self.offered[rid]
 
     def outputs(self) -> dict[int, dict]:
         for i, req in self.reqs:
@@ -248,6 +268,7 @@ def _serve(engine: Engine, node: DecodeNode) -> dict:
                     decoding.admit(got)
             if not scheduler.idle:
                 scheduler.step()
+                decoding.settle()
             elif ended and not node.queue.unpublished:
                 break
     finally:

@@ -163,6 +163,24 @@ def test_a_full_decode_node_holds_prefills_back_instead_of_refusing_them():
     assert not mp.active_children()
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+def test_a_decode_node_holds_back_only_what_its_requests_have_left_to_write(family):
+    """A decode node whose budget holds one long request, twelve handed to it over the run: each
+    request's growth is held back from later offers only while it still decodes. Held back for
+    good once taken, the finished requests' outputs added up until the node refused offers with
+    nothing running (requests rejected on both, 2 of 12 on Gemma 3) where one process served them all."""
+    requests = workload(12, seed=5)
+    config = replace(CONFIG, budget_bytes=tight_budget(family, 1), max_batched_tokens=48, checkpoint_interval=8)
+    path = checkpoint_dir(family)
+    with Engine(path, config) as engine:
+        single = engine.generate(requests)
+    pd = generate_pd(path, config, requests, kind="gloo", timeout_s=120)
+    assert [o.finish_reason for o in single.outputs] == ["length"] * 12
+    assert [o.finish_reason for o in pd.outputs] == ["length"] * 12
+    assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
+    assert not mp.active_children()
+
+
 def test_a_host_tier_behind_the_prefill_node():
     """`--pd --host-budget`: the prefill node's tree evicts to the host tier and loads back from it
     (Nemotron-H's state checkpoints with the attention pages); outputs are the single-process
