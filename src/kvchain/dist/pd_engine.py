@@ -37,6 +37,7 @@ from ..engine.serve import (
     GenerateRequest,
     GenerateResult,
     GenerateStats,
+    check_host_tier,
     finish_reason,
     sampled_requests,
 )
@@ -349,9 +350,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     requests = sampled_requests(requests)  # seeded once, here: both nodes sample alike
     deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
     check_pd_draft(config)
-    if config.host_budget is not None and not config.prefix_cache:
-        raise InputError("a host tier backs the prefill node's prefix cache: host_budget needs prefix caching on "
-                         "(on the command line, drop --no-prefix-cache)")
+    check_host_tier(config, "the prefill node's prefix cache")
     secret = os.urandom(32)
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from .batch import ForwardBatch
 from .logprobs import log_softmax_rows, token_logprobs
 from .metadata import MetadataBuffers, StepMetadata
 from .pool import KVChainPool
-from .request import ScheduledRequest
+from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
 from .sampling import drawn, sample_rows
 from .steps import Forward, Launched, MetadataUpload, StepSequence
@@ -109,6 +109,14 @@ class ModelPool(KVChainPool):
     def drain(self) -> None:
         """Process every forward still in flight (the end of a run)."""
         self.steps.drain()
+
+    def finish(self, req: ScheduledRequest) -> None:
+        """The request leaves for good: what the host knew of its outputs goes with it (a
+        preemption keeps it; a forward still in flight that sampled for it reads neither). Kept,
+        a long-lived engine held an entry for every request it ever served."""
+        super().finish(req)
+        self._known.pop(req.rid, None)
+        self._future.pop(req.rid, None)
 
     def _prepare(self, reqs: list[ScheduledRequest]) -> tuple[Forward, StepOutputs]:
         """Translate the step once: packed token ids and positions, page tables, write locations,
@@ -226,7 +234,8 @@ class ModelPool(KVChainPool):
             token = tokens[k]
             req.output[j] = token
             rid = req.rid
-            known[rid] = max(known.get(rid, 0), j + 1)
+            if req.phase is not Phase.FINISHED:  # finished while this forward ran: nothing to know
+                known[rid] = max(known.get(rid, 0), j + 1)
             if future.get(rid, (None, -1))[1] == j:
                 del future[rid]
             if keep:

@@ -115,6 +115,15 @@ def refuse_unbuilt(config: EngineConfig, where: str, *, draft: bool = False, hos
         raise InputError(f"{where}: speculative decoding (draft_model_path) is not built there")
     if not host_tier and config.host_budget is not None:
         raise InputError(f"{where}: the host tier (host_budget) is not built there")
+    check_host_tier(config)
+
+
+def check_host_tier(config: EngineConfig, what: str = "the prefix cache") -> None:
+    """Refuse a host tier without the prefix cache it backs, before any checkpoint loads or any
+    process starts."""
+    if config.host_budget is not None and not config.prefix_cache:
+        raise InputError(f"a host tier backs {what}: host_budget needs prefix caching on (prefix_cache; on the "
+                         "command line, drop --no-prefix-cache)")
 
 
 @dataclass(frozen=True)
@@ -308,9 +317,7 @@ class Engine:
 
     def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.host_budget is not None and not config.prefix_cache:  # before the checkpoint loads
-            raise InputError("a host tier backs the prefix cache: host_budget needs prefix caching on (prefix_cache; on the "
-                             "command line, drop --no-prefix-cache)")
+        check_host_tier(config)  # before the checkpoint loads
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
         spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype))

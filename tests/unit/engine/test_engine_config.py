@@ -44,12 +44,12 @@ def test_a_request_the_model_cannot_take_is_refused(request_, needle):
     lambda path, cfg: generate_in_grid(path, cfg, [GenerateRequest([1, 2], 2)], 2, 2, timeout_s=5),
     lambda path, cfg: generate_in_stages(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
 ], ids=["grid", "stages"])
-def test_split_engines_refuse_what_they_do_not_build_before_any_process(run):
-    """Stages have no host tier (ranks have, `test_tp_host_tier.py`): asked for one, they refuse in the
-    parent, where they used to serve without it."""
+def test_split_engines_refuse_a_host_tier_without_its_prefix_cache_before_any_process(run):
+    """Ranks on stages and stages keep a host tier (`test_pp_host_tier.py`); one without the prefix
+    cache it backs is refused in the parent, before any process starts, as one process refuses it."""
     path = str(checkpoint_dir("llama"))
-    with pytest.raises(InputError, match="host tier"):
-        run(path, EngineConfig(budget_bytes=4 << 20, page_size=4, host_budget=1 << 20))
+    with pytest.raises(InputError, match="prefix caching on"):
+        run(path, EngineConfig(budget_bytes=4 << 20, page_size=4, host_budget=1 << 20, prefix_cache=False))
 
 
 def test_a_host_tier_the_engine_cannot_build_is_refused_before_the_checkpoint_loads(tmp_path):
