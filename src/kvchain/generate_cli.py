@@ -156,9 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with Engine(checkpoint, config) as engine, progress(disable=args.json, unit="requests") as bar:
         task = bar.add_task("generate", total=len(requests))
         result = engine.generate(requests, progress=lambda done, total: bar.update(task, completed=done))
-    hicache = engine.pool.hicache
-    return _report(args, result, tokenizer, engine.storage.sizing.budget_bytes,
-                   host_bytes=None if hicache is None else hicache.host.nbytes)
+    return _report(args, result, tokenizer, engine.storage.sizing.budget_bytes)
 
 
 def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
@@ -171,7 +169,7 @@ def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
     if kind == "nixl" and nixl_available() is not None:
         raise InputError(f"--pd-engine nixl: {nixl_available()}")
     result = generate_pd(args.model_path, config, requests, kind=kind)
-    return _report(args, result, tokenizer, args.budget)
+    return _report(args, result, tokenizer, args.budget, (), " on the prefill node")
 
 
 def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
@@ -193,7 +191,7 @@ def _run_stages(args: argparse.Namespace, checkpoint, config, requests) -> int:
              + (f", {s['relayed_commits']} relayed verify commits ({s['relayed_commits_moved']} after a move)"
                 if s["relayed_commits"] else "")
              for s in stages]
-    return _report(args, result, tokenizer, config.budget_bytes, lines, stages=stages)
+    return _report(args, result, tokenizer, config.budget_bytes, lines, " on the last stage", stages=stages)
 
 
 def _run_grid(args: argparse.Namespace, checkpoint, config, requests) -> int:
@@ -214,7 +212,7 @@ def _run_grid(args: argparse.Namespace, checkpoint, config, requests) -> int:
     lines = [f"stage {g['stage']} rank {g['rank']}: layers {g['first_layer']}..{g['last_layer']}, arena "
              f"{g['arena_bytes']:,} B, {g['bytes_per_token']:,} B/token, capacity and decision digests compared "
              f"after {g['steps_checked']} steps" for g in grid]
-    return _report(args, result, checkpoint.tokenizer, config.budget_bytes, lines, processes=grid)
+    return _report(args, result, checkpoint.tokenizer, config.budget_bytes, lines, " on stage 0, rank 0", processes=grid)
 
 
 def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
@@ -230,7 +228,7 @@ def _run_ranks(args: argparse.Namespace, checkpoint, config, requests) -> int:
               "steps_checked": len(r.digests)} for i, r in enumerate(runs)]
     lines = [f"rank {r['rank']}: arena {r['arena_bytes']:,} B, {r['bytes_per_token']:,} B/token (its shard of the "
              f"KV heads), decision digests compared after {r['steps_checked']} steps" for r in ranks]
-    return _report(args, result, checkpoint.tokenizer, config.budget_bytes, lines, ranks=ranks)
+    return _report(args, result, checkpoint.tokenizer, config.budget_bytes, lines, " on each rank", ranks=ranks)
 
 
 def _speculative(args: argparse.Namespace) -> dict:
@@ -243,20 +241,21 @@ def _speculative(args: argparse.Namespace) -> dict:
 
 
 def _report(args: argparse.Namespace, result, tokenizer, budget_bytes: int, lines: Sequence[str] = (),
-            host_bytes: int | None = None, **processes) -> int:
+            host_where: str = "", **processes) -> int:
     """Print a run: with `--json` its outputs, stats and each process's figures (under their key in
-    `processes`), else the rendered table and one line a process."""
+    `processes`), else the rendered table and one line a process. `host_where` says whose host
+    pools the host tier's bytes are, on a split run."""
     if args.json:
         print(dump_json({"outputs": [o.to_dict() for o in result.outputs], "stats": result.stats.to_dict(),
                          **processes}))
         return 0
-    _render(result, tokenizer, budget_bytes, host_bytes=host_bytes)
+    _render(result, tokenizer, budget_bytes, host_where)
     for line in lines:
         say(line)
     return 0
 
 
-def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None) -> None:
+def _render(result, tokenizer, budget_bytes: int, host_where: str = "") -> None:
     from rich.table import Table
 
     console = output_console()
@@ -284,9 +283,9 @@ def _render(result, tokenizer, budget_bytes: int, host_bytes: int | None = None)
         ("state checkpoints", str(s.checkpoints)),
         ("pool utilisation (peak)", f"{s.peak_utilisation * 100:.2g}% of {budget_bytes:,} bytes"),
     ]
-    if host_bytes is not None:
+    if s.host_bytes:
         rows.append(("host tier", f"{s.host_hits} hits, {s.host_backups} backups, {s.host_loads} loads "
-                                  f"({host_bytes:,} host bytes)"))
+                                  f"({s.host_bytes:,} host bytes{host_where})"))
     if s.spec_rounds:
         rows += [("speculative acceptance", f"{s.acceptance_rate:.0%} ({s.spec_accepted} of {s.spec_proposed} "
                                             f"proposed tokens, {s.spec_rounds} rounds)"),

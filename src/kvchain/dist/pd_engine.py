@@ -311,7 +311,7 @@ SPEC_FIGURES = tuple(SPEC_COUNTERS)
 
 
 #: the host tier's figures, the prefill node's (the decode node keeps no prefix cache)
-HOST_FIGURES = ("host_hits", "host_backups", "host_loads")
+HOST_FIGURES = ("host_hits", "host_backups", "host_loads", "host_bytes")
 
 
 #: the PD processes by their stage index

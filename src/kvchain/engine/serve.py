@@ -187,10 +187,12 @@ class GenerateStats:
     peak_utilisation: float = 0.0
     #: times the allocator relocated a float band (a window sub-pool between the chain's ends)
     float_relocations: int = 0
-    #: the host tier: matches a load from the host lengthened, nodes backed up, loads
+    #: the host tier: matches a load from the host lengthened, nodes backed up, loads, and the
+    #: bytes of its host pools (0: no host tier)
     host_hits: int = 0
     host_backups: int = 0
     host_loads: int = 0
+    host_bytes: int = 0
     #: speculative decoding: rounds verified, draft tokens proposed and accepted, draft forwards
     spec_rounds: int = 0
     spec_proposed: int = 0
@@ -415,6 +417,7 @@ class Engine:
             stats.host_hits = host["host_hits"] - host0["host_hits"]
             stats.host_backups = host["backups"] - host0["backups"]
             stats.host_loads = host["loads"] - host0["loads"]
+            stats.host_bytes = self.pool.hicache.host.nbytes
         spec_stats = getattr(self.pool, "spec", None)
         if spec_stats is not None:
             stats.spec_rounds = spec_stats.rounds - spec0.rounds

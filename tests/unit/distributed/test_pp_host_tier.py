@@ -82,7 +82,8 @@ def test_ranks_on_stages_with_a_host_tier_agree_and_print_what_they_print_withou
 
 
 def test_generate_cli_runs_a_host_tier_on_stages(tmp_path, capsys) -> None:
-    """`kvchain generate --pp 2 --host-budget` serves and reports the host tier's hits."""
+    """`kvchain generate --pp 2 --host-budget` serves and reports the host tier's hits and the last
+    stage's host bytes (the table left the host tier out on every split run)."""
     prompts = write_prompts(tmp_path / "p.jsonl", workload(N))
     args = ["generate", "--model-path", str(gemma_six()), "--prompts", str(prompts), "--budget", "300000",
             "--page-size", "4", "--context", "128", "--max-batched-tokens", "64", "--ignore-eos", "--pp", "2",
@@ -91,6 +92,9 @@ def test_generate_cli_runs_a_host_tier_on_stages(tmp_path, capsys) -> None:
     assert main([*args, "--host-budget", "1MiB"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["host_hits"] > 0 and len(out["stages"]) == 2
+    assert 0 < out["stats"]["host_bytes"] <= 2**20
+    assert main([arg for arg in args if arg != "--json"] + ["--host-budget", "1MiB"]) == 0
+    assert f"{out['stats']['host_bytes']:,} host bytes on the last stage" in capsys.readouterr().out
     assert not mp.active_children()
 
 
