@@ -34,10 +34,10 @@ from ..engine.serve import (
     EngineConfig,
     GenerateRequest,
     GenerateResult,
+    check_host_tier,
     engine_context,
     open_checkpoint,
     pool_options,
-    refuse_unbuilt,
     sampled_requests,
 )
 from ..engine.speculative_plan import plan_with_draft
@@ -187,7 +187,7 @@ class StageEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: StageLink,
                  partition: Sequence[int] | None = None) -> None:
-        refuse_unbuilt(config, "pipeline stages", draft=True, host_tier=True)
+        check_host_tier(config)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -344,7 +344,7 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
     """Serve `requests` from the checkpoint at `path` split into `n_stages` stage processes over
     gloo on 127.0.0.1; every stage's report, in stage order. A stage that failed raises its error
     (the first stage's to fail) as one line."""
-    refuse_unbuilt(config, "pipeline stages", draft=True, host_tier=True)  # in the parent, before any process starts
+    check_host_tier(config)  # in the parent, before any process starts
     requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")

@@ -29,10 +29,10 @@ from ..engine.serve import (
     EngineConfig,
     GenerateRequest,
     GenerateResult,
+    check_host_tier,
     engine_context,
     open_checkpoint,
     pool_options,
-    refuse_unbuilt,
     sampled_requests,
 )
 from ..engine.speculative_setup import load_draft, speculative_pool
@@ -61,7 +61,7 @@ class RankEngine(Engine):
     KV heads, sized for the group's least budget; its decisions compared after every step."""
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, link: RankLink) -> None:
-        refuse_unbuilt(config, "tensor-parallel ranks", draft=True, host_tier=True)
+        check_host_tier(config)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -146,7 +146,7 @@ def generate_in_ranks(path: str, config: EngineConfig, requests: list[GenerateRe
                       timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[RankRun]:
     """Serve `requests` from the checkpoint at `path` with its heads split over `n_ranks` rank
     processes over gloo on 127.0.0.1; every rank's report, in rank order."""
-    refuse_unbuilt(config, "tensor-parallel ranks", draft=True, host_tier=True)  # in the parent, before any process starts
+    check_host_tier(config)  # in the parent, before any process starts
     requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     out = run_stage_processes(generate_rank_process, n_ranks, (path, config, requests), timeout_s=timeout_s,
                               env=env)

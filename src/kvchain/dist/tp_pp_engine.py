@@ -32,9 +32,9 @@ from ..engine.serve import (
     EngineConfig,
     GenerateRequest,
     GenerateResult,
+    check_host_tier,
     engine_context,
     open_checkpoint,
-    refuse_unbuilt,
     sampled_requests,
 )
 from ..engine.speculative_setup import load_draft
@@ -98,7 +98,7 @@ class StageRankEngine(Engine):
 
     def __init__(self, checkpoint: LoadedCheckpoint | str, config: EngineConfig, ranks: GroupRankLink,
                  stages: StageLink, partition: Sequence[int] | None = None) -> None:
-        refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True, host_tier=True)
+        check_host_tier(config)
         config = replace(config, overlap=False)
         self.config = config
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
@@ -197,7 +197,7 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
                      env: dict[str, str] | None = None) -> list[GridRun]:
     """Serve `requests` from the checkpoint at `path` on `n_stages` stages of `n_ranks` ranks each,
     one process per (stage, rank) over gloo on 127.0.0.1; every process's report, stage-major."""
-    refuse_unbuilt(config, "tensor-parallel ranks on pipeline stages", draft=True, host_tier=True)  # in the parent, before any process starts
+    check_host_tier(config)  # in the parent, before any process starts
     requests = sampled_requests(requests)  # seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks and pipeline stages run on --device cpu (one process each over gloo)")

@@ -108,16 +108,6 @@ def _positive(name: str, value: object) -> None:
         raise InputError(f"{name} must be a positive integer, not {value!r}")
 
 
-def refuse_unbuilt(config: EngineConfig, where: str, *, draft: bool = False, host_tier: bool = False) -> None:
-    """An engine that does not build speculative decoding (`draft`) or the host tier (`host_tier`)
-    refuses a config that asks for them, instead of serving without them."""
-    if not draft and (config.draft_model_path is not None or config.num_speculative_tokens):
-        raise InputError(f"{where}: speculative decoding (draft_model_path) is not built there")
-    if not host_tier and config.host_budget is not None:
-        raise InputError(f"{where}: the host tier (host_budget) is not built there")
-    check_host_tier(config)
-
-
 def check_host_tier(config: EngineConfig, what: str = "the prefix cache") -> None:
     """Refuse a host tier without the prefix cache it backs, before any checkpoint loads or any
     process starts."""
