@@ -465,14 +465,21 @@ class HiCacheController:
             self.stats["load_skips"] += 1
             return None
         anchor = path[-1][0] if path else None
+        window_lock = None
         if anchor is not None:
             tree.lock(anchor)
+            if self.windows:
+                # the device rows below `d` a match at `end` reads stay while the load makes room
+                # (the lock splits the node the windows begin in, so the path is walked again)
+                window_lock = tree.lock_window(anchor, end * ps)
+                path = tree._walk(tokens[: d * ps])
         for rec in run:
             rec.pins += 1
         try:
             taken = take_load_pages(storage, demand) if evict_until_fits(storage, tree, demand) else None
         finally:
             if anchor is not None:
+                tree.unlock_window(window_lock)
                 tree.unlock(anchor)
         if taken is None:
             for rec in run:

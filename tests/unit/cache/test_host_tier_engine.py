@@ -51,13 +51,16 @@ def test_a_host_tier_aborts_no_request_the_run_without_one_serves(budget, seed):
     assert with_host.stats.host_hits > 0
 
 
-@pytest.mark.parametrize(("host", "seed"), [(64 * 1024, 0), (2**20, 1)])
-def test_every_load_back_is_read_by_the_match_that_asked_for_it(host, seed):
+@pytest.mark.parametrize(("budget", "host", "seed"), [(340_000, 64 * 1024, 0), (340_000, 2**20, 1),
+                                                     (420_000, 2**20, 0)])
+def test_every_load_back_is_read_by_the_match_that_asked_for_it(budget, host, seed):
     """A load-back ends where a match can use it: where the window rows the host and the device tree
-    hold together cover every window's last tokens. The host lacks rows that had retired on the
-    device before their backup; loaded to the end of the host's pages anyway, 10 of 10 and 8 of
-    29 loads here brought pages back that no match read (copies and evictions for nothing)."""
-    config = EngineConfig(budget_bytes=340_000, page_size=4, max_running=8, max_batched_tokens=64, context_len=128,
+    hold together cover every window's last tokens, and the device's stay while the load makes
+    room. The host lacks rows that had retired on the device before their backup; loaded to the
+    end of the host's pages anyway, 10 of 10 and 8 of 29 loads here brought pages back that no
+    match read (copies and evictions for nothing); and the room a load made evicted the device rows
+    below it that its match needed (1 of 4 loads at 420,000 bytes)."""
+    config = EngineConfig(budget_bytes=budget, page_size=4, max_running=8, max_batched_tokens=64, context_len=128,
                           ignore_eos=True)
     requests = workload(16, seed)
     with Engine(str(gemma_six()), config) as engine:
