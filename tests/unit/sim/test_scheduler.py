@@ -231,7 +231,7 @@ def test_unschedulable_request_is_aborted_with_its_reason():
     unschedulable instead of waiting forever. Here a load reservation pins memory no request frees."""
     pool = world(chain_kib=8, window=8, state=True)
     storage = pool.storage
-    pinned, _reservation = storage.alloc_load("full", storage.allocator.owner.grid.n_grid // 3)
+    pinned, _reservation = storage.alloc_load("full", 2 * storage.allocator.owner.grid.n_grid // 3)
     req = ScheduledRequest(0, 0, np.arange(1, 120), max_new=8, output_len=8)
     sched = Scheduler(pool, max_batched_tokens=256, max_running=4)
     sched.add([req])
