@@ -41,7 +41,7 @@ from ..engine.serve import (
     finish_reason,
     sampled_requests,
 )
-from ..errors import InputError, KVChainError
+from ..errors import InputError, InvariantError, KVChainError
 from .pd import DecodeNode, PrefillNode, Received, Refused, deferred_publication, layout_digest
 from .pd_auth import PDListener
 from .pd_link import PDLink, hello
@@ -56,6 +56,14 @@ class _DecodeScheduler(Scheduler):
         req.phase = Phase.RUNNING
         req.admitted_step = self.step_no
         self.running.append(req)
+
+    def _preempt(self, req: ScheduledRequest) -> None:
+        """Never: a received request's prompt ids stayed on the prefill node (this node holds its KV,
+        not its tokens), so recomputing it would prefill placeholders and decode garbage. The
+        preallocation check leaves room for every received request's growth (ADM-13); a step that
+        cannot grow them breaks it, and says so."""
+        raise InvariantError("pd.decode_retraction", f"the decode node cannot grow its {len(self.running)} "
+                             f"running requests and would retract request {req.rid}, whose prompt it does not hold")
 
 
 def _prefill(port: int, path: str, config: EngineConfig, requests: list[GenerateRequest], kind: str,

@@ -8,12 +8,15 @@ import json
 import multiprocessing as mp
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from kvchain.cli import main
-from kvchain.dist.pd_engine import generate_pd
+from kvchain.dist.pd_engine import _DecodeScheduler, generate_pd
 from kvchain.dist.transfer import nixl_available
+from kvchain.engine.request import ScheduledRequest
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
+from kvchain.errors import InvariantError
 from support.engine import PAGE, checkpoint_dir, tight_budget, workload, write_prompts
 
 NIXL_MISSING = nixl_available()
@@ -195,3 +198,27 @@ def test_a_host_tier_behind_the_prefill_node():
     assert [o.token_ids for o in pd.outputs] == [o.token_ids for o in single.outputs]
     assert pd.stats.host_hits > 0 and pd.stats.host_loads > 0
     assert not mp.active_children()
+
+
+def test_a_decode_node_that_cannot_grow_its_requests_raises_instead_of_retracting():
+    """The decode node holds a received request's KV, not its prompt's ids: a retraction would
+    recompute placeholders. Three received requests a pool for one cannot grow (what the
+    preallocation check prevents) raise `pd.decode_retraction`; retracted, the request went back
+    to the queue with a prompt of zeros."""
+    config = replace(CONFIG, budget_bytes=tight_budget("gemma3", 1), max_batched_tokens=48)
+    with Engine(checkpoint_dir("gemma3"), config) as engine:
+        storage, pool = engine.storage, engine.pool
+        scheduler = _DecodeScheduler(pool, max_batched_tokens=48, max_running=8)
+        for rid, length in enumerate((40, 40, 40)):
+            row = storage.alloc_row()
+            storage.alloc_extend(np.array([row]), np.array([length]))
+            storage.advance(np.array([row]))
+            req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(length, np.int64), max_new=60, output_len=60,
+                                   output=np.zeros(60, dtype=np.int64))
+            req.row, req.computed, req.generated = row, length, 1
+            req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": length}
+            pool._known[rid] = 1
+            scheduler.inject(req)
+        with pytest.raises(InvariantError, match=r"pd\.decode_retraction"):
+            for _ in range(60):
+                scheduler.step()
