@@ -39,7 +39,15 @@ from ..errors import CapacityError, InputError, InvariantError
 from ..memory.host import HostPool, HostPools
 from ..plan import PoolKind
 from ..storage import KVStorage
-from .radix import CheckpointStrategy, Evicted, InsertResult, MatchResult, TreeNode, UnifiedRadixCache
+from .radix import (
+    CheckpointStrategy,
+    Evicted,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+    UnifiedRadixCache,
+    _first_bound_of_suffix,
+)
 
 
 def load_ids_short(storage: KVStorage, n_pages: int, n_slots: int) -> bool:
@@ -422,16 +430,12 @@ class HiCacheController:
             device = [np.arange(k) >= node.window_lo[w] for node, k in path]
             host = np.array([pool.name in r.pages for r in run], dtype=bool)
             bound.append(np.concatenate([*device, host]) if device else host)
+        covered = self.tree._covered_ends(bound, d + len(run))  # where `match_prefix` may end
         for end in sorted(ends, reverse=True):
-            lows = []
-            for pool, rows in zip(self.windows, bound):
-                need_from = int(window_keep_from(np.array([end * ps]), pool.window, pool.lifetime.chunked)[0]) // ps
-                missing = np.flatnonzero(~rows[:end])
-                if len(missing) and int(missing[-1]) >= need_from:
-                    break  # a row the match at `end` reads is on neither side
-                lows.append(max(int(missing[-1]) + 1 if len(missing) else 0, need_from, d))
-            else:
-                return end, lows
+            if covered[end]:
+                return end, [int(max(_first_bound_of_suffix(rows[:end]), need_from, d)) for rows, need_from in
+                             zip(bound, (window_keep_from(end * ps, w.window, w.lifetime.chunked) // ps
+                                         for w in self.windows))]
         return None
 
     def _load_state_only(self, tokens: np.ndarray, path, digests: list[bytes]) -> PendingLoad | None:
