@@ -156,6 +156,17 @@ def _decode(port: int, path: str, config: EngineConfig, kind: str, secret: bytes
         engine.close()
 
 
+def received_request(rid: int, row: int, prompt_len: int, first: int, max_new: int) -> ScheduledRequest:
+    """A received request as the decode node's scheduler runs it: its prompt computed (in `row`,
+    its ids left on the prefill node: placeholders here) and its first output known."""
+    req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(prompt_len, np.int64), max_new=max_new,
+                           output_len=max_new, output=np.zeros(max_new, dtype=np.int64))
+    req.output[0] = first
+    req.row, req.computed, req.generated, req.first_token_step = row, prompt_len, 1, 0
+    req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": prompt_len}
+    return req
+
+
 class _Decoding:
     """The decode node's requests: each received one joins the scheduler as a running decode from
     its second token; outputs by request index."""
@@ -183,18 +194,13 @@ class _Decoding:
             return
         rid = engine._rid
         engine._rid += 1
-        prompt_len = got.seq_len
-        req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(prompt_len, np.int64), max_new=max_new,
-                               output_len=max_new, output=np.zeros(max_new, dtype=np.int64))
-        req.output[0] = first
+        req = received_request(rid, got.row, got.seq_len, first, max_new)
         req.stop = stop
         req.logprobs = got.extra.get("logprobs")
         if req.logprobs is not None:  # the first output's, computed on the prefill node
             pool.counters.logprobs[(rid, 0)] = first_logprobs
         sampling = got.extra.get("sampling")
         req.sampling = None if sampling is None else SamplingParams(**sampling)  # draws seeded as the prefill node's
-        req.row, req.computed, req.generated, req.first_token_step = got.row, prompt_len, 1, 0
-        req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": prompt_len}
         pool._known[rid] = 1  # its first output came with it: the next forward reads it from the host
         self.scheduler.max_running = max(self.scheduler.max_running, len(self.scheduler.running) + 1)
         self.scheduler.inject(req)

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from kvchain.cli import main
-from kvchain.dist.pd_engine import _DecodeScheduler, generate_pd
+from kvchain.dist.pd_engine import _DecodeScheduler, generate_pd, received_request
 from kvchain.dist.transfer import nixl_available
-from kvchain.engine.request import ScheduledRequest
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
 from kvchain.errors import InvariantError
 from support.engine import PAGE, checkpoint_dir, tight_budget, workload, write_prompts
@@ -213,12 +212,8 @@ def test_a_decode_node_that_cannot_grow_its_requests_raises_instead_of_retractin
             row = storage.alloc_row()
             storage.alloc_extend(np.array([row]), np.array([length]))
             storage.advance(np.array([row]))
-            req = ScheduledRequest(rid=rid, arrival=0, prompt=np.zeros(length, np.int64), max_new=60, output_len=60,
-                                   output=np.zeros(60, dtype=np.int64))
-            req.row, req.computed, req.generated = row, length, 1
-            req.pool_state = {"node": None, "window_lock": None, "tracking": -1, "checkpoint": 0, "kv_len": length}
             pool._known[rid] = 1
-            scheduler.inject(req)
+            scheduler.inject(received_request(rid, row, length, 0, 60))
         with pytest.raises(InvariantError, match=r"pd\.decode_retraction"):
             for _ in range(60):
                 scheduler.step()
