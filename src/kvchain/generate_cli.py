@@ -64,7 +64,8 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
                    help="what the pool keeps K/V in (default auto: --dtype's; fp8: e4m3, saturating, no scale)")
     p.add_argument("--pd", action="store_true",
                    help="serve with a prefill process and a decode process on this machine (loopback): the prefill "
-                   "hands each request's KV, window rows and state to the decode (docs/pd.md); no prefix cache")
+                   "hands each request's KV, window rows and state to the decode (docs/pd.md); the prefill keeps the "
+                   "prefix cache, the decode none")
     p.add_argument("--pd-engine", choices=("nixl", "gloo"), default=None,
                    help="--pd's data plane (default nixl where it imports, else gloo)")
     p.add_argument("--json", action="store_true",

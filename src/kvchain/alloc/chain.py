@@ -503,34 +503,49 @@ class ChainAllocator(StorageOps, ChainMoves):
 
     # -- the memory clip --------------------------------------------------------------------------
 
+    def _fits_empty(self, input_len: int, output_len: int, demand_kwargs: dict) -> bool:
+        """Whether a request of `input_len` and `output_len` tokens fits an empty pool (every stage's,
+        under pipeline parallelism), priced by `request_demand` (ADM-16)."""
+        d = request_demand(self.plan, DemandPurpose.CEILING, input_len=input_len, output_len=output_len,
+                           **demand_kwargs)
+        if self.caps is not None and any(n > cap for n, cap in zip(d.pages, self.caps)):
+            return False
+        if self._stages is not None:
+            return self._stages.fits_empty(d.pages, d.virtual_pages, d.state_slots)
+        return (d.virtual_pages < self.n_virtual and d.state_slots <= len(self.slot_free) + self._slots_held()
+                and feasible(self.empty_snapshot(), d.pages))
+
     @capacity_decision
     def max_new_tokens_for_memory(self, input_len: int, max_new_tokens: int, **demand_kwargs) -> int | None:
         """The most output tokens (up to `max_new_tokens`) a request of `input_len` tokens can hold in
         an empty pool, priced by `request_demand` (ADM-16). None when even its input does not fit."""
-        empty = self.empty_snapshot()
         stages = self._stages
-
-        def fits(output_len: int) -> bool:
-            d = request_demand(self.plan, DemandPurpose.CEILING, input_len=input_len,
-                               output_len=output_len, **demand_kwargs)
-            within = self.caps is None or all(n <= cap for n, cap in zip(d.pages, self.caps))
-            if stages is not None:
-                return within and stages.fits_empty(d.pages, d.virtual_pages, d.state_slots)
-            return (within and d.virtual_pages < self.n_virtual
-                    and d.state_slots <= len(self.slot_free) + self._slots_held() and feasible(empty, d.pages))
-
-        if not fits(0):
+        if not self._fits_empty(input_len, 0, demand_kwargs):
             return None if stages is None else stages.record_clip(input_len, max_new_tokens, None)
         lo, hi = 0, max_new_tokens
-        if fits(hi):  # the common case: the whole ask fits (fits is monotone in the output length)
+        if self._fits_empty(input_len, hi, demand_kwargs):  # the common case: the whole ask fits (monotone)
             lo = hi
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if self._fits_empty(input_len, mid, demand_kwargs):
                 lo = mid
             else:
                 hi = mid - 1
         return lo if stages is None else stages.record_clip(input_len, max_new_tokens, lo)
+
+    @capacity_decision
+    def largest_input_for_memory(self, below: int, **demand_kwargs) -> int:
+        """The longest input (under `below` tokens) an empty pool holds with no output, priced as the
+        memory clip prices (0 when none does): what a rejection at arrival tells the user, since the
+        sub-pools' page grids align apart and a request whose bytes match the pool's may not fit."""
+        lo, hi = 0, below - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits_empty(mid, 0, demand_kwargs):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _slots_held(self) -> int:
         return self.state_band.n_live if self.state_band is not None else 0

@@ -142,7 +142,8 @@ class KVChainPool:
             need = sum(n * p.page_bytes for n, p in zip(d.pages, self.plan.sub_pools))
             return (f"rejected at arrival: {req.input_len} input tokens need {format_bytes(need)} "
                     f"({', '.join(f'{p.name} {n} pages' for p, n in zip(self.plan.sub_pools, d.pages) if n)}); "
-                    f"an empty pool of {format_bytes(self.chain.layout.chain_bytes)} cannot hold them")
+                    f"an empty pool of {format_bytes(self.chain.layout.chain_bytes)} holds at most "
+                    f"{self.chain.largest_input_for_memory(req.input_len, **self._demand_kwargs())} input tokens")
         if clip < req.max_new:
             req.max_new = clip
             req.output_len = min(req.output_len, max(clip, 1))

@@ -195,6 +195,22 @@ def test_oversize_request_is_rejected_at_arrival_with_numbers():
     assert sched.stats.rejected == 1
 
 
+def test_a_rejection_at_arrival_names_the_longest_input_an_empty_pool_holds():
+    """At the limit the bytes a request needs can equal the pool's (its sub-pools' page grids align
+    apart), so the rejection names the longest input that does fit, found as the clip prices it."""
+    pool = world(chain_kib=2, window=8, state=False, context=1024)
+    req = ScheduledRequest(0, 0, np.arange(1, 84), max_new=1, output_len=1)
+    reason = pool.arrival_check(req)
+    assert reason is not None and "need 1.81 KiB" in reason and "empty pool of 1.81 KiB" in reason
+    longest = int(reason.split("holds at most ")[1].split()[0])
+    assert 0 < longest < req.input_len
+
+    def arrives(n: int) -> bool:
+        return pool.arrival_check(ScheduledRequest(0, 0, np.arange(1, n + 1), max_new=1, output_len=1)) is None
+
+    assert arrives(longest) and not arrives(longest + 1)
+
+
 def test_a_prompt_past_the_context_length_is_rejected():
     pool = world(chain_kib=60, context=64)
     req = ScheduledRequest(0, 0, np.arange(1, 100), max_new=5, output_len=5)
