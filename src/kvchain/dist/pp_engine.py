@@ -23,6 +23,7 @@ import torch
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
+from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.hicache import host_pages_per_state
 from ..decl import KVLayerDecl
 from ..engine.batch import ForwardBatch
@@ -44,7 +45,7 @@ from ..engine.speculative_plan import plan_with_draft
 from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
 from ..errors import InputError, InvariantError
 from ..memory.host import stage_host_groups
-from ..plan import KVStoragePlan, plan_stages, stage_layer_ranges
+from ..plan import KVStoragePlan, plan_kv_storage, plan_stages, stage_layer_ranges
 from ..sizing import size_stages
 from .pp import StageLink, failures, run_stage_processes
 from .pp_spec import RelayedSpeculativePool
@@ -209,7 +210,8 @@ class StageEngine(Engine):
         self.layers = ranges[stage]
         self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
         self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link, relay=draft is not None)
-        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft)
+        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft,
+                               stage_checkpoint_interval(spec.decls, config, draft))
         self._rid = 0
         self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
@@ -245,12 +247,26 @@ def enable_stage_host_tier(pool: ModelPool, plans: Sequence[KVStoragePlan], host
     pool.hicache.lockstep = True
 
 
+def stage_checkpoint_interval(decls: Sequence[KVLayerDecl], config: EngineConfig,
+                              draft: DraftSetup | None) -> int | None:
+    """The one checkpoint interval every stage keeps (PP-2): the configured one (a draft's), else the
+    whole model's default, as one process would keep it (`default_checkpoint_interval`), never a
+    stage's own: a stage's plan holds other state and token bytes, so its own default differs, and
+    stages on other grids cut other prefill chunks and take other decisions. `decls`: the whole
+    model's layers as each process plans them (its shard of the heads under tensor parallelism)."""
+    interval = config.checkpoint_interval if draft is None else draft.checkpoint_interval
+    if interval is not None:
+        return interval
+    whole = plan_kv_storage(decls, page_size=config.page_size)
+    return default_checkpoint_interval(whole) if whole.state is not None else None
+
+
 def stage_pool(storage, runner: StageRunner, checkpoint: LoadedCheckpoint, config: EngineConfig,
-               draft: DraftSetup | None) -> ModelPool:
-    """A stage's pool: plain, or speculative over the draft fused into its plan, whose verify
-    commits a stage before the last receives by relay (LIFE-15)."""
-    options = pool_options(config, checkpoint, storage.plan, overlap=False,
-                           interval=None if draft is None else draft.checkpoint_interval)
+               draft: DraftSetup | None, interval: int | None) -> ModelPool:
+    """A stage's pool, checkpointing every `interval` tokens (`stage_checkpoint_interval`): plain, or
+    speculative over the draft fused into its plan, whose verify commits a stage before the last
+    receives by relay (LIFE-15)."""
+    options = pool_options(config, checkpoint, storage.plan, overlap=False, interval=interval)
     if draft is None:
         return ModelPool(storage, runner, **options)
     if runner.relays_logits:  # a stage before the last: its verify commits are relayed (LIFE-15)

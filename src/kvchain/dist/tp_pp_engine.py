@@ -49,6 +49,7 @@ from .pp_engine import (
     _stage_error,
     check_stage_split,
     enable_stage_host_tier,
+    stage_checkpoint_interval,
     stage_draft_planner,
     stage_pool,
 )
@@ -125,7 +126,8 @@ class StageRankEngine(Engine):
         self.layout = StageGeometry.of_chain(self.storage.allocator, stage)
         check_same_layout(ranks.all_gather(self.layout.to_dict()))
         self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, stages, relay=draft is not None)
-        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft)
+        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft,
+                               stage_checkpoint_interval(spec.decls, config, draft))
         self._rid = 0
         self.geometries = stages.all_gather(self.layout)
         self.storage.allocator.install_stage_capacity(self.geometries, stage)

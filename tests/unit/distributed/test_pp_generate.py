@@ -8,11 +8,14 @@ import multiprocessing as mp
 
 import pytest
 
+from kvchain.cache.checkpoints import default_checkpoint_interval
 from kvchain.cli import main
 from kvchain.dist.pp_engine import generate_in_stages
+from kvchain.engine.checkpoint import load_checkpoint
 from kvchain.engine.serve import Engine, EngineConfig
 from kvchain.errors import KVChainError
-from support.engine import checkpoint_dir, gemma_six, workload, write_prompts
+from kvchain.plan import plan_stages
+from support.engine import checkpoint_dir, gemma_six, qwen_eight, workload, write_prompts
 
 CHECKS = {"KVCHAIN_INVARIANT_CHECK": "1"}
 
@@ -37,6 +40,29 @@ def test_two_stages_generate_what_one_process_does():
     assert [o.token_ids for o in first.result.outputs] == [o.token_ids for o in one.outputs]
     assert [o.token_ids for o in second.result.outputs] == [o.token_ids for o in one.outputs]
     assert len(first.digests) == first.result.stats.steps > 10 and first.digests == second.digests
+    assert not mp.active_children()
+
+
+def test_stages_of_unequal_state_keep_the_whole_models_checkpoint_grid():
+    """Qwen3-Next-like layers split 6/2: the stages hold three and one DeltaNet layers, so each
+    stage's own default checkpoint interval differs (a stage's state and token bytes differ), and
+    stages on other grids cut other prefill chunks: their digests parted and the run hung (PP-2).
+    With no interval configured every stage keeps the whole model's default, as one process does."""
+    target, _draft = qwen_eight()
+    path, reqs = str(target), workload(8)
+    config = _config(budget_bytes=4 * 2**20)
+    assert config.checkpoint_interval is None
+    spec = load_checkpoint(path).model_spec()
+    plans = plan_stages(spec.decls, 2, page_size=config.page_size, n_layers=8, partition=(6, 2))
+    assert len({default_checkpoint_interval(p) for p in plans}) == 2  # the stages' own defaults differ
+    with Engine(path, config) as engine:
+        one = engine.generate(reqs)
+    assert one.stats.checkpoints > 0
+    first, second = generate_in_stages(path, config, reqs, 2, (6, 2), env=CHECKS, timeout_s=120)
+    for run in (first, second):
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
+    assert first.result.stats.checkpoints == one.stats.checkpoints
+    assert len(first.digests) == first.result.stats.steps and first.digests == second.digests
     assert not mp.active_children()
 
 
