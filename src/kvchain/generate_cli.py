@@ -147,7 +147,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if split and args.pd:
         raise InputError("--pd does not combine with --tp/--pp")
     if args.pd:
-        return _run_pd(args, config, requests, tokenizer)
+        return _run_pd(args, checkpoint, config, requests, tokenizer)
     if args.tp > 1 and (args.pp > 1 or args.pp_partition is not None):
         return _run_grid(args, checkpoint, config, requests)
     if args.tp > 1:
@@ -160,15 +160,17 @@ def run_generate(args: argparse.Namespace) -> int:
     return _report(args, result, tokenizer, engine.storage.sizing.budget_bytes)
 
 
-def _run_pd(args: argparse.Namespace, config, requests, tokenizer) -> int:
+def _run_pd(args: argparse.Namespace, checkpoint, config, requests, tokenizer) -> int:
     from .dist.pd_engine import generate_pd
     from .dist.transfer import nixl_available
+    from .engine.serve import check_engine_start
 
     if args.device != "cpu":
         raise InputError("--pd runs on --device cpu")
     kind = args.pd_engine or ("nixl" if nixl_available() is None else "gloo")
     if kind == "nixl" and nixl_available() is not None:
         raise InputError(f"--pd-engine nixl: {nixl_available()}")
+    check_engine_start(checkpoint, config)  # what each node's engine refuses, before either starts
     result = generate_pd(args.model_path, config, requests, kind=kind)
     return _report(args, result, tokenizer, args.budget, (), " on the prefill node")
 

@@ -37,7 +37,7 @@ from ..capacity import evict_until_fits
 from ..device.base import Event, PageAccess
 from ..errors import CapacityError, InputError, InvariantError
 from ..memory.host import HostPool, HostPools
-from ..plan import PoolKind
+from ..plan import KVStoragePlan, PoolKind
 from ..storage import KVStorage
 from .radix import (
     CheckpointStrategy,
@@ -613,12 +613,12 @@ class HiRadixCache(UnifiedRadixCache):
         return match
 
 
-def host_pages_per_state(storage: KVStorage, checkpoint_interval: int | None) -> int:
+def host_pages_per_state(plan: KVStoragePlan, checkpoint_interval: int | None) -> int:
     """Token pages per host state slot: one checkpoint interval, so a backed-up prefix finds a host
     state at each of its checkpoints."""
-    if storage.plan.state is None or not checkpoint_interval:
+    if plan.state is None or not checkpoint_interval:
         return 1
-    return max(1, checkpoint_interval // storage.page_size)
+    return max(1, checkpoint_interval // plan.page_size)
 
 
 __all__ = ["CopyJob", "HiCacheController", "HiRadixCache", "HostRecord", "PendingLoad", "WritePolicy",

@@ -36,6 +36,7 @@ from ..engine.serve import (
     GenerateRequest,
     GenerateResult,
     check_host_tier,
+    check_process_plans,
     engine_context,
     open_checkpoint,
     pool_options,
@@ -195,23 +196,15 @@ class StageEngine(Engine):
         self.checkpoint = checkpoint
         self.link = link
         stage, n_stages = link.stage, link.n_stages
-        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype))
-        context = engine_context(config.context_len, spec)
-        n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
-        ranges = stage_layer_ranges(n_layers, n_stages, partition)
-        draft = None
-        if config.draft_model_path is not None or config.num_speculative_tokens:
-            draft = load_draft(config, checkpoint, torch_device)
-        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
-                            plan_fn=None if draft is None else stage_draft_planner(draft, config))
-        self.sizing = size_stages(plans, config.budget_bytes, context_len=context,
+        stages = plan_stage_pools(checkpoint, config, n_stages, partition, torch_device)
+        plans, draft = stages.plans, stages.draft
+        self.sizing = size_stages(plans, config.budget_bytes, context_len=stages.context,
                                   max_running_requests=config.max_running)
         self.plan = plans[stage]
-        self.layers = ranges[stage]
+        self.layers = stages.ranges[stage]
         self.storage = build_kv_storage(self.plan, self.sizing.stages[stage], torch_device, backend=backend)
-        self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, link, relay=draft is not None)
-        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft,
-                               stage_checkpoint_interval(spec.decls, config, draft))
+        self.runner = StageRunner(checkpoint.model, self.plan, stage, stages.ranges, link, relay=draft is not None)
+        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft, stages.interval)
         self._rid = 0
         self.geometries = link.all_gather(StageGeometry.of_chain(self.storage.allocator, stage))
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
@@ -242,9 +235,39 @@ def enable_stage_host_tier(pool: ModelPool, plans: Sequence[KVStoragePlan], host
     sub-pool on every stage (`stage_host_groups`: what the least stage's budget holds), and every
     copy collected in lockstep (`HiCacheController.lockstep`), so what is on the host and what is
     pending are logical state, the same on every stage, and the stages take the same decisions."""
-    per_state = host_pages_per_state(pool.storage, pool.checkpoint_interval)
+    per_state = host_pages_per_state(pool.plan, pool.checkpoint_interval)
     pool.enable_host_tier(host_budget, max_groups=stage_host_groups(list(plans), host_budget, per_state))
     pool.hicache.lockstep = True
+
+
+@dataclass(frozen=True)
+class StagePlans:
+    """What every stage process plans alike, each then keeping its own stage's plan and layers."""
+
+    plans: list[KVStoragePlan]
+    ranges: list[range]
+    #: the longest sequence (`engine_context`)
+    context: int
+    draft: DraftSetup | None
+    #: every stage's checkpoint interval (`stage_checkpoint_interval`)
+    interval: int | None
+
+
+def plan_stage_pools(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stages: int,
+                     partition: Sequence[int] | None, device: torch.device, tp_size: int = 1) -> StagePlans:
+    """Every stage's plan (the draft, when configured, loaded onto `device` and fused into each),
+    layers, context and checkpoint interval; under tensor parallelism (`tp_size`) each of a rank's
+    share of the heads. The one computation every stage process and the check before they start
+    make (`check_stage_split`)."""
+    spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=tp_size)
+    n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
+    draft = None
+    if config.draft_model_path is not None or config.num_speculative_tokens:
+        draft = load_draft(config, checkpoint, device, tp_size=tp_size)
+    plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
+                        plan_fn=None if draft is None else stage_draft_planner(draft, config))
+    return StagePlans(plans, stage_layer_ranges(n_layers, n_stages, partition), engine_context(config.context_len, spec),
+                      draft, stage_checkpoint_interval(spec.decls, config, draft))
 
 
 def stage_checkpoint_interval(decls: Sequence[KVLayerDecl], config: EngineConfig,
@@ -336,22 +359,19 @@ def _as_tensors(result: GenerateResult) -> GenerateResult:
 
 
 def check_stage_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stages: int,
-                      partition: Sequence[int] | None = None) -> list[range]:
-    """The stages' layer ranges, or the one-line refusal of a split the design refuses (a stage
-    without a full-attention owner, stages whose sub-pools differ, PP-4, PP-5), before any stage
-    process starts."""
+                      partition: Sequence[int] | None = None, tp_size: int = 1) -> list[range]:
+    """The stages' layer ranges, or the one-line refusal, before any stage process starts, of a split
+    the design refuses (a stage without a full-attention owner, stages whose sub-pools differ, PP-4,
+    PP-5) and of what a stage's engine would refuse as it starts (`check_process_plans`: the budget,
+    the step's tokens, the host budget). `tp_size`: each stage's ranks (`--tp` with `--pp`)."""
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
     check_stage_inputs(checkpoint.model)
     n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
-    ranges = stage_layer_ranges(n_layers, n_stages, partition)
-    check_stage_blocks(checkpoint.model, ranges)
-    decls = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype)).decls
-    plan_fn = None
-    if config.draft_model_path is not None or config.num_speculative_tokens:
-        plan_fn = stage_draft_planner(load_draft(config, checkpoint, torch.device("cpu")), config)
-    plan_stages(decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition, plan_fn=plan_fn)
-    return ranges
+    check_stage_blocks(checkpoint.model, stage_layer_ranges(n_layers, n_stages, partition))
+    stages = plan_stage_pools(checkpoint, config, n_stages, partition, torch.device("cpu"), tp_size)
+    check_process_plans(stages.plans, config, stages.context, stages.interval)
+    return stages.ranges
 
 
 def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateRequest], n_stages: int,

@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..alloc.stage_capacity import StageGeometry, shared_counts
 from ..build import build_kv_storage
-from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype, load_checkpoint
+from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
 from ..engine.serve import (
@@ -30,14 +32,14 @@ from ..engine.serve import (
     GenerateRequest,
     GenerateResult,
     check_host_tier,
-    engine_context,
+    check_process_plans,
+    engine_plan,
     open_checkpoint,
     pool_options,
     sampled_requests,
 )
-from ..engine.speculative_setup import load_draft, speculative_pool
+from ..engine.speculative_setup import speculative_pool
 from ..errors import InputError
-from ..plan import plan_kv_storage
 from ..sizing import size_plan
 from .pp import failures, run_stage_processes
 from .pp_engine import _as_tensors, _by_value, _stage_error
@@ -45,15 +47,20 @@ from .tp import RankLink, check_rank_agreement, check_same_layout, digest
 from .tp_shard import check_split, shard_model
 
 
-def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int) -> None:
+def check_tp_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n: int, plans: bool = True) -> None:
     """Refuse, in one line and before any rank starts, what the ranks cannot split: the KV and
-    state heads the pool plans per rank, and every layer's heads and inner rows, the draft's too."""
+    state heads the pool plans per rank, and every layer's heads and inner rows, the fused draft's
+    too; with `plans`, also what a rank's engine would refuse as it starts (`check_process_plans`:
+    the budget, the step's tokens, the host budget; under pipeline stages a rank's plan is its
+    stage's, checked with the stages)."""
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks run on --device cpu (one process per rank over gloo)")
-    check_split(checkpoint.model, n, checkpoint.model_spec(tp_size=n).decls)
-    if config.draft_model_path is not None:
-        draft = load_checkpoint(config.draft_model_path, dtype=checkpoint.dtype)
-        check_split(draft.model, n, draft.model_spec(tp_size=n).decls)
+    planned = engine_plan(checkpoint, config, torch.device("cpu"), tp_size=n)  # as each rank plans it
+    check_split(checkpoint.model, n, planned.spec.decls)
+    if planned.draft is not None:
+        check_split(planned.draft.checkpoint.model, n, planned.draft.fused_decls)
+    if plans:
+        check_process_plans([planned.plan], config, planned.context, planned.interval)
 
 
 class RankEngine(Engine):
@@ -68,25 +75,23 @@ class RankEngine(Engine):
         self.checkpoint = checkpoint
         self.link = link
         n = link.n_ranks
-        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=n)
-        check_split(checkpoint.model, n, spec.decls)
+        planned = engine_plan(checkpoint, config, torch_device, tp_size=n)
+        check_split(checkpoint.model, n, planned.spec.decls)
         shard_model(checkpoint.model, link.rank, n)
-        draft = None
-        if config.draft_model_path is not None or config.num_speculative_tokens:
+        draft = planned.draft
+        if draft is not None:
             # the draft's heads split as the target's: its layers are layers of the rank's fused plan
-            draft = load_draft(config, checkpoint, torch_device, tp_size=n)
             check_split(draft.checkpoint.model, n, draft.fused_decls)
             shard_model(draft.checkpoint.model, link.rank, n)
-        context = engine_context(config.context_len, spec)
         budget = link.min_reduce(config.budget_bytes)
-        self.plan = plan_kv_storage(spec.decls, page_size=config.page_size) if draft is None else draft.plan
-        sizing = size_plan(self.plan, budget, context_len=context, max_running_requests=config.max_running)
+        self.plan = planned.plan
+        sizing = size_plan(self.plan, budget, context_len=planned.context, max_running_requests=config.max_running)
         self.storage = build_kv_storage(self.plan, sizing, torch_device, backend=backend)
         self.layout = StageGeometry.of_chain(self.storage.allocator, 0)
         check_same_layout(link.all_gather(self.layout.to_dict()))
         self.runner = ModelRunner(checkpoint.model, self.plan)
         options = pool_options(config, checkpoint, self.plan, overlap=False,
-                               interval=None if draft is None else draft.checkpoint_interval)
+                               interval=planned.interval)
         if draft is None:
             self.pool = ModelPool(self.storage, self.runner, **options)
         else:

@@ -26,20 +26,17 @@ import torch.distributed as dist
 
 from ..alloc.stage_capacity import StageGeometry, check_stage_agreement
 from ..build import build_kv_storage
-from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype
+from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.serve import (
     Engine,
     EngineConfig,
     GenerateRequest,
     GenerateResult,
     check_host_tier,
-    engine_context,
     open_checkpoint,
     sampled_requests,
 )
-from ..engine.speculative_setup import load_draft
 from ..errors import InputError
-from ..plan import plan_stages, stage_layer_ranges
 from ..sizing import size_stages
 from .pp import StageLink, failures, loopback_env, run_stage_processes
 from .pp_engine import (
@@ -49,8 +46,7 @@ from .pp_engine import (
     _stage_error,
     check_stage_split,
     enable_stage_host_tier,
-    stage_checkpoint_interval,
-    stage_draft_planner,
+    plan_stage_pools,
     stage_pool,
 )
 from .tp import RankLink, check_same_layout
@@ -107,18 +103,12 @@ class StageRankEngine(Engine):
         self.ranks, self.link = ranks, stages
         stage, n_stages, n_ranks = stages.stage, stages.n_stages, ranks.n_ranks
         shard_model(checkpoint.model, ranks.rank, n_ranks, group=ranks.group)
-        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=n_ranks)
-        draft = None
-        if config.draft_model_path is not None or config.num_speculative_tokens:
-            # every stage runs the whole draft (as on `--pp` stages), each rank its share of its heads
-            draft = load_draft(config, checkpoint, torch_device, tp_size=n_ranks)
+        # every stage runs the whole draft (as on `--pp` stages), each rank its share of its heads
+        stages_plan = plan_stage_pools(checkpoint, config, n_stages, partition, torch_device, tp_size=n_ranks)
+        plans, draft, ranges = stages_plan.plans, stages_plan.draft, stages_plan.ranges
+        if draft is not None:
             shard_model(draft.checkpoint.model, ranks.rank, n_ranks, group=ranks.group)
-        context = engine_context(config.context_len, spec)
-        n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
-        ranges = stage_layer_ranges(n_layers, n_stages, partition)
-        plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
-                            plan_fn=None if draft is None else stage_draft_planner(draft, config))
-        self.sizing = size_stages(plans, ranks.min_reduce(config.budget_bytes), context_len=context,
+        self.sizing = size_stages(plans, ranks.min_reduce(config.budget_bytes), context_len=stages_plan.context,
                                   max_running_requests=config.max_running)
         self.plan = plans[stage]
         self.layers = ranges[stage]
@@ -126,8 +116,7 @@ class StageRankEngine(Engine):
         self.layout = StageGeometry.of_chain(self.storage.allocator, stage)
         check_same_layout(ranks.all_gather(self.layout.to_dict()))
         self.runner = StageRunner(checkpoint.model, self.plan, stage, ranges, stages, relay=draft is not None)
-        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft,
-                               stage_checkpoint_interval(spec.decls, config, draft))
+        self.pool = stage_pool(self.storage, self.runner, checkpoint, config, draft, stages_plan.interval)
         self._rid = 0
         self.geometries = stages.all_gather(self.layout)
         self.storage.allocator.install_stage_capacity(self.geometries, stage)
@@ -190,8 +179,8 @@ def generate_grid_process(process: int, n_processes: int, port: int, n_ranks: in
 def check_grid_split(checkpoint: LoadedCheckpoint, config: EngineConfig, n_ranks: int, n_stages: int,
                      partition: Sequence[int] | None = None) -> None:
     """Refuse, in one line and before any process starts, what the ranks or the stages cannot split."""
-    check_tp_split(checkpoint, config, n_ranks)
-    check_stage_split(checkpoint, config, n_stages, partition)
+    check_tp_split(checkpoint, config, n_ranks, plans=False)  # a rank's plan is its stage's: checked below
+    check_stage_split(checkpoint, config, n_stages, partition, tp_size=n_ranks)
 
 
 def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateRequest], n_ranks: int,

@@ -26,7 +26,7 @@ from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
 from ..errors import CapacityError, InputError
 from ..memory.host import HostPools
-from ..plan import PoolKind
+from ..plan import KVStoragePlan, PoolKind
 from ..prefill_budget import (
     Admission,
     ChainPrefillBudget,
@@ -58,6 +58,15 @@ class PoolStats:
         return self.live_bytes / max(1, self.budget_bytes)
 
 
+def pool_checkpoint_interval(plan: KVStoragePlan, interval: int | None,
+                             strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER) -> int | None:
+    """The checkpoint interval a pool over `plan` keeps: none without state or without a buffered
+    strategy, else `interval`, or the plan's default (`default_checkpoint_interval`) when None."""
+    if plan.state is None or strategy is CheckpointStrategy.NO_BUFFER:
+        return None
+    return default_checkpoint_interval(plan) if interval is None else interval
+
+
 class KVChainPool:
     name = "kvchain"
 
@@ -69,11 +78,8 @@ class KVChainPool:
         self.plan = storage.plan
         self.page_size = storage.page_size
         self.has_state = self.plan.state is not None
-        if self.has_state and strategy is not CheckpointStrategy.NO_BUFFER and checkpoint_interval is None:
-            checkpoint_interval = default_checkpoint_interval(self.plan)
         self.strategy = strategy
-        self.checkpoint_interval = checkpoint_interval if self.has_state and strategy is not \
-            CheckpointStrategy.NO_BUFFER else None
+        self.checkpoint_interval = pool_checkpoint_interval(self.plan, checkpoint_interval, strategy)
         self.tree = UnifiedRadixCache(storage, strategy, self.checkpoint_interval) if prefix_cache else None
         self.shares = prefix_cache
         #: what admission charges and who gives way on a full pool (default: exact reservation)
@@ -107,7 +113,7 @@ class KVChainPool:
         if self.tree.root.children:
             raise InputError("a host tier is set up before anything is cached")
         host = HostPools(self.plan, budget_bytes, max_groups=max_groups,
-                         pages_per_state=host_pages_per_state(self.storage, self.checkpoint_interval))
+                         pages_per_state=host_pages_per_state(self.plan, self.checkpoint_interval))
         self.tree = HiRadixCache(self.storage, host, self.strategy, self.checkpoint_interval, policy)
 
     @property

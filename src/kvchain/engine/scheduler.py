@@ -60,18 +60,24 @@ class SchedulerStats:
 
 
 def check_token_budget(pool: Pool, max_batched_tokens: int, max_running: int) -> None:
+    """Refuse a step budget under which some request could never be scheduled (`check_step_budget`),
+    for `pool`'s checkpoint interval."""
+    check_step_budget(max_batched_tokens, max_running, getattr(pool, "checkpoint_interval", None),
+                      getattr(pool, "name", None), getattr(pool, "uniform", None) is not None)
+
+
+def check_step_budget(max_batched_tokens: int, max_running: int, interval: int | None, name: str | None = None,
+                      uniform: bool = False) -> None:
     """Refuse a step budget under which some request could never be scheduled: non-positive limits,
-    and a token budget below the pool's checkpoint interval. Every prefill chunk of a prompt but
-    its last ends on the checkpoint grid (`mamba_prefill_chunk_grid`), so under a smaller budget
-    no chunk of a longer prompt would ever fit a step, and it would wait forever."""
+    and a token budget below the checkpoint `interval`. Every prefill chunk of a prompt but its last
+    ends on the checkpoint grid (`mamba_prefill_chunk_grid`), so under a smaller budget no chunk of
+    a longer prompt would ever fit a step, and it would wait forever. `name`: the pool's, to say
+    whose budget; `uniform`: a uniform-page layout, whose grid is its block size."""
     if max_batched_tokens <= 0 or max_running <= 0:
         raise InputError(f"max_batched_tokens and max_running must be positive, got {max_batched_tokens} "
                          f"and {max_running}")
-    interval = getattr(pool, "checkpoint_interval", None)
     if interval and max_batched_tokens < interval:
-        name = getattr(pool, "name", None)
         # a uniform-page layout's grid is its block size, which no checkpoint flag changes
-        uniform = getattr(pool, "uniform", None) is not None
         grid = "its block size" if uniform else "the checkpoint interval"
         raise InputError(f"{name + ': ' if name else ''}max_batched_tokens {max_batched_tokens} is below {grid} "
                          f"{interval}: a prefill chunk of a model with recurrent state ends on the checkpoint grid; "

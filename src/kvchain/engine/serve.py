@@ -19,23 +19,27 @@ import numpy as np
 import torch
 
 from ..build import build_kv_storage
+from ..cache.hicache import host_pages_per_state
 from ..cache.radix import CheckpointStrategy
 from ..device.base import Device
 from ..device.cuda import CudaDevice
 from ..device.immediate import ImmediateDevice
 from ..device.threads import ThreadDevice
 from ..errors import InputError
-from ..plan import plan_kv_storage
-from ..sizing import size_plan
+from ..memory.host import stage_host_groups
+from ..models.spec import ModelSpec
+from ..plan import KVStoragePlan, plan_kv_storage
+from ..sizing import size_plan, size_stages
 from ..units import dtype_name
 from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, kv_cache_dtype, load_checkpoint
 from .logprobs import MAX_LOGPROBS
 from .model_pool import ModelPool
+from .pool import pool_checkpoint_interval
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
 from .sampling import SamplingParams, with_seeds
-from .scheduler import Scheduler, check_token_budget
-from .speculative_setup import load_draft, speculative_pool
+from .scheduler import Scheduler, check_step_budget, check_token_budget
+from .speculative_setup import DraftSetup, load_draft, speculative_pool
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,58 @@ def check_host_tier(config: EngineConfig, what: str = "the prefix cache") -> Non
     if config.host_budget is not None and not config.prefix_cache:
         raise InputError(f"a host tier backs {what}: host_budget needs prefix caching on (prefix_cache; on the "
                          "command line, drop --no-prefix-cache)")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """The pool an engine plans: the model's declarations, the plan (the draft's layers fused in
+    when one is configured), the draft, and the longest sequence."""
+
+    spec: ModelSpec
+    plan: KVStoragePlan
+    draft: DraftSetup | None
+    context: int
+
+    @property
+    def interval(self) -> int | None:
+        """The checkpoint interval the pool is handed (the draft's; None: the config's)."""
+        return None if self.draft is None else self.draft.checkpoint_interval
+
+
+def engine_plan(checkpoint: LoadedCheckpoint, config: EngineConfig, device: torch.device,
+                tp_size: int = 1) -> EnginePlan:
+    """The pool an engine for `checkpoint` under `config` plans (a rank's share of the heads over
+    `tp_size` ranks), the draft loaded onto `device` and fused in when configured: what an engine
+    and a rank compute as they start, and what is checked before a split engine's processes start."""
+    spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=tp_size)
+    draft = None
+    if config.draft_model_path is not None or config.num_speculative_tokens:
+        draft = load_draft(config, checkpoint, device, tp_size=tp_size)
+    plan = plan_kv_storage(spec.decls, page_size=config.page_size) if draft is None else draft.plan
+    return EnginePlan(spec, plan, draft, engine_context(config.context_len, spec))
+
+
+def check_engine_start(checkpoint: LoadedCheckpoint, config: EngineConfig) -> None:
+    """What a one-process engine for `checkpoint` refuses as it starts (`check_process_plans`), asked
+    before the processes that each run one (the PD nodes) start."""
+    planned = engine_plan(checkpoint, config, torch.device("cpu"))
+    check_process_plans([planned.plan], config, planned.context, planned.interval)
+
+
+def check_process_plans(plans: Sequence[KVStoragePlan], config: EngineConfig, context: int,
+                        interval: int | None) -> None:
+    """What each process of a split engine refuses as its engine starts, asked of its plan by the
+    process that would start them: a budget under a plan's batch-size-1 floor (`size_stages`: one
+    plan per pipeline stage, or a rank's one), a step's token budget under the checkpoint interval
+    (`check_step_budget`), a host budget that holds no host page (`stage_host_groups`). The refusal
+    is then one line before any process starts, not a process's error read back after they all
+    did. `interval`: the pool option every process passes (a draft's), None for the config's."""
+    size_stages(list(plans), config.budget_bytes, context_len=context, max_running_requests=config.max_running)
+    # every process keeps one interval: the stages are handed the whole model's (PP-2)
+    kept = pool_checkpoint_interval(plans[0], interval if interval is not None else config.checkpoint_interval)
+    check_step_budget(config.max_batched_tokens, config.max_running, kept)
+    if config.host_budget is not None:
+        stage_host_groups(list(plans), config.host_budget, host_pages_per_state(plans[0], kept))
 
 
 @dataclass(frozen=True)
@@ -312,19 +368,13 @@ class Engine:
         check_host_tier(config)  # before the checkpoint loads
         backend, torch_device, checkpoint = open_checkpoint(checkpoint, config)
         self.checkpoint = checkpoint
-        spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype))
-        context = engine_context(config.context_len, spec)
-        draft = None
-        if config.draft_model_path is not None or config.num_speculative_tokens:
-            draft = load_draft(config, checkpoint, torch_device)
-            self.plan = draft.plan
-        else:
-            self.plan = plan_kv_storage(spec.decls, page_size=config.page_size)
-        sizing = size_plan(self.plan, config.budget_bytes, context_len=context, max_running_requests=config.max_running)
+        planned = engine_plan(checkpoint, config, torch_device)
+        self.plan, draft = planned.plan, planned.draft
+        sizing = size_plan(self.plan, config.budget_bytes, context_len=planned.context,
+                           max_running_requests=config.max_running)
         self.storage = build_kv_storage(self.plan, sizing, torch_device, backend=backend)
         self.runner = ModelRunner(checkpoint.model, self.plan)
-        pool_kwargs = pool_options(config, checkpoint, self.plan, overlap=config.overlap,
-                                   interval=None if draft is None else draft.checkpoint_interval)
+        pool_kwargs = pool_options(config, checkpoint, self.plan, overlap=config.overlap, interval=planned.interval)
         if draft is not None:
             self.pool = speculative_pool(self.storage, self.runner, draft, config, pool_kwargs)
         else:
