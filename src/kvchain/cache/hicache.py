@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,6 +113,21 @@ class PendingLoad:
     node: TreeNode
     records: list[HostRecord]
     serves_from: int  # a match longer than this many tokens uses what the load brings
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A load-back as `load_back` would make it, before anything is taken: pages `d` to `end` of
+    the prompt come from the host `run`, each window's rows from `lows`; `pages` is what it takes
+    per sub-pool (chain order) and `tokens_served` the match it lets the request find."""
+
+    path: list
+    d: int
+    end: int
+    run: list[HostRecord]
+    lows: list[int]
+    pages: tuple[int, ...]
+    tokens_served: int
 
 
 @dataclass
@@ -208,7 +224,7 @@ class HiCacheController:
         self._clock = itertools.count(1)
         self._names = itertools.count(1)
         self.stats = {"backups": 0, "backup_pages": 0, "backup_states": 0, "backup_skips": 0, "loads": 0,
-                      "load_pages": 0, "load_states": 0, "load_skips": 0, "host_hits": 0, "host_evictions": 0}
+                      "load_pages": 0, "load_states": 0, "load_skips": 0, "loads_declined": 0, "host_hits": 0, "host_evictions": 0}
 
     # -- copies ------------------------------------------------------------------------------------
 
@@ -382,13 +398,28 @@ class HiCacheController:
 
     # -- loads ----------------------------------------------------------------------------------------
 
-    def load_back(self, tokens: np.ndarray) -> PendingLoad | None:
-        """Queue a load of what the host holds of `tokens` past what the device tree holds: the longest
+    def load_back(self, tokens: np.ndarray, wanted: Callable[[LoadPlan], bool] | None = None) -> PendingLoad | None:
+        """Queue a load of what the host holds of `tokens` past what the device tree holds
+        (`plan_load`). Takes the device pages (HIC-4/5), binds them into the tree and names the
+        window rows by owner ids (HIC-6); the copy waits for `start_loading`. `wanted`, when given,
+        is asked first whether the request would use the load (admission's answer: a request it
+        would abort with the match, or start over without it, would leave the load unread). None
+        when the host has nothing useful, the load is not wanted or the device cannot make room;
+        nothing is changed then."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        plan = self.plan_load(tokens)
+        if plan is None:
+            return None
+        if wanted is not None and not wanted(plan):
+            self.stats["loads_declined"] += 1
+            return None
+        return self._take_and_bind(tokens, plan)
+
+    def plan_load(self, tokens: np.ndarray) -> LoadPlan | None:
+        """The load of what the host holds of `tokens` past what the device tree holds: the longest
         run of host pages past the tree's deepest page on their path (for a model with state, up to
-        the deepest host state in it, or a host state at a node end the device lost its state at).
-        Takes the device pages (HIC-4/5), binds them into the tree and names the window rows by owner
-        ids (HIC-6); the copy waits for `start_loading`. None when the host has nothing useful or the
-        device cannot make room; nothing is changed then."""
+        the deepest host state in it, or a host state at a node end the device lost its state at),
+        ending where a match can use it. None when the host has nothing useful. Takes nothing."""
         self.collect()
         tree, ps = self.tree, self.ps
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
@@ -408,13 +439,24 @@ class HiCacheController:
         if self.state is not None:
             ends = [d + i + 1 for i, r in enumerate(run) if r.state >= 0]
             if not ends:
-                return self._load_state_only(tokens, path, digests)
+                return self._plan_state_only(path, digests)
         servable = self._servable_end(path, run, d, ends)
         if servable is None:
             self.stats["load_skips"] += 1
             return None
         end, lows = servable
-        return self._take_and_bind(tokens, path, d, end, run[: end - d], lows)
+        return self._load_plan(path, d, end, run[: end - d], lows)
+
+    def _load_plan(self, path, d: int, end: int, run: list[HostRecord], lows: list[int]) -> LoadPlan:
+        pages = []
+        for pool in self.plan.sub_pools:
+            if pool.kind is PoolKind.STATE:
+                pages.append(1)
+            elif pool.kind is PoolKind.WINDOW:
+                pages.append(end - lows[self.windows.index(pool)])
+            else:
+                pages.append(end - d)
+        return LoadPlan(path, d, end, run, lows, tuple(pages), end * self.ps)
 
     def _servable_end(self, path, run: list[HostRecord], d: int, ends: list[int]) -> tuple[int, list[int]] | None:
         """The deepest of `ends` (page counts past which the host `run`, from page `d` on, could be
@@ -438,7 +480,7 @@ class HiCacheController:
                                          for w in self.windows))]
         return None
 
-    def _load_state_only(self, tokens: np.ndarray, path, digests: list[bytes]) -> PendingLoad | None:
+    def _plan_state_only(self, path, digests: list[bytes]) -> LoadPlan | None:
         """A host state at the end of a device node that lost its own (a `state` eviction)."""
         offset = 0
         best = None
@@ -451,20 +493,14 @@ class HiCacheController:
         if best is None:
             return None
         end, run = best
-        return self._take_and_bind(tokens, path, end, end, run, [end] * len(self.windows))
+        return self._load_plan(path, end, end, run, [end] * len(self.windows))
 
-    def _take_and_bind(self, tokens, path, d: int, end: int, run: list[HostRecord], lows: list[int]) -> PendingLoad | None:
+    def _take_and_bind(self, tokens, plan: LoadPlan) -> PendingLoad | None:
         tree, storage, ps = self.tree, self.storage, self.ps
+        path, d, end, run, lows = plan.path, plan.d, plan.end, plan.run, plan.lows
         n = end - d
         with_state = self.state is not None
-        demand = []
-        for pool in self.plan.sub_pools:
-            if pool.kind is PoolKind.STATE:
-                demand.append(1)
-            elif pool.kind is PoolKind.WINDOW:
-                demand.append(end - lows[self.windows.index(pool)])
-            else:
-                demand.append(n)
+        demand = list(plan.pages)
         if load_ids_short(storage, n, int(with_state)):
             self.stats["load_skips"] += 1
             return None
@@ -604,8 +640,10 @@ class HiRadixCache(UnifiedRadixCache):
             self.hicache.backup_node(result.node)
         return result
 
-    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
-        load = self.hicache.load_back(tokens)
+    def match_prefix(self, tokens: np.ndarray, wanted: Callable[[LoadPlan], bool] | None = None) -> MatchResult:
+        """The device tree's match after loading back what the host holds past it (`load_back`;
+        `wanted`: whether the request would use that load)."""
+        load = self.hicache.load_back(tokens, wanted)
         self.hicache.start_loading()
         match = super().match_prefix(tokens)
         if load is not None and match.length > load.serves_from:
@@ -621,5 +659,5 @@ def host_pages_per_state(plan: KVStoragePlan, checkpoint_interval: int | None) -
     return max(1, checkpoint_interval // plan.page_size)
 
 
-__all__ = ["CopyJob", "HiCacheController", "HiRadixCache", "HostRecord", "PendingLoad", "WritePolicy",
+__all__ = ["CopyJob", "HiCacheController", "HiRadixCache", "HostRecord", "LoadPlan", "PendingLoad", "WritePolicy",
            "copy_pages", "host_pages_per_state", "prefix_digests"]

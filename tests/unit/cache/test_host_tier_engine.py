@@ -32,6 +32,23 @@ def test_prefixes_evicted_to_host_and_loaded_back_give_the_same_outputs(family):
         assert mismatches(with_host, family, N) == []
 
 
+@pytest.mark.parametrize(("family", "used"), [("qwen3_next", False), ("nemotron_h", True)])
+def test_a_load_back_is_made_only_for_a_request_admission_keeps_it_for(family, used):
+    """At a budget for one request, a match's own state checkpoint is the slot the request cannot
+    also hold: admission would abort it with the match and start it over from an emptied cache, so
+    each load brought pages back that nothing read (Qwen3-Next: every load, 16 requests, no cached
+    token). The load is asked of admission first, with its pages as the pass's demand; where the
+    loaded match is kept (Nemotron-H) the loads still come, and are read."""
+    with_host = serve(family, 16, at_once=1, host_budget=HOST)
+    without = serve(family, 16, at_once=1)
+    assert [o.token_ids for o in with_host.outputs] == [o.token_ids for o in without.outputs]
+    stats = with_host.stats
+    if used:
+        assert stats.host_loads > 0 and stats.cached_tokens > without.stats.cached_tokens
+    else:
+        assert stats.host_loads == 0 and stats.cached_tokens == 0
+
+
 @pytest.mark.parametrize(("budget", "seed"), [(324_000, 0), (340_000, 2)])
 def test_a_host_tier_aborts_no_request_the_run_without_one_serves(budget, seed):
     """ADM-11 with a host tier: a match's load-back evicts to make room and adds what it loads to
