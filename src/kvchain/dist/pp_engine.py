@@ -15,6 +15,7 @@ schedules the next (no micro-batch overlap)."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -53,14 +54,30 @@ from .pp_spec import RelayedSpeculativePool
 
 
 class PassThroughLayer(torch.nn.Module):
-    """A decoder layer another stage hosts: the hidden states pass on unchanged."""
+    """A decoder layer another stage hosts: the hidden states pass on unchanged, in what the layer it
+    stands for returns (`as_tuple`: a one-element tuple, for a model whose loop takes element 0)."""
 
-    def __init__(self, hosted_by: int) -> None:
+    def __init__(self, hosted_by: int, as_tuple: bool = False) -> None:
         super().__init__()
         self.hosted_by = hosted_by
+        self.as_tuple = as_tuple
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor]:
+        return (hidden_states,) if self.as_tuple else hidden_states
+
+
+def returns_tuple(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer hands its model a tuple (the hidden states first) rather than the
+    hidden states: Falcon-H1's does, and its model's loop takes element 0 of what each layer
+    returns, so a pass-through returning the bare hidden states had the next layer read one row of
+    them. Read from the layer's own return statements (annotations say tuple for layers that return
+    a tensor); a layer whose source cannot be read is taken to return the hidden states."""
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return False
+    returned = re.findall(r"^\s*return\s+(.+)$", source, re.MULTILINE)
+    return bool(returned) and all(value.lstrip().startswith("(") for value in returned)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -110,7 +127,7 @@ def keep_stage_layers(model: torch.nn.Module, layers: range, owner: Callable[[in
     stack, per = decoder_layers(model), per_decoder_layer(model)
     for i in range(len(stack)):
         if i * per not in layers:
-            stack[i] = PassThroughLayer(owner(i * per))
+            stack[i] = PassThroughLayer(owner(i * per), returns_tuple(stack[i]))
 
 
 class _Cut(Exception):

@@ -85,6 +85,20 @@ def test_latent_attention_in_two_stages_generates_what_one_process_does(family, 
     assert not mp.active_children()
 
 
+def test_a_model_whose_layers_return_tuples_runs_in_two_stages():
+    """Falcon-H1's decoder layers return a one-element tuple and its model's loop takes element 0:
+    a later stage's pass-through layers, returning the bare hidden states, handed its first layer
+    one row of them ("needs hidden states [1, T, H], got (64,)") on every run. A pass-through now
+    returns what the layer it stands for returns."""
+    path, reqs = str(checkpoint_dir("falcon_h1")), workload(4)
+    config = _config(budget_bytes=8 * 2**20, checkpoint_interval=8)
+    with Engine(path, config) as engine:
+        one = engine.generate(reqs)
+    for run in generate_in_stages(path, config, reqs, 2):
+        assert [o.token_ids for o in run.result.outputs] == [o.token_ids for o in one.outputs]
+    assert not mp.active_children()
+
+
 def test_a_stage_that_cuts_a_decoder_layer_is_refused(capsys):
     """LongCat-Flash's layer ids 0..3 are two decoder layers of two attentions: a stage boundary
     between a layer's attentions is refused in one line before any stage starts."""
