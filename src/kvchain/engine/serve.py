@@ -38,7 +38,7 @@ from .pool import pool_checkpoint_interval
 from .request import Phase, ScheduledRequest
 from .runner import ModelRunner
 from .sampling import SamplingParams, with_seeds
-from .scheduler import Scheduler, check_step_budget, check_token_budget
+from .scheduler import Scheduler, check_step_budget
 from .speculative_setup import DraftSetup, load_draft, speculative_pool
 
 
@@ -379,7 +379,7 @@ class Engine:
             self.pool = speculative_pool(self.storage, self.runner, draft, config, pool_kwargs)
         else:
             self.pool = ModelPool(self.storage, self.runner, **pool_kwargs)
-        check_token_budget(self.pool, config.max_batched_tokens, config.max_running)
+        check_step_budget(config.max_batched_tokens, config.max_running, self.pool.checkpoint_interval)
         if config.host_budget is not None:
             self.pool.enable_host_tier(config.host_budget)
         self._rid = 0
