@@ -28,7 +28,7 @@ from ..cache.checkpoints import default_checkpoint_interval
 from ..cache.hicache import host_pages_per_state
 from ..decl import KVLayerDecl
 from ..engine.batch import ForwardBatch
-from ..engine.checkpoint import LoadedCheckpoint, kv_cache_dtype
+from ..engine.checkpoint import LoadedCheckpoint
 from ..engine.model_pool import ModelPool
 from ..engine.runner import ModelRunner
 from ..engine.serve import (
@@ -38,13 +38,13 @@ from ..engine.serve import (
     GenerateResult,
     check_host_tier,
     check_process_plans,
-    engine_context,
+    engine_plan,
     open_checkpoint,
     pool_options,
     sampled_requests,
 )
 from ..engine.speculative_plan import plan_with_draft
-from ..engine.speculative_setup import DraftSetup, load_draft, speculative_pool
+from ..engine.speculative_setup import DraftSetup, speculative_pool
 from ..errors import InputError, InvariantError
 from ..memory.host import stage_host_groups
 from ..plan import KVStoragePlan, plan_kv_storage, plan_stages, stage_layer_ranges
@@ -276,15 +276,13 @@ def plan_stage_pools(checkpoint: LoadedCheckpoint, config: EngineConfig, n_stage
     layers, context and checkpoint interval; under tensor parallelism (`tp_size`) each of a rank's
     share of the heads. The one computation every stage process and the check before they start
     make (`check_stage_split`)."""
-    spec = checkpoint.model_spec(kv_cache_dtype(config.kv_cache_dtype), tp_size=tp_size)
+    whole = engine_plan(checkpoint, config, device, tp_size)  # the one process's plan, cut below
+    decls, draft = whole.spec.decls, whole.draft
     n_layers = int(checkpoint.model.config.get_text_config().num_hidden_layers)
-    draft = None
-    if config.draft_model_path is not None or config.num_speculative_tokens:
-        draft = load_draft(config, checkpoint, device, tp_size=tp_size)
-    plans = plan_stages(spec.decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
+    plans = plan_stages(decls, n_stages, page_size=config.page_size, n_layers=n_layers, partition=partition,
                         plan_fn=None if draft is None else stage_draft_planner(draft, config))
-    return StagePlans(plans, stage_layer_ranges(n_layers, n_stages, partition), engine_context(config.context_len, spec),
-                      draft, stage_checkpoint_interval(spec.decls, config, draft))
+    return StagePlans(plans, stage_layer_ranges(n_layers, n_stages, partition), whole.context, draft,
+                      stage_checkpoint_interval(decls, config, draft))
 
 
 def stage_checkpoint_interval(decls: Sequence[KVLayerDecl], config: EngineConfig,
