@@ -21,7 +21,7 @@ import numpy as np
 
 from ..alloc.demand import DemandPurpose, KVDemand, request_demand
 from ..cache.checkpoints import default_checkpoint_interval
-from ..cache.hicache import HiCacheController, HiRadixCache, LoadPlan, WritePolicy, host_pages_per_state
+from ..cache.hicache import HiCacheController, HiRadixCache, WritePolicy, host_pages_per_state
 from ..cache.radix import CheckpointStrategy, UnifiedRadixCache
 from ..capacity import evict_until_fits, reclaimable_pages
 from ..errors import CapacityError, InputError
@@ -353,7 +353,8 @@ class KVChainPool:
         if self.tree is not None:
             tokens = req.tokens(max(req.input_len - 1, 0))
             if self.hicache is not None:  # a load-back only for a request admission would keep it for
-                match = self.tree.match_prefix(tokens, wanted=lambda plan: self._keeps_load(ctx, req, token_limit, plan))
+                match = self.tree.match_prefix(
+                    tokens, wanted=lambda plan: self._keeps_load(ctx, req, token_limit, plan.tokens_served, plan.pages))
             else:
                 match = self.tree.match_prefix(tokens)
             cached = match.length
@@ -426,17 +427,18 @@ class KVChainPool:
         req.pool_state = state
         return a
 
-    def _keeps_load(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int, plan: LoadPlan) -> bool:
-        """Whether admission would keep the match a host load-back brings, asked before the load takes
-        anything: the load's pages as this pass's own demand, the request cached as far as the load
-        serves. A request admission would abort with that match, or start over without it (the match
-        pins what the request itself needs and nothing else will give memory back), would leave the
-        loaded pages unread, and at a budget for one request every load went so."""
-        cached = min(plan.tokens_served, req.input_len - 1)
+    def _keeps_load(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int, served: int,
+                    pages: tuple[int, ...]) -> bool:
+        """Whether admission would keep the match a host load-back of `pages` (per sub-pool) brings,
+        the request then cached up to `served` tokens, asked before the load takes anything: the
+        load's pages as this pass's own demand. A request admission would abort with that match, or
+        start over without it (the match pins what the request itself needs and nothing else will
+        give memory back), would leave the loaded pages unread, and at a budget for one request
+        every load went so."""
+        cached = min(served, req.input_len - 1)
         if cached <= 0:
             return True
-        pages = plan.pages
-        load = KVDemand(pages, pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
+        load = KVDemand(tuple(pages), pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
         reserve = ctx.reserve
         ctx.reserve = reserve + load
         try:

@@ -240,6 +240,11 @@ class HostTierPool(KVChainPool):
         self._plans[req] = (version, plan)
         return plan
 
+    def _load_pages(self, plan: _Load) -> tuple[int, ...]:
+        """What a planned load takes per sub-pool: a state slot, and every token sub-pool's pages past
+        the device's (what `_load` allocates its row beyond the match)."""
+        return tuple(1 if p.kind is PoolKind.STATE else plan.pages - plan.device for p in self.plan.sub_pools)
+
     def _load(self, req: ScheduledRequest, plan: _Load) -> bool:
         """Copy the planned prefix into the device tree (a row that holds it for a moment, handed
         to the tree whole with its state at the end). False, with the tree as it was, when the
@@ -298,7 +303,8 @@ class HostTierPool(KVChainPool):
         if req in self._swapped:
             return self._swap_in(ctx, req, token_limit)
         plan = self.plan_load(req)
-        if plan is not None and self._load(req, plan):
+        if plan is not None and self._keeps_load(ctx, req, token_limit, plan.pages * self.page_size,
+                                                 self._load_pages(plan)) and self._load(req, plan):
             self._loaded[req] = (plan.device * self.page_size, plan.pages * self.page_size)
             ctx.reclaimable = reclaimable_pages(self.storage, self.tree)
         a = super().try_admit(ctx, req, token_limit)

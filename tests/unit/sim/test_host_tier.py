@@ -83,6 +83,22 @@ def test_an_evicted_prefix_is_backed_up_and_loaded_back_on_a_match():
         pool.tree.verify()
 
 
+def test_no_load_back_for_a_request_admission_would_abort_with_its_match():
+    """A's 8 pages are evicted to the host, as above. C is A's prompt and 36 tokens more: 17 pages,
+    more than the pool's 15, so admission aborts it with or without a match. Loaded first, A's
+    512 bytes came back for nothing; asked of admission first, nothing is loaded."""
+    pool = tiny(10_000)
+    a = req(0, 32, 1)
+    _finish(pool, a)
+    pool.tree.evict_all()
+    c = req(2, 68, 1, tokens=np.concatenate([a.prompt, np.arange(6000, 6036, dtype=np.int32)]))
+    ctx = pool.begin_pass([], frees_coming=False)
+    assert pool.try_admit(ctx, c, 64).decision is Decision.ABORT
+    assert pool.host_counters["loaded_bytes"] == 0 and pool.host_counters["host_hit_tokens"] == 0
+    assert pool.tree.held_pages() == {"full": 0}
+    pool.tree.verify()
+
+
 def _retract_and_readmit(host):
     """X: a 16-token prompt, prefilled (4 pages) with its first token sampled, then retracted;
     then readmitted."""
