@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -320,7 +320,15 @@ def _backend(device: str, forward_delay: float, inline: bool = False) -> tuple[D
 def checked_prompt(i: int, request: GenerateRequest, vocab: int) -> np.ndarray:
     """Request `i`'s prompt as int64 ids, refused (`InputError`) unless every id is an integer in
     [0, vocab) and `max_new_tokens` a positive integer."""
-    ids = list(request.prompt_token_ids)
+    raw = request.prompt_token_ids
+    try:
+        ids = None if isinstance(raw, (str, bytes)) else list(raw)
+    except TypeError:
+        ids = None
+    if ids is None:
+        raise InputError(f"request {i}: prompt_token_ids must be a sequence of token ids, not {type(raw).__name__}")
+    if not ids:
+        raise InputError(f"request {i}: a prompt needs at least one token id")
     if np.asarray(ids).dtype.kind in "fbcUSV":  # floats, bools, strings: no cast makes them ids
         raise InputError(f"request {i}: token ids must be integers in [0, {vocab})")
     try:
@@ -337,8 +345,8 @@ def checked_prompt(i: int, request: GenerateRequest, vocab: int) -> np.ndarray:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InputError(f"request {i}: max_new_tokens must be a positive integer, not {n!r}")
     stop = request.stop_token_ids
-    if isinstance(stop, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                for t in stop):
+    if (isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop)):
         raise InputError(f"request {i}: stop_token_ids must be integers in [0, {vocab}), not {stop!r}")
     lp = request.logprobs
     if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):

@@ -33,6 +33,10 @@ def test_a_config_field_out_of_range_is_refused_where_it_is_made(field, value):
     (GenerateRequest([1.5, 2.0, 3.0], 2), "token ids must be integers"),  # was cast to 1 and served
     (GenerateRequest([True, False], 2), "token ids must be integers"),
     (GenerateRequest([10**23], 2), "token ids must lie in"),
+    (GenerateRequest([], 2), "a prompt needs at least one token id"),  # said "must be integers"
+    (GenerateRequest(None, 2), "prompt_token_ids must be a sequence of token ids, not NoneType"),  # a TypeError
+    (GenerateRequest("hello", 2), "prompt_token_ids must be a sequence of token ids, not str"),
+    (GenerateRequest([1, 2], 2, stop_token_ids=None), "stop_token_ids must be integers"),  # a TypeError
 ])
 def test_a_request_the_model_cannot_take_is_refused(request_, needle):
     config = EngineConfig(budget_bytes=4 << 20, page_size=4)
