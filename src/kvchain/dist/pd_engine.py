@@ -39,7 +39,7 @@ from ..engine.serve import (
     GenerateStats,
     check_host_tier,
     finish_reason,
-    sampled_requests,
+    handed_out,
 )
 from ..errors import InputError, InvariantError, KVChainError
 from .pd import DecodeNode, PrefillNode, Received, Refused, deferred_publication, layout_digest
@@ -361,7 +361,7 @@ def generate_pd(path: str, config: EngineConfig, requests: Sequence[GenerateRequ
     each node measured: `prefill_seconds`, `decode_seconds`, `decode_steps`, `overlapped_steps`
     (decode steps run while the prefill node still had hand-offs to make) and whether the decode
     node deferred publication (`deferred_publication`)."""
-    requests = sampled_requests(requests)  # seeded once, here: both nodes sample alike
+    requests = handed_out(path, requests)  # checked and seeded once, here: both nodes sample alike
     deferred_publication(None, overlap=config.overlap)  # refused here, before any node starts
     check_pd_draft(config)
     check_host_tier(config, "the prefill node's prefix cache")

@@ -39,9 +39,9 @@ from ..engine.serve import (
     check_host_tier,
     check_process_plans,
     engine_plan,
+    handed_out,
     open_checkpoint,
     pool_options,
-    sampled_requests,
 )
 from ..engine.speculative_plan import plan_with_draft
 from ..engine.speculative_setup import DraftSetup, speculative_pool
@@ -396,7 +396,7 @@ def generate_in_stages(path: str, config: EngineConfig, requests: list[GenerateR
     gloo on 127.0.0.1; every stage's report, in stage order. A stage that failed raises its error
     (the first stage's to fail) as one line."""
     check_host_tier(config)  # in the parent, before any process starts
-    requests = sampled_requests(requests)  # seeded once, here: every process samples alike
+    requests = handed_out(path, requests)  # checked and seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("pipeline stages run on --device cpu (one process per stage over gloo)")
     out = run_stage_processes(generate_stage_process, n_stages, (path, config, requests, partition),

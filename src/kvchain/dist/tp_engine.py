@@ -34,9 +34,9 @@ from ..engine.serve import (
     check_host_tier,
     check_process_plans,
     engine_plan,
+    handed_out,
     open_checkpoint,
     pool_options,
-    sampled_requests,
 )
 from ..engine.speculative_setup import speculative_pool
 from ..errors import InputError
@@ -152,7 +152,7 @@ def generate_in_ranks(path: str, config: EngineConfig, requests: list[GenerateRe
     """Serve `requests` from the checkpoint at `path` with its heads split over `n_ranks` rank
     processes over gloo on 127.0.0.1; every rank's report, in rank order."""
     check_host_tier(config)  # in the parent, before any process starts
-    requests = sampled_requests(requests)  # seeded once, here: every process samples alike
+    requests = handed_out(path, requests)  # checked and seeded once, here: every process samples alike
     out = run_stage_processes(generate_rank_process, n_ranks, (path, config, requests), timeout_s=timeout_s,
                               env=env)
     for rank, status, text in failures(out)[:1]:  # the first to fail: the others failed after it

@@ -33,8 +33,8 @@ from ..engine.serve import (
     GenerateRequest,
     GenerateResult,
     check_host_tier,
+    handed_out,
     open_checkpoint,
-    sampled_requests,
 )
 from ..errors import InputError
 from ..sizing import size_stages
@@ -189,7 +189,7 @@ def generate_in_grid(path: str, config: EngineConfig, requests: list[GenerateReq
     """Serve `requests` from the checkpoint at `path` on `n_stages` stages of `n_ranks` ranks each,
     one process per (stage, rank) over gloo on 127.0.0.1; every process's report, stage-major."""
     check_host_tier(config)  # in the parent, before any process starts
-    requests = sampled_requests(requests)  # seeded once, here: every process samples alike
+    requests = handed_out(path, requests)  # checked and seeded once, here: every process samples alike
     if config.device != "cpu":
         raise InputError("tensor-parallel ranks and pipeline stages run on --device cpu (one process each over gloo)")
     if n_ranks < 2 or n_stages < 2:

@@ -31,7 +31,14 @@ from ..models.spec import ModelSpec
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import size_plan, size_stages
 from ..units import dtype_name
-from .checkpoint import LOAD_DTYPES, LoadedCheckpoint, kv_cache_dtype, load_checkpoint
+from .checkpoint import (
+    LOAD_DTYPES,
+    LoadedCheckpoint,
+    build_config,
+    kv_cache_dtype,
+    load_checkpoint,
+    read_config,
+)
 from .logprobs import MAX_LOGPROBS
 from .model_pool import ModelPool
 from .pool import pool_checkpoint_interval
@@ -184,6 +191,21 @@ class GenerateRequest:
     stop_token_ids: Sequence[int] = ()
     #: report each output token's log-probability with this many likeliest alternatives (None: none)
     logprobs: int | None = None
+
+
+def handed_out(path: str | Path, requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+    """`requests` as the process that hands them to a split engine's processes passes them on: each
+    checked as `Engine.generate` checks it (`checked_prompt`, against the vocabulary the config of the
+    checkpoint at `path` declares), so a bad one is refused in one line before any process starts,
+    not by one process while its peers fail on the link it left; and seeded once
+    (`sampled_requests`), so that all of them sample alike."""
+    if requests:
+        path = Path(path)
+        vocab = getattr(build_config(path, read_config(path)).get_text_config(), "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0:
+            for i, r in enumerate(requests):
+                checked_prompt(i, r, vocab)
+    return sampled_requests(requests)
 
 
 def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
