@@ -72,7 +72,7 @@ def load_checkpoint(
     "auto": the dtype its config.json names, as serving engines' `--dtype auto`) on `device`."""
     path = Path(path)
     if not path.is_dir():
-        raise InputError(f"checkpoint {path}: no such directory")
+        raise InputError(f"checkpoint {path}: {'not a directory' if path.exists() else 'no such directory'}")
     config_dict = read_config(path)
     dtype = load_dtype(dtype, config_dict)
     config = build_config(path, config_dict)

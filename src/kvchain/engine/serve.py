@@ -199,19 +199,26 @@ def handed_out(path: str | Path, requests: Sequence[GenerateRequest]) -> list[Ge
     checkpoint at `path` declares), so a bad one is refused in one line before any process starts,
     not by one process while its peers fail on the link it left; and seeded once
     (`sampled_requests`), so that all of them sample alike."""
+    requests = sampled_requests(requests)
     if requests:
         path = Path(path)
         vocab = getattr(build_config(path, read_config(path)).get_text_config(), "vocab_size", None)
         if isinstance(vocab, int) and vocab > 0:
             for i, r in enumerate(requests):
                 checked_prompt(i, r, vocab)
-    return sampled_requests(requests)
+    return requests
 
 
 def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
-    """`requests` with a seed for each sampled one that has none (`sampling.with_seeds`): what a
-    process hands to others, so that all of them sample alike."""
+    """`requests` (any iterable of `GenerateRequest`, read once) as a list, with a seed for each
+    sampled one that has none (`sampling.with_seeds`): what a process hands to others, so that all
+    of them sample alike. InputError for anything but an iterable of `GenerateRequest`s."""
+    if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, Iterable):
+        raise InputError(f"requests must be a sequence of GenerateRequest, not {type(requests).__name__}")
+    requests = list(requests)  # a generator is read once, here
     for i, r in enumerate(requests):
+        if not isinstance(r, GenerateRequest):
+            raise InputError(f"request {i}: a GenerateRequest, not {type(r).__name__}")
         if r.sampling is not None and not isinstance(r.sampling, SamplingParams):
             raise InputError(f"request {i}: sampling must be a SamplingParams, not {type(r.sampling).__name__}")
     params = with_seeds([r.sampling for r in requests])

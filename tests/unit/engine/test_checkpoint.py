@@ -188,6 +188,8 @@ def test_unknown_family_names_known_ones(tmp_path: Path) -> None:
 
 def test_missing_directory(tmp_path: Path) -> None:
     _assert_load_error(tmp_path / "nope", r"nope: no such directory")
+    (tmp_path / "a-file").write_text("{}")
+    _assert_load_error(tmp_path / "a-file", r"a-file: not a directory")  # it said "no such directory"
 
 
 def test_missing_config(llama_dir: Path, tmp_path: Path) -> None:

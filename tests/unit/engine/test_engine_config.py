@@ -44,6 +44,18 @@ def test_a_request_the_model_cannot_take_is_refused(request_, needle):
         engine.generate([request_])
 
 
+def test_requests_are_any_iterable_of_generate_requests_read_once():
+    """A generator was read by the sampling check and then found empty: nothing was served, and
+    nothing said so. None, a dict or a list of token lists raised a TypeError or an AttributeError."""
+    config = EngineConfig(budget_bytes=4 << 20, page_size=4)
+    with Engine(str(checkpoint_dir("llama")), config) as engine:
+        served = engine.generate(GenerateRequest([1, 2, 3], 2) for _ in range(2))
+        assert [len(o.token_ids) for o in served.outputs] == [2, 2]
+        for bad, needle in ((None, "not NoneType"), ({"a": 1}, "not dict"), ([[1, 2, 3]], "request 0: a GenerateRequest")):
+            with pytest.raises(InputError, match=needle):
+                engine.generate(bad)
+
+
 @pytest.mark.parametrize("run", [
     lambda path, cfg: generate_in_grid(path, cfg, [GenerateRequest([1, 2], 2)], 2, 2, timeout_s=5),
     lambda path, cfg: generate_in_stages(path, cfg, [GenerateRequest([1, 2], 2)], 2, timeout_s=5),
