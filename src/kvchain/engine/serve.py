@@ -209,6 +209,27 @@ def handed_out(path: str | Path, requests: Sequence[GenerateRequest]) -> list[Ge
     return requests
 
 
+def _plain_int(value):
+    """A numpy integer as a Python int (what a tokenizer or an array hands over); anything else as is,
+    for the checks to judge."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
+def _plain_ints(r: GenerateRequest) -> GenerateRequest:
+    """`r` with numpy integers in its counts and stop ids made Python ints, so they pass the checks as
+    the integers they are and travel to other processes as JSON does."""
+    stop = r.stop_token_ids
+    if isinstance(stop, np.ndarray) and stop.dtype.kind in "iu":
+        stop = tuple(int(t) for t in stop.reshape(-1))
+    elif isinstance(stop, (list, tuple)) and any(isinstance(t, np.integer) for t in stop):
+        stop = tuple(_plain_int(t) for t in stop)
+    changes = {"max_new_tokens": _plain_int(r.max_new_tokens), "logprobs": _plain_int(r.logprobs),
+               "stop_token_ids": stop}
+    if all(changes[k] is getattr(r, k) for k in changes):
+        return r
+    return dataclasses.replace(r, **changes)
+
+
 def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
     """`requests` (any iterable of `GenerateRequest`, read once) as a list, with a seed for each
     sampled one that has none (`sampling.with_seeds`): what a process hands to others, so that all
@@ -219,6 +240,7 @@ def sampled_requests(requests: Sequence[GenerateRequest]) -> list[GenerateReques
     for i, r in enumerate(requests):
         if not isinstance(r, GenerateRequest):
             raise InputError(f"request {i}: a GenerateRequest, not {type(r).__name__}")
+        requests[i] = r = _plain_ints(r)
         if r.sampling is not None and not isinstance(r.sampling, SamplingParams):
             raise InputError(f"request {i}: sampling must be a SamplingParams, not {type(r.sampling).__name__}")
     params = with_seeds([r.sampling for r in requests])

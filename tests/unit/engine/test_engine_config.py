@@ -4,6 +4,7 @@ else (each case was found by a fuzz of the API)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvchain.dist.pp_engine import generate_in_stages
@@ -54,6 +55,18 @@ def test_requests_are_any_iterable_of_generate_requests_read_once():
         for bad, needle in ((None, "not NoneType"), ({"a": 1}, "not dict"), ([[1, 2, 3]], "request 0: a GenerateRequest")):
             with pytest.raises(InputError, match=needle):
                 engine.generate(bad)
+
+
+def test_numpy_integers_are_integers():
+    """Counts and stop ids from numpy (a tokenizer's arrays) were refused as "not a positive integer,
+    not np.int64(3)"; they serve as the Python ints they are."""
+    config = EngineConfig(budget_bytes=4 << 20, page_size=4)
+    plain = GenerateRequest([1, 2, 3], 3, stop_token_ids=(5, 6), logprobs=2)
+    numpy = GenerateRequest(np.array([1, 2, 3]), np.int64(3), stop_token_ids=np.array([5, 6]), logprobs=np.int32(2))
+    with Engine(str(checkpoint_dir("llama")), config) as engine:
+        a, b = engine.generate([plain, numpy]).outputs
+    assert a.token_ids == b.token_ids and len(b.token_ids) == 3
+    assert [[t for t, _lp in x["top"]] for x in a.logprobs] == [[t for t, _lp in x["top"]] for x in b.logprobs]
 
 
 @pytest.mark.parametrize("run", [
