@@ -438,9 +438,8 @@ class KVChainPool:
         cached = min(served, req.input_len - 1)
         if cached <= 0:
             return True
-        load = KVDemand(tuple(pages), pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
         reserve = ctx.reserve
-        ctx.reserve = reserve + load
+        ctx.reserve = reserve + self._pages_demand(pages)
         try:
             a = ctx.consider(req.input_len, self.policy.admit_output(req), cached,
                              self._grid_cut(cached, req.input_len, token_limit))
@@ -452,7 +451,11 @@ class KVChainPool:
         return a.decision is Decision.WAIT and ctx._waiting_frees_memory()
 
     def _taken(self, first: int, cached: int) -> KVDemand:
-        pages = self._admit_demand(first, cached)
+        return self._pages_demand(self._admit_demand(first, cached))
+
+    def _pages_demand(self, pages) -> KVDemand:
+        """Pages taken per sub-pool as a demand: the owner's pages are its virtual ids, the state
+        sub-pool's its slots."""
         return KVDemand(tuple(pages), pages[self.plan.owner.index], pages[self.plan.state.index] if self.has_state else 0)
 
     def _admit_fresh(self, ctx: ChainPrefillBudget, req: ScheduledRequest, token_limit: int, state: dict) -> Admission:
