@@ -97,6 +97,8 @@ CASES = [
     ("plot-suffix", [*SIM, "--plot", "{dir}/run.txt"], "unsupported suffix"),
     ("plot-folder", [*SIM, "--plot", "{dir}"], "is a folder"),
     ("bench-seed", ["bench", "alloc", "--seed", "-1"], "--seed"),
+    ("bench-iters", ["bench", "alloc", "--iters", "99999999999999999999"], "--iters"),  # ran on for ever
+    ("bench-batch", ["bench", "alloc", "--batch", "1000000"], "--batch"),
     ("bench-engine-seed", ["bench", "engine", "--seed", "-1"], "--seed"),
     ("simulate-seed", [*SIM, "--seed", "-1"], "--seed"),
     ("replay-list", ["stress", "--replay", "{list_json}"], "JSON list"),

@@ -23,13 +23,17 @@ DEFAULT_PRESSURE = 0.9
 #: timed repeats and requests a bench takes: more would run for hours on the tiny checkpoints
 REPEATS = bounded_int(1000, "each repeat times every cell again")
 REQUESTS = bounded_int(10_000, "each request is served in every repeat")
+#: `bench alloc`'s iterations and batch: each iteration is timed in every profile and keeps a
+#: sample; a batch past any engine's replays more rows per iteration than a run can time
+ITERS = bounded_int(1_000_000, "each iteration runs in every profile and keeps its samples")
+BATCH = bounded_int(65_536, "each iteration steps every running request in every profile")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     alloc = sub.add_parser("alloc", help="host us per decode iteration: chain allocator vs a static pool")
-    alloc.add_argument("--iters", type=positive_int, default=2000, help="timed decode iterations per profile (default 2000)")
-    alloc.add_argument("--batch", type=positive_int, default=256, help="running requests per iteration (default 256)")
+    alloc.add_argument("--iters", type=ITERS, default=2000, help="timed decode iterations per profile (default 2000)")
+    alloc.add_argument("--batch", type=BATCH, default=256, help="running requests per iteration (default 256)")
     alloc.add_argument("--page-size", type=positive_int, default=64, help="tokens per page (default 64)")
     alloc.add_argument("--seed", type=seed_int, default=0, help="the request stream's seed (default 0)")
     alloc.add_argument("--profile", choices=("both", "roomy", "pressure"), default="both",

@@ -86,6 +86,8 @@ class ModelPool(KVChainPool):
         self.layer_pool = runner.layer_pool
         self._attention = [p.name for p in self.plan.sub_pools if p.kind is not PoolKind.STATE]
         table = storage.table
+        # a step carries at most every row's whole context: a larger step budget sizes no buffer past it
+        max_tokens = min(max_tokens, table.rows * table.context_len)
         self.buffers = MetadataBuffers(self._attention, self.has_state, max_tokens=max_tokens,
                                        max_requests=table.rows, max_pages=-(-table.context_len // self.page_size),
                                        device=runner.device)

@@ -29,6 +29,17 @@ def test_a_config_field_out_of_range_is_refused_where_it_is_made(field, value):
         EngineConfig(**{field: value})
 
 
+def test_a_step_budget_past_what_any_step_carries_sizes_no_buffer_past_it():
+    """`--max-batched-tokens 99999999999999999999` sized the forward's metadata buffers by it (a torch
+    overflow traceback; 2**32 asked for 32 GiB): a step carries at most every row's whole context."""
+    config = EngineConfig(budget_bytes=4 << 20, page_size=4, max_running=4, context_len=64,
+                          max_batched_tokens=10**20)
+    with Engine(str(checkpoint_dir("llama")), config) as engine:
+        assert engine.pool.buffers.max_tokens <= engine.pool.storage.table.rows * 64
+        served = engine.generate([GenerateRequest([1, 2, 3], 2)])
+    assert len(served.outputs[0].token_ids) == 2
+
+
 @pytest.mark.parametrize(("request_", "needle"), [
     (GenerateRequest([1, 2, 3], True), "max_new_tokens"),  # a bool is an int to Python
     (GenerateRequest([1.5, 2.0, 3.0], 2), "token ids must be integers"),  # was cast to 1 and served
