@@ -60,7 +60,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=seed_int, default=0, help="the workload's seed (default 0)")
     engine.add_argument("--repeats", type=REPEATS, default=3, help="timed runs per engine; the median counts")
     engine.add_argument("--budget", type=byte_size, default=None, help="kvchain's KV budget (default 4MiB)")
-    engine.add_argument("--threads", type=positive_int, default=1, help="torch threads, the same for every engine")
+    engine.add_argument("--threads", type=bounded_int(1024, "torch's thread pool"), default=1, help="torch threads, the same for every engine")
     engine.add_argument("--json", action="store_true", help="print the result as JSON")
     pd = sub.add_parser("pd", help="PD transfer bandwidth of real page batches vs the transfer engine's "
                         "large-buffer bandwidth, between two loopback processes")

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ..errors import BudgetError, InputError
 
 FAMILIES = ("gemma3", "gpt_oss", "qwen3_next", "nemotron_h")
 #: Families whose layers are all attention: the only ones transformers' continuous batching serves.
@@ -132,8 +132,13 @@ def run_generate_batch(model: torch.nn.Module, prompts: Sequence[BenchPrompt],
                            eos_token_id=-1, pad_token_id=None, bos_token_id=None)
     cb = ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=num_blocks, max_batch_tokens=MAX_BATCHED_TOKENS,
                                   max_requests_per_batch=MAX_RUNNING, auto_switch_to_flash=False)
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                   block=True, timeout=30, warmup=True) as manager:
+    with contextlib.ExitStack() as stack:
+        try:
+            manager = stack.enter_context(model.continuous_batching_context_manager(
+                generation_config=gen, continuous_batching_config=cb, block=True, timeout=30, warmup=True))
+        except MemoryError as e:  # it sizes its buffers by the cache and checks them against free memory
+            raise BudgetError(f"transformers generate_batch cannot hold the same KV budget ({num_blocks} blocks) "
+                              f"on this machine: {e}; pass a smaller --budget") from None
         cpu0, t0 = time.process_time(), time.perf_counter()
         ids = [manager.add_request(p.token_ids, request_id=f"r{i}", max_new_tokens=p.max_new_tokens)
                for i, p in enumerate(prompts)]

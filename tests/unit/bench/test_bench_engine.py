@@ -17,11 +17,12 @@ from kvchain.bench.engine import (
     cb_bytes_per_block,
     render_engine_bench,
     run_engine_bench,
+    run_generate_batch,
     shared_prefix_workload,
 )
 from kvchain.cli import main
 from kvchain.engine.tiny import tiny_config
-from kvchain.errors import InputError
+from kvchain.errors import BudgetError, InputError
 from support.output import assert_fits, narrow_console
 
 
@@ -110,6 +111,25 @@ def test_cli_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "engine", "--requests", "0"])
     assert exc.value.code == 2
+
+
+def test_a_budget_the_continuous_batching_peer_cannot_hold_is_a_budget_error() -> None:
+    """transformers checks its cache's buffers against free memory and raises `MemoryError`: a
+    `--budget` past the machine's memory was a traceback after kvchain's own runs."""
+
+    class Peer:
+        def continuous_batching_context_manager(self, **_kwargs):
+            raise MemoryError("Memory footprint 31494161408 is more than available memory 12962800435")
+
+    prompts = shared_prefix_workload(1, 0)
+    with pytest.raises(BudgetError, match=r"cannot hold the same KV budget .*available memory"):
+        run_generate_batch(Peer(), prompts, 98253)
+
+
+def test_cli_refuses_more_threads_than_a_thread_pool_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "engine", "--threads", "99999999999999999999"])  # torch's overflow traceback
+    assert exc.value.code == 2 and "--threads" in capsys.readouterr().err
 
 
 def test_the_tables_fit_100_columns_without_cutting_a_figure(result: dict) -> None:
