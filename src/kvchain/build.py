@@ -11,7 +11,7 @@ from .device.immediate import ImmediateDevice
 from .errors import BudgetError, InputError
 from .layout.views import SubPoolView
 from .memory.arena import ARENA_ALIGN, KVArena
-from .plan import MAX_TOKEN_OWNER_PAGES, KVStoragePlan, TokenIds
+from .plan import MAX_TOKEN_OWNER_PAGES, KVStoragePlan, TokenIds, checked_plan
 from .requests import RequestTable
 from .sizing import PlanSizing
 from .storage import KVStorage
@@ -36,8 +36,7 @@ def build_kv_storage(
     `backend` is not a `Device`, or `device` names no torch device or one this torch cannot
     allocate on (`cuda` without CUDA); `BudgetError` when a sub-pool's grid would span more pages
     than the allocator's id arrays are built for (`MAX_BAND_PAGES`), or the host cannot hold them."""
-    if not isinstance(plan, KVStoragePlan):
-        raise InputError(f"plan must be a KVStoragePlan (from plan_kv_storage), got {plan!r}")
+    checked_plan(plan)
     if not isinstance(sizing, PlanSizing):
         raise InputError(f"sizing must be a PlanSizing (from size_plan(plan, ...)), got {sizing!r}")
     _check_sizing_plan(plan, sizing)
@@ -70,7 +69,7 @@ def _torch_device(device: object) -> torch.device:
     CUDA, or an index past the last GPU, is refused here rather than by the arena)."""
     try:
         out = torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:  # ValueError: an index past an int64
         raise InputError(f"no torch device {device!r}: {_first_line(e)}") from None
     try:
         torch.empty(0, dtype=torch.uint8, device=out)

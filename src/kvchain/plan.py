@@ -207,6 +207,14 @@ def _name(lifetime: Lifetime, draft_only: bool) -> str:
     return f"draft_{base}" if draft_only else base
 
 
+def checked_plan(plan: object) -> KVStoragePlan:
+    """`plan`, or an InputError when it is not a `KVStoragePlan`: the first check of every public
+    entry point that takes one (an int or a dict would fail later as an AttributeError)."""
+    if not isinstance(plan, KVStoragePlan):
+        raise InputError(f"plan must be a KVStoragePlan (from plan_kv_storage), got {plan!r}")
+    return plan
+
+
 def plan_kv_storage(
     decls: Sequence[KVLayerDecl],
     *,
@@ -225,11 +233,11 @@ def plan_kv_storage(
     if not is_integer(page_size) or page_size <= 0:
         raise InputError(f"page size must be a positive integer, got {page_size!r}")
     page_size = int(page_size)
-    decls = _layer_decls(decls, "decls")
+    decls = checked_decls(decls, "decls")
     if not decls:
         raise PlanError("no layers declared: a plan needs at least a full-attention layer")
     if draft is not None:
-        draft = _layer_decls(draft, "draft")
+        draft = checked_decls(draft, "draft")
     if draft_offset is not None and not is_integer(draft_offset):
         raise InputError(f"draft_offset must be an integer, got {draft_offset!r}")
 
@@ -319,7 +327,7 @@ def plan_kv_storage(
     return KVStoragePlan(page_size, tuple(sub_pools), _tree_slots(sub_pools, groups))
 
 
-def _layer_decls(decls: object, what: str) -> list[KVLayerDecl]:
+def checked_decls(decls: object, what: str) -> list[KVLayerDecl]:
     """`decls` as a list, every entry a `KVLayerDecl` (an InputError naming `what` otherwise)."""
     try:
         out = list(decls)  # type: ignore[call-overload]
@@ -422,6 +430,7 @@ def plan_stages(decls: Sequence[KVLayerDecl], n_stages: int, *, page_size: int =
     if plan_fn is None:
         def plan_fn(local: list[KVLayerDecl]) -> KVStoragePlan:
             return plan_kv_storage(local, page_size=page_size)
+    decls = checked_decls(decls, "decls")
     if n_layers is None:
         n_layers = max(d.layer_id for d in decls) + 1 if decls else 0
     plans = []

@@ -26,6 +26,7 @@ from .alloc.npfast import unique_sorted
 from .capacity import capacity_decision
 from .errors import InputError
 from .storage import KVStorage
+from .units import is_integer
 
 
 class Decision(enum.Enum):
@@ -50,7 +51,12 @@ def mamba_prefill_chunk_grid(start: int, limit: int, prompt_len: int, interval: 
     """How many prompt tokens from `start` the next chunk takes under a `limit`: every chunk but a
     prompt's last ends on the checkpoint grid, so each one leaves a checkpoint to track (WIN-15,
     WIN-16). Returns 0 when the limit does not reach the next grid point. `interval` None or 0: no
-    grid. InputError for a negative interval and a start outside 0..prompt_len."""
+    grid. InputError for an argument that is not an integer, a negative interval and a start
+    outside 0..prompt_len."""
+    if (type(start) is not int or type(limit) is not int or type(prompt_len) is not int
+            or (interval is not None and type(interval) is not int)):
+        _check_integers("mamba_prefill_chunk_grid", start=start, limit=limit, prompt_len=prompt_len,
+                        **({} if interval is None else {"interval": interval}))
     remaining = prompt_len - start
     if remaining < 0 or start < 0 or (interval is not None and interval < 0):
         if interval is not None and interval < 0:
@@ -131,7 +137,7 @@ class ChainPrefillBudget:
         to prefill: no input, or a cached prefix that is negative or reaches the input."""
         if not (type(input_len) is int and type(output_len) is int and type(cached_len) is int
                 and type(token_limit) is int):
-            _check_integers(input_len=input_len, output_len=output_len, cached_len=cached_len,
+            _check_integers("consider", input_len=input_len, output_len=output_len, cached_len=cached_len,
                             token_limit=token_limit)
         if input_len <= 0 or output_len < 0 or not 0 <= cached_len < input_len:
             if input_len <= 0:
@@ -174,11 +180,12 @@ class ChainPrefillBudget:
         )
 
 
-def _check_integers(**values) -> None:
-    """`consider`'s slow path: a numpy integer counts, a bool, a float or anything else does not."""
+def _check_integers(where: str, **values) -> None:
+    """The slow path of a check that found a value not a plain int: a numpy integer counts, a bool,
+    a float or anything else does not."""
     for name, value in values.items():
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise InputError(f"consider {name} must be an integer, got {value!r}")
+        if not is_integer(value):
+            raise InputError(f"{where} {name} must be an integer, got {value!r}")
 
 
 def peak_pages(lengths: np.ndarray, remaining: np.ndarray, page_size: int) -> int:

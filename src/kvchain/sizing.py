@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from . import env
 from .errors import BudgetError, InputError
 from .memory.arena import ARENA_ALIGN, arena_layout
-from .plan import KVStoragePlan, PoolKind, SubPool, TokenIds
+from .plan import KVStoragePlan, PoolKind, SubPool, TokenIds, checked_plan
 from .units import format_bytes, is_integer
 
 #: Per-request device state besides the KV pages (lengths, slot ids, reset flags), bytes per row.
@@ -166,8 +166,7 @@ def _sizing_args(plan: KVStoragePlan, budget_bytes: int, context_len: int,
     argument: a plan that is not a `KVStoragePlan`, a budget that is not an integer, a context
     length or request count that is not a positive integer (a bool or a float is none of these;
     a numpy integer is)."""
-    if not isinstance(plan, KVStoragePlan):
-        raise InputError(f"plan must be a KVStoragePlan (from plan_kv_storage), got {plan!r}")
+    checked_plan(plan)
     if not is_integer(budget_bytes):
         raise InputError(f"budget_bytes must be an integer number of bytes, got {budget_bytes!r}")
     if not is_integer(context_len) or context_len <= 0:

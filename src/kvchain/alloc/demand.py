@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from ..plan import KVStoragePlan, PoolKind
+from ..plan import KVStoragePlan, PoolKind, checked_plan
 from ..sizing import pages_for, state_slots_per_request
 
 
@@ -138,6 +138,8 @@ def request_demand(
     InputError for a length that is not an integer (a bool is not one) or is negative, a negative
     `checkpoint_interval` (None or 0: no grid), and a `purpose` or `window_retirement` that is not
     its enum."""
+    if type(plan) is not KVStoragePlan:
+        checked_plan(plan)
     if (type(input_len) is not int or type(output_len) is not int or type(cached_len) is not int
             or type(min_chunk) is not int or (chunk_len is not None and type(chunk_len) is not int)
             or (checkpoint_interval is not None and type(checkpoint_interval) is not int)

@@ -411,6 +411,8 @@ class NixlEngine(TransferEngine):
 
 def make_engine(kind: str, name: str) -> TransferEngine:
     """`nixl` or `gloo`."""
+    if not isinstance(kind, str) or not isinstance(name, str):
+        raise TransferError(f"a transfer engine's kind and name are strings, got {kind!r} and {name!r}")
     if kind == "nixl":
         reason = nixl_available()
         if reason is not None:

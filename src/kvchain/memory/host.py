@@ -17,7 +17,8 @@ import torch
 from ..errors import CapacityError, InputError
 from ..ids import id_array
 from ..layout.entry import HostLayout
-from ..plan import KVStoragePlan, PoolKind, SubPool, page_envelope_pair
+from ..plan import KVStoragePlan, PoolKind, SubPool, checked_plan, page_envelope_pair
+from ..units import is_integer
 
 __all__ = ["HostLayout", "HostPool", "HostPools", "HostSizing", "host_sizing", "page_envelope_pair",
            "stage_host_groups"]
@@ -143,10 +144,14 @@ def host_sizing(plan: KVStoragePlan, budget_bytes: int, pages_per_state: int = 1
     """Split `budget_bytes` of host memory into whole groups of `pages_per_state` token pages of every
     sub-pool plus one state slot, at most `max_groups` of them (`stage_host_groups`). Raises
     InputError for a budget under one group."""
-    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+    checked_plan(plan)
+    if not is_integer(budget_bytes) or budget_bytes < 0:
         raise InputError(f"a host budget is a number of bytes >= 0, got {budget_bytes!r}")
-    if not isinstance(pages_per_state, int) or pages_per_state < 1:
+    if not is_integer(pages_per_state) or pages_per_state < 1:
         raise InputError(f"pages per host state slot must be a whole number >= 1, got {pages_per_state!r}")
+    if max_groups is not None and (not is_integer(max_groups) or max_groups < 1):
+        raise InputError(f"max_groups must be None or an integer >= 1, got {max_groups!r}")
+    budget_bytes, pages_per_state = int(budget_bytes), int(pages_per_state)
     state = plan.state
     k = pages_per_state if state is not None else 1
     group = k * _token_page_bytes(plan) + (state.page_bytes if state is not None else 0)

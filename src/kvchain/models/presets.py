@@ -61,7 +61,9 @@ def list_presets() -> list[PresetInfo]:
 def load_preset_config(name: str) -> dict:
     """The stored config dict of preset `name` (a fresh copy each call)."""
     names = _preset_names()
-    key = name.strip().lower() if isinstance(name, str) else name
+    if not isinstance(name, str):
+        raise InputError(f"a preset name is a string, not {type(name).__name__} (known presets: {', '.join(names)})")
+    key = name.strip().lower()
     if key not in names:
         raise InputError(f"unknown preset {name!r} (known presets: {', '.join(names)})")
     text = _preset_dir().joinpath(f"{key}.json").read_text(encoding="utf-8")
@@ -78,6 +80,8 @@ def model_from_preset(name: str, **kwargs: Any) -> ModelSpec:
 
 def load_config_file(path: str | os.PathLike) -> dict:
     """Read a `config.json` (or the one inside a checkpoint directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"a config path is a str or a path, not {type(path).__name__}")
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"

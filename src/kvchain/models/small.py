@@ -17,6 +17,8 @@ from ..decl import (
     kv_layer_decls,
 )
 from ..errors import DeclarationError
+from ..units import is_integer
+from .fields import MAX_LAYERS
 
 
 def small_hybrid(
@@ -35,8 +37,12 @@ def small_hybrid(
     geometry for all, one per window, or None: `full`'s). The `state` part, if any, lives on the
     block's full-attention layer, or, with `state_layers`, on a state-only layer after every
     attention layer (the Mamba-hybrid interleave); `checkpoint_interval` is its lifetime's."""
-    if blocks < 1:
-        raise DeclarationError(f"a hybrid needs at least one block of layers, got {blocks}")
+    if not is_integer(blocks) or not 1 <= blocks <= MAX_LAYERS:
+        raise DeclarationError(f"a hybrid needs a whole number of blocks of layers, 1 to {MAX_LAYERS:,}, "
+                               f"got {blocks!r}")
+    if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence):
+        raise DeclarationError(f"windows is a sequence of window lengths, not {type(windows).__name__}")
+    blocks = int(blocks)
     if window_geometry is None or not isinstance(window_geometry, Sequence):
         geometries = [window_geometry or full] * len(windows)
     else:

@@ -20,6 +20,8 @@ from ..decl import KVLayerDecl
 from ..engine.request import ScheduledRequest
 from ..engine.scheduler import Scheduler, StepRecord
 from ..errors import InputError
+from ..plan import checked_decls
+from ..units import is_integer
 from .baselines import (
     DEFAULT_POOLS,
     POOLS,
@@ -217,17 +219,39 @@ def _map(fn: Callable, tasks: list, executor: ProcessPoolExecutor | None, tally:
     return [f.result() for f in futures]
 
 
+def _checked_arguments(decls, cfg, requests, pools, sched, jobs
+                       ) -> tuple[list[KVLayerDecl], list[str], list[ScheduledRequest]]:
+    """`compare`'s arguments checked before any pool runs (an InputError naming the argument), and
+    its sequences as lists."""
+    decls = checked_decls(decls, "decls")
+    if not isinstance(cfg, PoolConfig):
+        raise InputError(f"cfg must be a PoolConfig, got {cfg!r}")
+    if not isinstance(sched, SchedulerConfig):
+        raise InputError(f"sched must be a SchedulerConfig, got {sched!r}")
+    if jobs is not None and (not is_integer(jobs) or jobs < 1):
+        raise InputError(f"jobs must be None or a positive integer, got {jobs!r}")
+    if isinstance(pools, str) or not isinstance(pools, Sequence):
+        raise InputError(f"pools must be a sequence of pool names, got {pools!r}")
+    for name in pools:
+        if not isinstance(name, str) or name not in POOLS:
+            raise InputError(f"unknown pool {name!r} (known: {', '.join(POOLS)})")
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise InputError(f"requests must be a list of ScheduledRequest, got {type(requests).__name__}")
+    bad = next((i for i, r in enumerate(requests) if not isinstance(r, ScheduledRequest)), None)
+    if bad is not None:
+        raise InputError(f"requests must be a list of ScheduledRequest (from workload_from_name or load_trace), "
+                         f"got {type(requests[bad]).__name__} at index {bad}")
+    return decls, list(pools), list(requests)
+
+
 def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[ScheduledRequest], pools: Sequence[str] = DEFAULT_POOLS,
             sched: SchedulerConfig = SchedulerConfig(), jobs: int | None = None,
             progress: ProgressFn | None = None) -> Comparison:
     """Run every pool in `pools` over `requests`; `jobs` worker processes (default: the cores).
     `progress(done, total)` hears the requests settled over every run: each step in one process,
     at least every `PROGRESS_POLL_S` seconds from worker processes."""
-    for name in pools:
-        if name not in POOLS:
-            raise InputError(f"unknown pool {name!r} (known: {', '.join(POOLS)})")
+    decls, pools, requests = _checked_arguments(decls, cfg, requests, pools, sched, jobs)
     jobs = jobs or min(len(pools), os.cpu_count() or 1)
-    decls = list(decls)
     best = None
     sweep: list[dict[str, float | None]] = []
     grid: list[StaticSplit] = []
@@ -242,6 +266,7 @@ def compare(decls: Sequence[KVLayerDecl], cfg: PoolConfig, requests: list[Schedu
         kinds = (bool(plan.windows), plan.state is not None)
     tally = _Tally(len(grid) + len(pools), len(grid) * len(sample) + len(pools) * len(requests), progress,
                    shared=jobs > 1 and progress is not None)
+    jobs = min(jobs, len(grid) + len(pools))  # a worker past the runs would have nothing to do
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(), initializer=_init_worker,
                                    initargs=(tally.counts if tally.shared else None,)) if jobs > 1 else None
     try:

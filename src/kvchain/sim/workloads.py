@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,14 @@ import numpy as np
 from .. import jsonio
 from ..engine.request import ScheduledRequest
 from ..errors import InputError
+from ..units import is_integer
 
 VOCAB = 2**31  # token ids are drawn from [1, VOCAB): collisions between unrelated parts are ~2**-31
 #: the longest request a trace may hold (prompt plus output), above any model's context: each
 #: request's tokens are held in memory
 MAX_REQUEST_TOKENS = 2**24
+#: the most requests a generated workload holds (each holds its prompt and output tokens)
+MAX_WORKLOAD_REQUESTS = 10_000_000
 #: the most tokens (prompts plus outputs) one trace replay may hold: 4 GiB of int32 token ids
 MAX_TRACE_TOKENS = 2**30
 
@@ -64,11 +68,29 @@ def _check(ok: bool, message: str) -> None:
         raise InputError(message)
 
 
+def _integer(least: int, **values: Any) -> None:
+    """Each of `values` an integer (a numpy one counts, a bool does not) of at least `least`."""
+    for name, v in values.items():
+        _check(is_integer(v) and v >= least, f"{name} must be an integer >= {least}, got {v!r}")
+
+
+def _finite(least: float, **values: Any) -> None:
+    """Each of `values` a finite number (not a bool) of at least `least`, or above it where `least` is 0."""
+    for name, v in values.items():
+        ok = (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+              and math.isfinite(v) and (v > 0 if least == 0 else v >= least))
+        _check(ok, f"{name} must be a finite number {'above 0' if least == 0 else f'>= {least}'}, got {v!r}")
+
+
+def _trace_path(path: Any) -> Path:
+    _check(isinstance(path, (str, os.PathLike)), f"a trace path must be a str or a path, not {type(path).__name__}")
+    return Path(path)
+
+
 def _rng(n_requests: int, seed: int) -> np.random.Generator:
-    _check(isinstance(n_requests, (int, np.integer)) and not isinstance(n_requests, bool) and n_requests >= 0,
-           f"n_requests must be a non-negative integer, got {n_requests!r}")
-    _check(isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed >= 0,
-           f"seed must be a non-negative integer, got {seed!r}")
+    _integer(0, n_requests=n_requests, seed=seed)
+    _check(n_requests <= MAX_WORKLOAD_REQUESTS, f"n_requests must be at most {MAX_WORKLOAD_REQUESTS:,} "
+           f"(each request holds its tokens in memory), got {n_requests:,}")
     return np.random.default_rng(int(seed))
 
 
@@ -398,7 +420,7 @@ def workload_params(name: str) -> dict[str, Any]:
 
 
 def _lookup(name: str) -> Workload:
-    if name not in WORKLOADS:
+    if not isinstance(name, str) or name not in WORKLOADS:
         raise InputError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     return WORKLOADS[name]
 
@@ -420,20 +442,30 @@ def _validated(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _coerce(name: str, key: str, value: Any, default: Any) -> Any:
-    if not isinstance(value, str) or isinstance(default, str) or default is None:
+    """`value` as the type of the parameter's default: a string (a command line's) converted, any
+    other value checked, so a bool, a list or a NaN never reaches the generator's arithmetic."""
+    if isinstance(default, str) or default is None:
         return value
-    try:
-        if isinstance(default, bool):
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes")
-        if isinstance(default, int):
-            return int(value)
-        if isinstance(default, float):
-            return float(value)
-    except ValueError:
-        raise InputError(f"workload {name!r} parameter {key!r} wants a {type(default).__name__}, "
-                         f"got {value!r}") from None
+    want = "a bool" if isinstance(default, bool) else "an integer" if isinstance(default, int) else "a number"
+    if isinstance(value, str):
+        try:
+            if isinstance(default, bool):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            value = int(value) if isinstance(default, int) else float(value)
+        except ValueError:
+            raise InputError(f"workload {name!r} parameter {key!r} wants {want}, got {value!r}") from None
+    if isinstance(default, bool):
+        ok = isinstance(value, (bool, np.bool_))
+    elif isinstance(default, int):
+        ok = is_integer(value)
+    else:
+        ok = (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+              and math.isfinite(value))
+    if not ok:
+        raise InputError(f"workload {name!r} parameter {key!r} wants {want}"
+                         f"{'' if isinstance(default, (bool, int)) else ' (finite)'}, got {value!r}")
     return value
 
 
@@ -510,10 +542,11 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
     without one are fresh tokens. Arrival step = (timestamp - first timestamp) / ms_per_step,
     floored, unless `arrival_step` is given; requests in the same step keep timestamp, then file,
     order. Lines without `rid` get ids in that order. Token contents depend on `seed`."""
-    _positive(ms_per_step=ms_per_step, block_tokens=block_tokens)
-    _check(max_new_slack >= 1.0, f"max_new_slack must be >= 1.0, got {max_new_slack!r}")
-    _check(limit is None or limit >= 0, f"limit must be >= 0, got {limit!r}")
-    path = Path(path)
+    _finite(0, ms_per_step=ms_per_step)
+    _finite(1.0, max_new_slack=max_new_slack)
+    _integer(1, block_tokens=block_tokens)
+    _integer(0, seed=seed, **({} if limit is None else {"limit": limit}))
+    path = _trace_path(path)
     lines: list[_Line] = []
     held = 0
     with jsonio.reading(path, f"trace {path}") as f:
@@ -567,6 +600,10 @@ def load_trace(path: str | Path, *, ms_per_step: float = 50.0, block_tokens: int
         prompt = np.concatenate(parts)
         max_new = ln.max_new if ln.max_new is not None else max(ln.output_length,
                                                                math.ceil(ln.output_length * max_new_slack))
+        if ln.input_length + max_new > MAX_REQUEST_TOKENS:
+            raise InputError(f"{path}:{ln.lineno}: {ln.input_length + max_new:,} tokens (input_length plus "
+                             f"output_length x max_new_slack {max_new_slack}) is above the most a request may "
+                             f"hold, {MAX_REQUEST_TOKENS:,}")
         rid = ln.rid if ln.rid is not None else next(free)
         out.append(ScheduledRequest(rid, ln.step, prompt, max_new, ln.output_length, output=_tokens(rng, max_new),
                               priority=ln.priority))
@@ -592,8 +629,9 @@ def save_trace(requests: list[ScheduledRequest], path: str | Path, ms_per_step: 
     """Write requests as a JSONL trace that `load_trace` reads back to equivalent requests: same
     arrivals, lengths, max_new, ids, and the same prefix sharing at block granularity (hash ids
     are chained block hashes of each prompt). Output tokens are not recorded."""
-    _positive(ms_per_step=ms_per_step, block_tokens=block_tokens)
-    path = Path(path)
+    _finite(0, ms_per_step=ms_per_step)
+    _integer(1, block_tokens=block_tokens)
+    path = _trace_path(path)
     ids: dict[bytes, int] = {}
     rows = []
     for req in sorted(requests, key=lambda r: (r.arrival, r.rid)):

@@ -62,5 +62,12 @@ def test_blocks_repeat_a_dense_model():
 def test_a_geometry_count_that_does_not_match_the_windows_and_no_blocks_are_refused():
     with pytest.raises(DeclarationError, match="1 window geometries for 2 windows"):
         small_hybrid(MHA(1, 4), (8, 4), window_geometry=[MHA(1, 4)])
-    with pytest.raises(DeclarationError, match="at least one block of layers, got 0"):
+    with pytest.raises(DeclarationError, match="1 to 100,000, got 0"):
         small_hybrid(MHA(1, 4), blocks=0)
+    # a float or a huge count reached `block * blocks` (a TypeError, an OverflowError), a bare
+    # window length its len() (a TypeError)
+    for blocks in (1.5, 10**30, "2", None):
+        with pytest.raises(DeclarationError, match="whole number of blocks"):
+            small_hybrid(MHA(1, 4), blocks=blocks)
+    with pytest.raises(DeclarationError, match="windows is a sequence of window lengths, not int"):
+        small_hybrid(MHA(1, 4), 1024)

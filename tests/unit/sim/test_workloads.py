@@ -181,7 +181,7 @@ def test_names_parameters_and_string_values():
         workload_from_name("nope", 1, 1)
     with pytest.raises(InputError, match="no parameter"):
         workload_from_name("chat", 1, 1, bogus=3)
-    with pytest.raises(InputError, match="wants a int"):
+    with pytest.raises(InputError, match="wants an integer"):
         workload_from_name("chat", 1, 1, max_len="big")
     with pytest.raises(InputError, match="rate must be positive"):
         workload_from_name("chat", 1, 1, rate=0)

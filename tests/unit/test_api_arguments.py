@@ -1,0 +1,72 @@
+"""Every public function refuses a bad argument with a `KVChainError`: one valid call each, then
+each argument in turn swapped for a value of the wrong type or range. These escaped as TypeError,
+AttributeError, ValueError or OverflowError (a plan that was a dict, a seed of -1, a slack of inf,
+a workload name that was a list, a device index past an int64)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kvchain as K
+from kvchain.errors import KVChainError
+
+BAD = [None, -1, 0, 1.5, float("nan"), float("inf"), 10**30, "x", "", True, [], [1, -1], {},
+       np.int64(-3), np.array([1, 2]), object(), b"x"]
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+    spec = K.model_from_preset("qwen3-next-80b")
+    plan = K.plan_kv_storage(spec.decls, page_size=64)
+    sizing = K.size_plan(plan, 8 << 30, context_len=4096, max_running_requests=8)
+    trace = tmp_path_factory.mktemp("api") / "t.jsonl"
+    trace.write_text(json.dumps({"input_length": 100, "output_length": 10, "timestamp": 0.0}) + "\n")
+    config = trace.parent / "config.json"
+    config.write_text(json.dumps({"model_type": "llama"}))
+    small = K.small_hybrid(K.MHA(2, 8), (16,))
+    cfg = K.PoolConfig(budget_bytes=1 << 20, page_size=4, context_len=256, max_running=4)
+    return {
+        "size_plan": (K.size_plan, (plan, 8 << 30), dict(context_len=4096, max_running_requests=8)),
+        "host_sizing": (K.host_sizing, (plan, 1 << 30, 1), dict(max_groups=None)),
+        "plan_stages": (K.plan_stages, (spec.decls, 2), dict(page_size=64)),
+        "request_demand": (K.request_demand, (plan, K.DemandPurpose.ADMIT), dict(input_len=100, output_len=10)),
+        "mamba_prefill_chunk_grid": (K.mamba_prefill_chunk_grid, (0, 100, 200, 64), {}),
+        "workload_from_name": (K.workload_from_name, ("chat", 3, 0), {}),
+        "load_trace": (K.load_trace, (str(trace),), dict(ms_per_step=50.0, block_tokens=512, max_new_slack=1.0,
+                                                       limit=None, seed=0)),
+        "load_config_file": (K.load_config_file, (str(config),), {}),
+        "model_from_preset": (K.model_from_preset, ("qwen3-next-80b",), {}),
+        "small_hybrid": (K.small_hybrid, (K.MHA(8, 128), (1024,)), dict(blocks=2)),
+        "build_kv_storage": (K.build_kv_storage, (plan, sizing, "meta"), {}),
+        "compare": (K.compare, (small, cfg, K.workload_from_name("chat", 2, 0, max_len=64)),
+                    dict(pools=("kvchain",), jobs=1)),
+    }
+
+
+NAMES = ["size_plan", "host_sizing", "plan_stages", "request_demand", "mamba_prefill_chunk_grid",
+         "workload_from_name", "load_trace", "load_config_file", "model_from_preset", "small_hybrid", "build_kv_storage", "compare"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_bad_argument_is_a_kvchain_error(name, calls):
+    fn, args, kwargs = calls[name]
+    fn(*args, **kwargs)  # the valid call this test varies
+    escaped = []
+    slots = [(True, i) for i in range(len(args))] + [(False, k) for k in kwargs]
+    for positional, key in slots:
+        for value in BAD:
+            a, kw = list(args), dict(kwargs)
+            if positional:
+                a[key] = value
+            else:
+                kw[key] = value
+            try:
+                fn(*a, **kw)
+            except KVChainError:
+                pass
+            except Exception as e:  # what this test looks for
+                escaped.append(f"{key}={value!r}: {type(e).__name__}: {e}"[:160])
+    assert not escaped, "\n".join(escaped)
