@@ -5,6 +5,7 @@ a workload name that was a list, a device index past an int64)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -69,4 +70,33 @@ def test_a_bad_argument_is_a_kvchain_error(name, calls):
                 pass
             except Exception as e:  # what this test looks for
                 escaped.append(f"{key}={value!r}: {type(e).__name__}: {e}"[:160])
+    assert not escaped, "\n".join(escaped)
+
+
+@pytest.mark.parametrize("config", ["PoolConfig", "SchedulerConfig"])
+def test_a_bad_config_field_is_a_kvchain_error_where_it_is_made_or_used(config):
+    """A step-time model that was a float reached `.seconds` (an AttributeError); a host budget or a
+    step limit that was a string reached a comparison (a TypeError)."""
+    small = K.small_hybrid(K.MHA(2, 8), (16,))
+    requests = K.workload_from_name("chat", 2, 0, max_len=64)
+    pool = dict(budget_bytes=1 << 20, page_size=4, context_len=256, max_running=4)
+    cls = getattr(K, config)
+
+    def use(obj):
+        if config == "PoolConfig":
+            K.compare(small, obj, requests, pools=("kvchain", "vllm-hybrid", "sglang-static", "ideal"), jobs=1)
+        else:
+            K.compare(small, K.PoolConfig(**pool), requests, pools=("kvchain",), sched=obj, jobs=1)
+
+    base = pool if config == "PoolConfig" else {}
+    use(cls(**base))
+    escaped = []
+    for f in dataclasses.fields(cls):
+        for value in BAD:
+            try:
+                use(cls(**{**base, f.name: value}))
+            except KVChainError:
+                pass
+            except Exception as e:  # what this test looks for
+                escaped.append(f"{f.name}={value!r}: {type(e).__name__}: {e}"[:160])
     assert not escaped, "\n".join(escaped)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError, KVChainError
 from ..prefill_budget import Decision
+from ..units import is_integer
 from .policies import ExactPolicy, SchedulePolicy
 from .pool import PoolFull
 from .protocol import Pool
@@ -73,9 +74,9 @@ def check_step_budget(max_batched_tokens: int, max_running: int, interval: int |
     ends on the checkpoint grid (`mamba_prefill_chunk_grid`), so under a smaller budget no chunk of
     a longer prompt would ever fit a step, and it would wait forever. `name`: the pool's, to say
     whose budget; `uniform`: a uniform-page layout, whose grid is its block size."""
-    if max_batched_tokens <= 0 or max_running <= 0:
-        raise InputError(f"max_batched_tokens and max_running must be positive, got {max_batched_tokens} "
-                         f"and {max_running}")
+    if not (is_integer(max_batched_tokens) and is_integer(max_running)) or max_batched_tokens <= 0 or max_running <= 0:
+        raise InputError(f"max_batched_tokens and max_running must be positive integers, got {max_batched_tokens!r} "
+                         f"and {max_running!r}")
     if interval and max_batched_tokens < interval:
         # a uniform-page layout's grid is its block size, which no checkpoint flag changes
         grid = "its block size" if uniform else "the checkpoint interval"

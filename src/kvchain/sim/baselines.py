@@ -49,6 +49,7 @@ from ..layout.entry import PageEnvelope
 from ..memory.arena import arena_layout
 from ..plan import KVStoragePlan, PoolKind, plan_kv_storage
 from ..sizing import PlanSizing, size_plan
+from ..units import is_integer
 from .waiting import EVICTION_ORDERS, WAITING_ORDERS
 
 #: The defaults of the engines whose static split these baselines model.
@@ -94,8 +95,16 @@ class PoolConfig:
         for name, allowed in (("admission", ADMISSION_MODES), ("waiting_order", WAITING_ORDERS),
                               ("eviction", EVICTION_ORDERS)):
             value = getattr(self, name)
-            if value not in allowed or not isinstance(value, str):
+            if not isinstance(value, str) or value not in allowed:
                 raise InputError(f"PoolConfig {name} must be one of {', '.join(allowed)}; got {value!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise InputError(f"PoolConfig prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if self.checkpoint_interval is not None and (not is_integer(self.checkpoint_interval)
+                                                     or self.checkpoint_interval < 1):
+            raise InputError(f"PoolConfig checkpoint_interval must be None or a positive integer, "
+                             f"got {self.checkpoint_interval!r}")
+        if not is_integer(self.host_budget) or self.host_budget < 0:
+            raise InputError(f"PoolConfig host_budget must be a number of bytes >= 0, got {self.host_budget!r}")
 
 
 #: How each pool's prefix tree caches recurrent state when `PoolConfig.strategy` is None. kvchain

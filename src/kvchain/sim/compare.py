@@ -57,6 +57,16 @@ class SchedulerConfig:
     #: speculative decoding: tokens a decode step yields (`speculative.SpecSteps`); None: one
     decode_tokens: Callable[[ScheduledRequest], int] | None = None
 
+    def __post_init__(self) -> None:
+        """A step-time model that is not one, or a callable that is not one, is refused where the
+        config is made (the limits are checked with the pool's checkpoint grid, `check_step_budget`)."""
+        if not isinstance(self.priority, bool):
+            raise InputError(f"priority must be a bool, got {self.priority!r}")
+        if self.step_time is not None and not isinstance(self.step_time, StepTimeModel):
+            raise InputError(f"step_time must be a StepTimeModel or None, got {self.step_time!r}")
+        if self.decode_tokens is not None and not callable(self.decode_tokens):
+            raise InputError(f"decode_tokens must be a callable or None, got {self.decode_tokens!r}")
+
 
 @dataclass
 class Comparison:
