@@ -124,13 +124,17 @@ def dtype_size(dtype: str | torch.dtype) -> int:
 def zeros(shape: int | tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu", *,
           what: str, pin_memory: bool = False) -> torch.Tensor:
     """`torch.zeros`, with an allocation the device cannot make refused as one `BudgetError`
-    naming `what` and its bytes (a budget larger than the machine's memory is bad input)."""
+    naming `what` and its bytes (a budget larger than the machine's memory is bad input; one past
+    what an int64 counts is refused before torch, which would fail to unpack it)."""
+    dims = shape if isinstance(shape, tuple) else (shape,)
+    n = 1
+    for d in dims:
+        n *= d
+    if n * dtype.itemsize >= 2**63:
+        raise BudgetError(f"cannot allocate {what}: {format_bytes(n * dtype.itemsize)} on {device}: "
+                          "more bytes than any device holds")
     try:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     except (RuntimeError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError too
-        dims = shape if isinstance(shape, tuple) else (shape,)
-        n = 1
-        for d in dims:
-            n *= d
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BudgetError(f"cannot allocate {what}: {format_bytes(n * dtype.itemsize)} on {device}: {first}") from None

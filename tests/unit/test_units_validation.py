@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from kvchain.errors import InputError, KVChainError
-from kvchain.units import format_bytes, parse_bytes
+from kvchain.errors import BudgetError, InputError, KVChainError
+from kvchain.units import format_bytes, parse_bytes, zeros
 
 
 @pytest.mark.parametrize("text", [1.5, "1.9", "1e-3GiB", "0.3KiB ", "1.5b", 2.5e9 + 0.5])
@@ -60,3 +61,11 @@ def test_format_bytes_of_numbers_is_unchanged():
     assert format_bytes(1536.0) == "1.50 KiB"
     assert format_bytes(-2048) == "-2.00 KiB"
     assert format_bytes(2**60) == "1048576.00 TiB"
+
+
+def test_an_allocation_past_what_an_int64_counts_is_a_budget_error():
+    """A host budget of 10**30 bytes sized a host pool torch could not unpack (a TypeError from its
+    C++ layer); what no device holds is refused before torch."""
+    with pytest.raises(BudgetError, match=r"cannot allocate a pool: .* more bytes than any device holds"):
+        zeros((10**30, 4), torch.uint8, what="a pool")
+    assert zeros((2, 3), torch.float32, what="a pool").shape == (2, 3)

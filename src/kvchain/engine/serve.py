@@ -9,7 +9,9 @@ stream, overlapped with scheduling (`ModelPool`). Greedy decoding, or sampling (
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -106,7 +108,19 @@ class EngineConfig:
         for name in ("context_len", "checkpoint_interval", "host_budget"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if self.dtype != "auto" and self.dtype not in LOAD_DTYPES:
+        for name in ("overlap", "prefix_cache", "ignore_eos", "inline", "war_barrier", "keep_logits",
+                     "relayed_commit_slots_from_metadata"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be a bool, not {getattr(self, name)!r}")
+        if not isinstance(self.device, str):
+            raise InputError(f"device must be a string such as 'cpu' or 'cuda', not {self.device!r}")
+        delay = self.forward_delay
+        if (not isinstance(delay, numbers.Real) or isinstance(delay, bool) or not math.isfinite(delay)
+                or delay < 0):
+            raise InputError(f"forward_delay must be a finite number of seconds >= 0, not {delay!r}")
+        if self.draft_model_path is not None and not isinstance(self.draft_model_path, (str, os.PathLike)):
+            raise InputError(f"draft_model_path must be a path or None, not {self.draft_model_path!r}")
+        if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in LOAD_DTYPES):
             raise InputError(f"dtype must be auto or one of {', '.join(LOAD_DTYPES)}, not {self.dtype!r}")
         kv_cache_dtype(self.kv_cache_dtype)  # refused here, where the config is made
         n = self.num_speculative_tokens

@@ -23,6 +23,12 @@ from support.engine import checkpoint_dir
     ("max_batched_tokens", -1),
     ("host_budget", 0),
     ("num_speculative_tokens", -1),
+    ("overlap", "no"),  # flags, a device, a delay, a draft path and a dtype of the wrong type were kept
+    ("prefix_cache", None),
+    ("device", 3),
+    ("forward_delay", float("nan")),
+    ("draft_model_path", 3),
+    ("dtype", []),  # a TypeError (unhashable)
 ])
 def test_a_config_field_out_of_range_is_refused_where_it_is_made(field, value):
     with pytest.raises(InputError, match=field):
