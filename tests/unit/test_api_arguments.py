@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvchain as K
+from kvchain.engine.request import ScheduledRequest
 from kvchain.errors import KVChainError
 
 BAD = [None, -1, 0, 1.5, float("nan"), float("inf"), 10**30, "x", "", True, [], [1, -1], {},
@@ -100,3 +101,23 @@ def test_a_bad_config_field_is_a_kvchain_error_where_it_is_made_or_used(config):
             except Exception as e:  # what this test looks for
                 escaped.append(f"{f.name}={value!r}: {type(e).__name__}: {e}"[:160])
     assert not escaped, "\n".join(escaped)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("rid", -1, "rid must be an integer >= 0"),  # a SeedSequence ValueError
+    ("arrival", 1.5, "arrival must be an integer"),  # was served, a step late
+    ("arrival", None, "arrival must be an integer"),  # a TypeError in the sort
+    ("prompt", [-1, 2], r"token ids must lie in 0\.\.2147483647"),  # was served
+    ("prompt", [2**40], r"token ids must lie in"),  # an OverflowError
+    ("prompt", [1.5, 2.5], "integer token ids"),  # was truncated to 1, 2 and served
+    ("max_new", 10**12, "above the most a request may hold"),  # a MemoryError
+    ("output_len", 6, "past max_new 5"),  # was served, one token past what it asked
+    ("priority", None, "priority and follows must be integers"),  # accepted
+    ("gap", -1, "gap must be an integer >= 0"),  # accepted
+    ("output", [1], "1 output tokens for an output_len of 5"),  # read past its end
+])
+def test_a_scheduled_request_refuses_a_bad_field_where_it_is_made(field, value, needle):
+    fields = dict(rid=0, arrival=0, prompt=np.arange(1, 20), max_new=5, output_len=5)
+    with pytest.raises(K.InputError, match=needle):
+        ScheduledRequest(**{**fields, field: value})
+    ScheduledRequest(**fields)

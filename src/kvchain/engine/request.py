@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import InputError
+from ..units import is_integer
+
+#: the longest request (prompt plus output) kvchain serves or simulates, above any model's context:
+#: a request's tokens are held in memory
+MAX_REQUEST_TOKENS = 2**24
+#: token ids are int32 in a request (a vocabulary never reaches 2**31)
+_TOKEN_END = 2**31
+
 
 class Phase(enum.Enum):
     PENDING = "pending"  # not arrived yet
@@ -54,11 +63,36 @@ class ScheduledRequest:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_fields()
         self.prompt = np.asarray(self.prompt, dtype=np.int32)
         self.prompt_len = len(self.prompt)
         if self.output is None:
             rng = np.random.default_rng(self.rid * 7919 + 17)
             self.output = rng.integers(1, 2**30, size=max(self.max_new, 1), dtype=np.int64).astype(np.int32)
+
+    def _check_fields(self) -> None:
+        """Refuse, where the request is made, what the scheduler's arithmetic would misread: counts
+        that are not integers >= 0 (an arrival of 1.5, a max_new of None), an output_len past
+        max_new, and token ids that are not integers in int32's range (1.5 was truncated, 2**40 an
+        OverflowError). An empty prompt is the admission's to refuse (it says why)."""
+        for name in ("rid", "arrival", "max_new", "output_len", "gap"):
+            value = getattr(self, name)
+            if not is_integer(value) or value < 0:
+                raise InputError(f"request {self.rid!r}: {name} must be an integer >= 0, not {value!r}")
+        if not is_integer(self.priority) or not is_integer(self.follows) or self.follows < -1:
+            raise InputError(f"request {self.rid}: priority and follows must be integers (follows >= -1), "
+                             f"not {self.priority!r} and {self.follows!r}")
+        if self.output_len > self.max_new:
+            raise InputError(f"request {self.rid}: output_len {self.output_len} is past max_new {self.max_new}")
+        self.prompt = _token_ids(self.rid, "prompt", self.prompt)
+        if len(self.prompt) + self.max_new > MAX_REQUEST_TOKENS:
+            raise InputError(f"request {self.rid}: {len(self.prompt) + self.max_new:,} tokens (prompt plus "
+                             f"max_new) is above the most a request may hold, {MAX_REQUEST_TOKENS:,}")
+        if self.output is not None:
+            self.output = _token_ids(self.rid, "output", self.output, writable=True)
+            if len(self.output) < self.output_len:
+                raise InputError(f"request {self.rid}: {len(self.output)} output tokens for an output_len "
+                                 f"of {self.output_len}")
 
     @property
     def input_len(self) -> int:
@@ -80,3 +114,19 @@ class ScheduledRequest:
     @property
     def done(self) -> bool:
         return self.generated >= self.output_len
+
+
+def _token_ids(rid: int, what: str, ids: object, writable: bool = False) -> np.ndarray:
+    """`ids` as a 1-D integer array (an empty one of any dtype counts), each id in 0..2**31 - 1."""
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InputError(f"request {rid}: {what} must be a 1-D sequence of integer token ids, not {ids!r:.60}")
+    if not arr.size:
+        return arr.astype(np.int64 if writable else np.int32)
+    if int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_END:
+        raise InputError(f"request {rid}: {what} token ids must lie in 0..{_TOKEN_END - 1}, got "
+                         f"{int(arr.min())}..{int(arr.max())}")
+    return arr

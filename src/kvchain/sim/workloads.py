@@ -29,14 +29,11 @@ from typing import Any
 import numpy as np
 
 from .. import jsonio
-from ..engine.request import ScheduledRequest
+from ..engine.request import MAX_REQUEST_TOKENS, ScheduledRequest
 from ..errors import InputError
 from ..units import is_integer
 
 VOCAB = 2**31  # token ids are drawn from [1, VOCAB): collisions between unrelated parts are ~2**-31
-#: the longest request a trace may hold (prompt plus output), above any model's context: each
-#: request's tokens are held in memory
-MAX_REQUEST_TOKENS = 2**24
 #: the most requests a generated workload holds (each holds its prompt and output tokens)
 MAX_WORKLOAD_REQUESTS = 10_000_000
 #: the most tokens (prompts plus outputs) one trace replay may hold: 4 GiB of int32 token ids
