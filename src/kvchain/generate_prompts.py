@@ -12,6 +12,10 @@ from .errors import InputError
 
 #: a prompts line's sampling fields, which override the flags of the same names
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+#: every key a prompts line may hold: a misspelt or another API's key (`max_tokens`) is refused,
+#: not served with the defaults
+LINE_FIELDS = ("prompt_token_ids", "prompt", "messages", "max_new_tokens", *SAMPLING_FIELDS, "logprobs",
+               "stop_token_ids")
 
 
 def read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str | list[dict] | None, int, dict]]:
@@ -35,6 +39,9 @@ def read_prompts(args: argparse.Namespace) -> list[tuple[list[int] | None, str |
         if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
             raise InputError(f"{where}: max_new_tokens must be a positive integer, got {max_new!r}")
         given = [key for key in ("prompt_token_ids", "prompt", "messages") if key in obj]
+        unknown = [key for key in obj if key not in LINE_FIELDS]
+        if unknown and given:
+            raise InputError(f"{where}: unknown field {unknown[0]!r} (a request line takes {', '.join(LINE_FIELDS)})")
         if len(given) > 1:
             raise InputError(f'{where}: give one of "prompt_token_ids", "prompt" and "messages", not {given}')
         if "prompt_token_ids" in obj:

@@ -28,10 +28,11 @@ def loads(text: str, where: str, object_hook: Callable[[dict], Any] | None = Non
 
 @contextlib.contextmanager
 def reading(path: str | Path, where: str) -> Iterator[TextIO]:
-    """A UTF-8 text file open for reading (line by line, for a file too long to hold whole); a
-    missing, unreadable or undecodable file, found at open or while reading, is one `InputError`."""
+    """A UTF-8 text file open for reading (line by line, for a file too long to hold whole), a
+    leading byte-order mark dropped (editors on Windows write one); a missing, unreadable or
+    undecodable file, found at open or while reading, is one `InputError`."""
     try:
-        with Path(path).open(encoding="utf-8") as f:
+        with Path(path).open(encoding="utf-8-sig") as f:
             yield f
     except FileNotFoundError:
         raise InputError(f"{where}: no such file") from None

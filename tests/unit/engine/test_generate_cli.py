@@ -92,6 +92,9 @@ def test_a_repeated_prompt_flag_adds_prompts(tiny, capsys):
     ('{"prompt_token_ids": [1, 999]}', "token ids must lie in [0, 256)"),
     ('{"prompt_token_ids": [1], "max_new_tokens": 0}', "max_new_tokens must be a positive integer"),
     ('{"text": "x"}', 'needs "prompt_token_ids"'),
+    # another API's name for a field was served with the default, silently
+    ('{"prompt_token_ids": [1], "max_tokens": 5}', "unknown field 'max_tokens' (a request line takes"),
+    ('{"prompt_token_ids": [1], "temprature": 0.5}', "unknown field 'temprature'"),
 ])
 def test_bad_prompts_are_one_line_and_exit_2(tiny, tmp_path, capsys, line, message):
     prompts = tmp_path / "bad.jsonl"
@@ -249,3 +252,12 @@ def test_a_state_family_serves_on_the_defaults(family, tmp_path, capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["outputs"][0]["token_ids"] == _greedy(path, list(b"hello kvchain"), 6)
+
+
+def test_a_prompts_file_with_a_byte_order_mark_is_read(tiny, tmp_path, capsys):
+    """Editors on Windows start a UTF-8 file with a byte-order mark; it was refused as invalid JSON."""
+    prompts = tmp_path / "bom.jsonl"
+    prompts.write_text('\ufeff{"prompt_token_ids": [1, 2, 3]}\n', encoding="utf-8")
+    assert main(["generate", "--model-path", str(tiny), "--prompts", str(prompts), "--budget", "4MiB",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 2
