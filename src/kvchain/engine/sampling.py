@@ -47,8 +47,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
-        if not _real(t) or not math.isfinite(t) or t < 0:
+        try:  # as a float: an integer past a float's range overflows here, not in the forward
+            finite = _real(t) and math.isfinite(float(t))
+        except OverflowError:
+            finite = False
+        if not finite or t < 0:
             raise InputError(f"temperature must be a finite number >= 0 (0: greedy), not {t!r}")
+        object.__setattr__(self, "temperature", float(t))
         if not _integer(k) or k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0: off), not {k!r}")
         if not _real(p) or not 0 < p <= 1:

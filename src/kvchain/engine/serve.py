@@ -27,7 +27,7 @@ from ..device.base import Device
 from ..device.cuda import CudaDevice
 from ..device.immediate import ImmediateDevice
 from ..device.threads import ThreadDevice
-from ..errors import InputError
+from ..errors import InputError, KVChainError
 from ..memory.host import stage_host_groups
 from ..models.spec import ModelSpec
 from ..plan import KVStoragePlan, plan_kv_storage
@@ -456,11 +456,20 @@ class Engine:
         if config.host_budget is not None:
             self.pool.enable_host_tier(config.host_budget)
         self._rid = 0
+        #: why an earlier `generate` stopped mid-run (None: it never did); the pool then holds what
+        #: that run left (rows, forwards in flight), so the engine serves nothing more
+        self._failed: str | None = None
 
     def generate(self, requests: Sequence[GenerateRequest],
                  progress: Callable[[int, int], None] | None = None) -> GenerateResult:
         """Serve every request to its end; outputs come back in input order. `progress(done, total)`
-        is called after each step. The pool is checked idle at the end (no leak, no page pending)."""
+        is called after each step. The pool is checked idle at the end (no leak, no page pending).
+        Requests are checked before anything runs, so a refused one leaves the engine serving; an
+        error once the run has started (a forward that fails) leaves it stopped, and every later
+        call says so rather than serve from what that run left."""
+        if self._failed is not None:
+            raise KVChainError(f"this engine stopped when an earlier generate failed mid-run ({self._failed}); "
+                               "close it and build a new Engine")
         cfg = self.config
         vocab = int(self.checkpoint.model.get_input_embeddings().num_embeddings)
         requests = sampled_requests(requests)
@@ -495,12 +504,16 @@ class Engine:
             if progress is not None:
                 progress(len(s.done), len(reqs))
 
-        scheduler.run(progress=tick)
-        self.pool.drain()
-        seconds = time.perf_counter() - t0
-        self.pool.steps.flush()  # compaction at idle: nothing in flight, so every move is free to run
-        self.storage.device.synchronize()
-        self.pool.check_idle()
+        try:
+            scheduler.run(progress=tick)
+            self.pool.drain()
+            seconds = time.perf_counter() - t0
+            self.pool.steps.flush()  # compaction at idle: nothing in flight, so every move is free to run
+            self.storage.device.synchronize()
+            self.pool.check_idle()
+        except BaseException as e:
+            self._failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise
         outputs = []
         for i, req in enumerate(reqs):
             n = req.generated if req.phase is Phase.FINISHED else 0

@@ -9,8 +9,9 @@ import pytest
 
 from kvchain.dist.pp_engine import generate_in_stages
 from kvchain.dist.tp_pp_engine import generate_in_grid
+from kvchain.engine.sampling import SamplingParams
 from kvchain.engine.serve import Engine, EngineConfig, GenerateRequest
-from kvchain.errors import InputError
+from kvchain.errors import InputError, KVChainError
 from support.engine import checkpoint_dir
 
 
@@ -102,3 +103,42 @@ def test_a_host_tier_the_engine_cannot_build_is_refused_before_the_checkpoint_lo
     """The refusal comes first: the path named does not exist, and it is not what the error says."""
     with pytest.raises(InputError, match="prefix_cache"):
         Engine(str(tmp_path / "no-checkpoint"), EngineConfig(host_budget=1 << 20, prefix_cache=False))
+
+
+def test_an_engine_whose_run_failed_mid_way_says_so_on_every_later_call(monkeypatch):
+    """A forward that failed (a temperature of 10**30 once overflowed in it) left the pool with rows
+    and forwards in flight; the next generate failed on a launch-order invariant or a None slot.
+    Now the engine stops: every later call says why. A request refused before the run leaves it
+    serving."""
+    config = EngineConfig(budget_bytes=4 << 20, page_size=4)
+    with Engine(str(checkpoint_dir("llama")), config) as engine:
+        with pytest.raises(InputError):
+            engine.generate([GenerateRequest([], 2)])
+        assert len(engine.generate([GenerateRequest([1, 2, 3], 2)]).outputs[0].token_ids) == 2
+        calls = {"n": 0}
+        logits = engine.runner.logits
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the device lost the forward")
+            return logits(*args, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "logits", failing)
+        with pytest.raises(KVChainError, match="the device lost the forward"):
+            engine.generate([GenerateRequest([1, 2, 3], 6) for _ in range(3)])
+        monkeypatch.setattr(engine.runner, "logits", logits)
+        for _ in range(2):
+            with pytest.raises(KVChainError, match=r"stopped when an earlier generate failed mid-run .*lost the forward"):
+                engine.generate([GenerateRequest([1, 2, 3], 2)])
+
+
+def test_a_temperature_past_a_floats_range_is_refused_and_a_huge_finite_one_samples():
+    """10**30 passed the finite check as an int and overflowed in the forward's division."""
+    with pytest.raises(InputError, match="temperature must be a finite number"):
+        SamplingParams(temperature=10**400)
+    assert SamplingParams(temperature=10**30).temperature == 1e30
+    config = EngineConfig(budget_bytes=4 << 20, page_size=4)
+    with Engine(str(checkpoint_dir("llama")), config) as engine:
+        out = engine.generate([GenerateRequest([1, 2, 3], 3, sampling=SamplingParams(temperature=10**30, seed=1))])
+    assert len(out.outputs[0].token_ids) == 3
