@@ -436,6 +436,11 @@ def engine_context(context_len: int | None, spec) -> int:
 class Engine:
     """One model, one pool, one prefix cache that outlives each `generate` call."""
 
+    #: why an earlier `generate` stopped mid-run (None: it never did); the pool then holds what that
+    #: run left (rows, forwards in flight), so the engine serves nothing more. A class default:
+    #: the split engines' processes build their engines without `Engine.__init__`
+    _failed: str | None = None
+
     def __init__(self, checkpoint: LoadedCheckpoint | str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         check_host_tier(config)  # before the checkpoint loads
@@ -456,9 +461,6 @@ class Engine:
         if config.host_budget is not None:
             self.pool.enable_host_tier(config.host_budget)
         self._rid = 0
-        #: why an earlier `generate` stopped mid-run (None: it never did); the pool then holds what
-        #: that run left (rows, forwards in flight), so the engine serves nothing more
-        self._failed: str | None = None
 
     def generate(self, requests: Sequence[GenerateRequest],
                  progress: Callable[[int, int], None] | None = None) -> GenerateResult:
