@@ -40,6 +40,17 @@ def is_integer(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def is_finite_number(value: object) -> bool:
+    """A Python or numpy real number, never a bool, a NaN, an infinity or an integer past a float's
+    range: what every rate, time and temperature kvchain takes must be."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def parse_bytes(text: str | int | float) -> int:
     """`80GiB` -> 85899345920, `1.5GiB` -> 1610612736. Raises InputError on anything that is not a
     positive whole number of bytes: a bool, a fraction of a byte (`1.5`, `'1e-3GiB'`: refused, not

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import numbers
 import secrets
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from ..units import is_finite_number
 
 #: seeds are non-negative integers below this (what `torch.Generator.manual_seed` takes)
 SEED_LIMIT = 2**63
@@ -47,12 +47,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
-        try:  # as a float: an integer past a float's range overflows here, not in the forward
-            finite = _real(t) and math.isfinite(float(t))
-        except OverflowError:
-            finite = False
-        if not finite or t < 0:
+        if not is_finite_number(t) or t < 0:
             raise InputError(f"temperature must be a finite number >= 0 (0: greedy), not {t!r}")
+        # a float: an integer past what torch converts (10**30) would overflow in the forward
         object.__setattr__(self, "temperature", float(t))
         if not _integer(k) or k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0: off), not {k!r}")

@@ -9,7 +9,6 @@ stream, overlapped with scheduling (`ModelPool`). Greedy decoding, or sampling (
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 import time
@@ -32,7 +31,7 @@ from ..memory.host import stage_host_groups
 from ..models.spec import ModelSpec
 from ..plan import KVStoragePlan, plan_kv_storage
 from ..sizing import size_plan, size_stages
-from ..units import dtype_name
+from ..units import dtype_name, is_finite_number
 from .checkpoint import (
     LOAD_DTYPES,
     LoadedCheckpoint,
@@ -114,10 +113,8 @@ class EngineConfig:
                 raise InputError(f"{name} must be a bool, not {getattr(self, name)!r}")
         if not isinstance(self.device, str):
             raise InputError(f"device must be a string such as 'cpu' or 'cuda', not {self.device!r}")
-        delay = self.forward_delay
-        if (not isinstance(delay, numbers.Real) or isinstance(delay, bool) or not math.isfinite(delay)
-                or delay < 0):
-            raise InputError(f"forward_delay must be a finite number of seconds >= 0, not {delay!r}")
+        if not is_finite_number(self.forward_delay) or self.forward_delay < 0:
+            raise InputError(f"forward_delay must be a finite number of seconds >= 0, not {self.forward_delay!r}")
         if self.draft_model_path is not None and not isinstance(self.draft_model_path, (str, os.PathLike)):
             raise InputError(f"draft_model_path must be a path or None, not {self.draft_model_path!r}")
         if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in LOAD_DTYPES):

@@ -31,7 +31,7 @@ import numpy as np
 from .. import jsonio
 from ..engine.request import MAX_REQUEST_TOKENS, ScheduledRequest
 from ..errors import InputError
-from ..units import is_integer
+from ..units import is_finite_number, is_integer
 
 VOCAB = 2**31  # token ids are drawn from [1, VOCAB): collisions between unrelated parts are ~2**-31
 #: the most requests a generated workload holds (each holds its prompt and output tokens)
@@ -74,8 +74,7 @@ def _integer(least: int, **values: Any) -> None:
 def _finite(least: float, **values: Any) -> None:
     """Each of `values` a finite number (not a bool) of at least `least`, or above it where `least` is 0."""
     for name, v in values.items():
-        ok = (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-              and math.isfinite(v) and (v > 0 if least == 0 else v >= least))
+        ok = is_finite_number(v) and (v > 0 if least == 0 else v >= least)
         _check(ok, f"{name} must be a finite number {'above 0' if least == 0 else f'>= {least}'}, got {v!r}")
 
 
@@ -458,8 +457,7 @@ def _coerce(name: str, key: str, value: Any, default: Any) -> Any:
     elif isinstance(default, int):
         ok = is_integer(value)
     else:
-        ok = (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-              and math.isfinite(value))
+        ok = is_finite_number(value)
     if not ok:
         raise InputError(f"workload {name!r} parameter {key!r} wants {want}"
                          f"{'' if isinstance(default, (bool, int)) else ' (finite)'}, got {value!r}")
