@@ -121,3 +121,43 @@ def test_a_scheduled_request_refuses_a_bad_field_where_it_is_made(field, value, 
     with pytest.raises(K.InputError, match=needle):
         ScheduledRequest(**{**fields, field: value})
     ScheduledRequest(**fields)
+
+
+def test_the_pool_classes_an_engine_builds_on_refuse_a_bad_argument():
+    """A policy that was not one, a checkpoint interval that was a string, a step depth that was
+    None or a flag that was an array reached the pool's arithmetic (AttributeError, TypeError,
+    ValueError), some only once a step ran."""
+    decls = K.small_hybrid(K.MHA(2, 8), (16,), state=K.State((K.StateTensor("conv", (6, 3)),)))
+    plan = K.plan_kv_storage(decls, page_size=4)
+    sizing = K.size_plan(plan, 1 << 21, context_len=256, max_running_requests=4)
+
+    def serve(pool, **scheduler):
+        s = K.Scheduler(pool, **scheduler)
+        s.add(K.workload_from_name("chat", 3, 0, max_len=64))
+        s.run(max_steps=2000)
+
+    cases = {
+        "KVChainPool": (lambda **kw: serve(K.KVChainPool(K.build_kv_storage(plan, sizing), **kw)),
+                        dict(prefix_cache=True, strategy=K.CheckpointStrategy.EXTRA_BUFFER, checkpoint_interval=None,
+                             policy=None)),
+        "Scheduler": (lambda **kw: serve(K.KVChainPool(K.build_kv_storage(plan, sizing)), **kw),
+                      dict(max_batched_tokens=512, max_running=4, max_wait_steps=None, priority=False)),
+        "UnifiedRadixCache": (lambda **kw: K.UnifiedRadixCache(K.build_kv_storage(plan, sizing), **kw),
+                              dict(strategy=K.CheckpointStrategy.EXTRA_BUFFER, checkpoint_interval=8)),
+        "HostPools": (lambda **kw: K.HostPools(plan, **kw), dict(budget_bytes=1 << 20, pages_per_state=1, pin=None,
+                                                             max_groups=None)),
+        "StepSequence": (lambda **kw: K.StepSequence(K.build_kv_storage(plan, sizing), **kw),
+                         dict(depth=1, war_barrier=True)),
+    }
+    escaped = []
+    for name, (make, base) in cases.items():
+        make(**base)
+        for key in base:
+            for value in BAD:
+                try:
+                    make(**{**base, key: value})
+                except KVChainError:
+                    pass
+                except Exception as e:  # what this test looks for
+                    escaped.append(f"{name} {key}={value!r}: {type(e).__name__}: {e}"[:160])
+    assert not escaped, "\n".join(escaped)

@@ -29,6 +29,7 @@ from ..errors import InputError, InvariantError
 from ..plan import PoolKind
 from ..storage import KVStorage
 from ..storage_roles import boundary
+from ..units import is_integer
 
 #: above every rank a reuse map gives (a queue position)
 _REUSE_TIERS = 1 << 40
@@ -179,6 +180,11 @@ class UnifiedRadixCache:
         self._release_step = -(-max(self.ps, reach // 8) // self.ps) * self.ps  # whole pages
         self.state = self.plan.state
         self.strategy = strategy
+        if not isinstance(strategy, CheckpointStrategy):
+            raise InputError(f"strategy must be a CheckpointStrategy, got {strategy!r}")
+        if checkpoint_interval is not None and not is_integer(checkpoint_interval):
+            raise InputError(f"checkpoint_interval must be None or an integer number of tokens, "
+                             f"got {checkpoint_interval!r}")
         if self.state is not None and strategy is not CheckpointStrategy.NO_BUFFER and (
                 not checkpoint_interval or checkpoint_interval % self.ps):
             raise InputError(

@@ -37,7 +37,7 @@ from ..prefill_budget import (
 from ..requests import NO_SLOT
 from ..sizing import pages_for
 from ..storage import KVStorage
-from ..units import format_bytes
+from ..units import format_bytes, is_integer
 from .policies import ExactPolicy, SchedulePolicy
 from .request import ScheduledRequest
 from .steps import Forward, Launched, StepSequence
@@ -62,9 +62,13 @@ def pool_checkpoint_interval(plan: KVStoragePlan, interval: int | None,
                              strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER) -> int | None:
     """The checkpoint interval a pool over `plan` keeps: none without state or without a buffered
     strategy, else `interval`, or the plan's default (`default_checkpoint_interval`) when None."""
+    if not isinstance(strategy, CheckpointStrategy):
+        raise InputError(f"strategy must be a CheckpointStrategy, got {strategy!r}")
+    if interval is not None and (not is_integer(interval) or interval < 1):
+        raise InputError(f"checkpoint_interval must be None or a positive integer, got {interval!r}")
     if plan.state is None or strategy is CheckpointStrategy.NO_BUFFER:
         return None
-    return default_checkpoint_interval(plan) if interval is None else interval
+    return default_checkpoint_interval(plan) if interval is None else int(interval)
 
 
 class KVChainPool:
@@ -73,6 +77,10 @@ class KVChainPool:
     def __init__(self, storage: KVStorage, *, prefix_cache: bool = True,
                  strategy: CheckpointStrategy = CheckpointStrategy.EXTRA_BUFFER,
                  checkpoint_interval: int | None = None, policy: SchedulePolicy | None = None) -> None:
+        if not isinstance(prefix_cache, bool):
+            raise InputError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        if policy is not None and not isinstance(policy, SchedulePolicy):
+            raise InputError(f"policy must be a SchedulePolicy (such as ExactPolicy) or None, got {policy!r}")
         self.storage = storage
         self.chain = storage.allocator
         self.plan = storage.plan

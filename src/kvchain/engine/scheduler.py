@@ -89,6 +89,10 @@ class Scheduler:
     def __init__(self, pool: Pool, *, max_batched_tokens: int = 8192, max_running: int = 256,
                  max_wait_steps: int | None = None, priority: bool = False) -> None:
         check_token_budget(pool, max_batched_tokens, max_running)
+        if not isinstance(priority, bool):
+            raise InputError(f"priority must be a bool, got {priority!r}")
+        if max_wait_steps is not None and (not is_integer(max_wait_steps) or max_wait_steps < 1):
+            raise InputError(f"max_wait_steps must be None or a positive integer, got {max_wait_steps!r}")
         self.pool = pool
         self.policy: SchedulePolicy = getattr(pool, "policy", None) or ExactPolicy()
         #: order the waiting queue by priority and let important requests preempt less important ones

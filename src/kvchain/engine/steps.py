@@ -35,6 +35,7 @@ from ..alloc.iteration_ids import IterationIds
 from ..device.base import Device, Event, PageAccess
 from ..errors import InputError, InvariantError
 from ..storage import KVStorage
+from ..units import is_integer
 
 P = TypeVar("P")
 
@@ -135,8 +136,10 @@ class StepSequence(Generic[P]):
 
     def __init__(self, storage: KVStorage, *, depth: int = 1, war_barrier: bool = True,
                  on_processed: Callable[[Launched[P]], object] | None = None) -> None:
-        if depth < 0:
-            raise InputError(f"a step sequence keeps 0 or more forwards in flight, not {depth}")
+        if not is_integer(depth) or depth < 0:
+            raise InputError(f"a step sequence keeps 0 or more forwards in flight, not {depth!r}")
+        if not isinstance(war_barrier, bool):
+            raise InputError(f"war_barrier must be a bool, not {war_barrier!r}")
         self.storage = storage
         self.depth = depth
         self.war_barrier = war_barrier

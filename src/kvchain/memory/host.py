@@ -181,6 +181,8 @@ class HostPools:
 
     def __init__(self, plan: KVStoragePlan, budget_bytes: int, *, pages_per_state: int = 1,
                  pin: bool | None = None, max_groups: int | None = None) -> None:
+        if pin is not None and not isinstance(pin, bool):
+            raise InputError(f"pin must be a bool or None (pin where the device is CUDA), got {pin!r}")
         self.plan = plan
         self.sizing = host_sizing(plan, budget_bytes, pages_per_state, max_groups)
         self.budget_bytes = budget_bytes
