@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import numbers
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,18 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..units import is_finite_number
+from ..units import is_finite_number, is_integer
 
 #: seeds are non-negative integers below this (what `torch.Generator.manual_seed` takes)
 SEED_LIMIT = 2**63
-
-
-def _real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _integer(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -51,11 +42,11 @@ class SamplingParams:
             raise InputError(f"temperature must be a finite number >= 0 (0: greedy), not {t!r}")
         # a float: an integer past what torch converts (10**30) would overflow in the forward
         object.__setattr__(self, "temperature", float(t))
-        if not _integer(k) or k < 0:
+        if not is_integer(k) or k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0: off), not {k!r}")
-        if not _real(p) or not 0 < p <= 1:
+        if not is_finite_number(p) or not 0 < p <= 1:
             raise InputError(f"top_p must lie in (0, 1] (1: off), not {p!r}")
-        if seed is not None and (not _integer(seed) or not 0 <= seed < SEED_LIMIT):
+        if seed is not None and (not is_integer(seed) or not 0 <= seed < SEED_LIMIT):
             raise InputError(f"seed must be an integer in [0, 2**63), not {seed!r}")
 
     @property
